@@ -1,0 +1,39 @@
+"""decodefs: decoded, resized images served as .npy files from a verified flash cache.
+
+The decode path is public so a live training pipeline can produce exactly the
+bytes the mount serves::
+
+    from decodefs import decode_image
+    array = decode_image("/data/v1/images/abc.jpg", 224)   # == np.load(mount/v1/224/abc.npy)
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .config import Config, ConfigError, VersionConfig, load_config
+from .decode import (
+    DecodeError,
+    DecodeSettings,
+    decode_image,
+    npy_bytes,
+    npy_file_size,
+    npy_header,
+)
+
+try:
+    __version__ = version("decodefs")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DecodeError",
+    "DecodeSettings",
+    "VersionConfig",
+    "__version__",
+    "decode_image",
+    "load_config",
+    "npy_bytes",
+    "npy_file_size",
+    "npy_header",
+]

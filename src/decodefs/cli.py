@@ -1,0 +1,226 @@
+"""The `decodefs` command: argument parsing, config loading, logging set-up.
+
+User errors (bad config, busy mount point) are one line on stderr and a
+non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import __version__
+from .config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+
+__all__ = ["main"]
+
+log = logging.getLogger("decodefs")
+
+EXIT_ERROR = 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.run(args)
+        return result
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if _is_user_error(exc):
+            print(f"decodefs: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="decodefs",
+        description="Serve decoded, resized images as .npy files from a verified flash cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"decodefs {__version__}")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    mount = commands.add_parser("mount", help="mount the filesystem (returns once it is live)")
+    mount.add_argument("mountpoint", type=Path)
+    mount.add_argument(
+        "--config",
+        type=Path,
+        default=Path(os.environ.get("DECODEFS_CONFIG", DEFAULT_CONFIG_PATH)),
+        help=f"TOML config (default: $DECODEFS_CONFIG or {DEFAULT_CONFIG_PATH})",
+    )
+    mount.add_argument(
+        "--foreground",
+        "-f",
+        action="store_true",
+        help="stay attached; log to stderr (systemd, tests)",
+    )
+    mount.add_argument(
+        "--log-file",
+        type=Path,
+        help="where a background daemon logs (default: ~/.local/state/decodefs/<mountpoint>.log)",
+    )
+    mount.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="overrides log_level"
+    )
+    mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    mount.set_defaults(run=_mount)
+
+    umount = commands.add_parser("umount", help="unmount and wait for the daemon to exit")
+    umount.add_argument("mountpoint", type=Path)
+    umount.add_argument(
+        "--lazy", "-z", action="store_true", help="detach now even if files are open"
+    )
+    umount.set_defaults(run=_umount)
+
+    stats = commands.add_parser("stats", help="print a mounted daemon's counters")
+    stats.add_argument("mountpoint", type=Path)
+    stats.add_argument("--json", action="store_true", help="print the raw stats.json")
+    stats.set_defaults(run=_stats)
+
+    sample = commands.add_parser("make-sample", help="write a corpus of photo-like sample JPEGs")
+    sample.add_argument("directory", type=Path)
+    sample.add_argument("--count", type=int, default=32)
+    sample.add_argument("--width", type=int, default=1600)
+    sample.add_argument("--height", type=int, default=1200)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.set_defaults(run=_make_sample)
+    return parser
+
+
+def _mount(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    mountpoint = os.path.abspath(args.mountpoint)
+    from . import daemon
+
+    if not args.foreground:
+        daemon.prepare_mountpoint(mountpoint)  # fail here, in the user's terminal
+        log_file = args.log_file or _default_log_file(mountpoint)
+        pid = daemon.spawn(args.config.resolve(), mountpoint, log_file, args.log_level)
+        print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
+        return 0
+
+    _setup_logging(args.log_level or config.log_level)
+    ready_fd: int | None = args.ready_fd
+
+    def on_ready() -> None:
+        nonlocal ready_fd
+        if ready_fd is not None:
+            os.write(ready_fd, b"ready\n")
+            os.close(ready_fd)
+            ready_fd = None
+
+    daemon.serve(config, mountpoint, on_ready)
+    return 0
+
+
+def _umount(args: argparse.Namespace) -> int:
+    from .daemon import unmount
+
+    unmount(os.path.abspath(args.mountpoint), lazy=args.lazy)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    path = args.mountpoint / ".decodefs" / "stats.json"
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        print(
+            f"decodefs: error: cannot read {path}: {exc.strerror} (is decodefs mounted there?)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    if args.json:
+        sys.stdout.write(raw.decode())
+        return 0
+    print(format_stats(json.loads(raw)))
+    return 0
+
+
+def format_stats(stats: dict[str, object]) -> str:
+    """The human table printed by `decodefs stats`."""
+
+    def n(key: str) -> int:
+        value = stats.get(key, 0)
+        return value if isinstance(value, int) else 0
+
+    opens = n("hits") + n("misses")
+    latency = stats.get("decode_seconds")
+    decode_count = latency.get("count", 0) if isinstance(latency, dict) else 0
+    decode_sum = latency.get("sum", 0.0) if isinstance(latency, dict) else 0.0
+    mean_ms = f"{1000 * decode_sum / decode_count:.0f} ms" if decode_count else "-"
+    rows = [
+        ("hits", f"{n('hits'):,}"),
+        ("misses", f"{n('misses'):,}"),
+        ("hit ratio", f"{100 * n('hits') / opens:.1f}%" if opens else "-"),
+        ("decodes", f"{n('decodes'):,} (mean {mean_ms})"),
+        ("decode errors", f"{n('decode_errors'):,}"),
+        ("corrupt entries rebuilt", f"{n('corrupt_entries'):,}"),
+        (
+            "store",
+            f"{_human_bytes(n('store_bytes'))} in {n('store_entries'):,} entries"
+            + ("" if stats.get("store_usage_complete", True) else " (still counting)")
+            + ("" if stats.get("store_writable", True) else ", NOT WRITABLE"),
+        ),
+        (
+            "memory fallbacks",
+            f"{n('memory_fallbacks'):,} ({_human_bytes(n('memory_cache_bytes'))} held)",
+        ),
+        ("bytes served", _human_bytes(n("bytes_served"))),
+        ("decodes in flight", f"{n('inflight_decodes'):,}"),
+    ]
+    errors = stats.get("errors")
+    if isinstance(errors, dict) and errors:
+        rows.append(("errors", ", ".join(f"{k} {v:,}" for k, v in sorted(errors.items()))))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _make_sample(args: argparse.Namespace) -> int:
+    from .sample import make_sample_corpus
+
+    paths = make_sample_corpus(args.directory, args.count, args.width, args.height, args.seed)
+    print(
+        f"decodefs: {len(paths)} sample JPEGs ({args.width}x{args.height}) under {args.directory}"
+    )
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _default_log_file(mountpoint: str) -> Path:
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", mountpoint.strip("/")) or "root"
+    return state / "decodefs" / f"{name}.log"
+
+
+def _human_bytes(value: int) -> str:
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if amount < 1024 or unit == "TiB":
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    raise AssertionError("unreachable")
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    # Imported late: the daemon pulls in pyfuse3, which `stats` does not need.
+    from .daemon import MountError
+    from .source import SourceError
+    from .store import StoreError
+
+    return isinstance(exc, ConfigError | MountError | SourceError | StoreError)

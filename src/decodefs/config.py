@@ -1,0 +1,340 @@
+"""The TOML config: parsed, defaulted and validated in one place.
+
+Every mistake is a ConfigError whose message names the offending key, raised
+before anything is mounted. This module knows nothing of FUSE or the store.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, cast
+
+from .decode import DEFAULT_MAX_PIXELS, FITS, RESAMPLE_FILTERS, DecodeSettings
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "DEFAULT_EXTENSIONS",
+    "Config",
+    "ConfigError",
+    "VersionConfig",
+    "load_config",
+    "parse_byte_size",
+    "parse_config",
+]
+
+DEFAULT_CONFIG_PATH: Final = Path("/etc/decodefs/config.toml")
+DEFAULT_EXTENSIONS: Final = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+# The inode layout (see tree.py) has 13 bits for the size.
+SIZE_LIMIT: Final = 8191
+# A version name is a path component both in the mount and in the store.
+_VERSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
+_BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+_BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+Duplicates = Literal["error", "skip"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class ConfigError(Exception):
+    """A config problem a user can fix; the message names the key."""
+
+
+@dataclass(frozen=True)
+class VersionConfig:
+    """One dataset version: where its originals are and how they are decoded."""
+
+    name: str
+    source: Path
+    sizes: tuple[int, ...]
+    decode: DecodeSettings
+    extensions: frozenset[str]
+    duplicates: Duplicates
+
+
+@dataclass(frozen=True)
+class Config:
+    store: Path
+    versions: Mapping[str, VersionConfig]
+    path: Path | None = None
+    min_size: int = 8
+    max_size: int = 4096
+    decode_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    io_workers: int = 8
+    memory_cache_bytes: int = 512 << 20
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    error_cache_seconds: float = 10.0
+    log_level: LogLevel = "info"
+
+    def as_dict(self) -> dict[str, object]:
+        """The effective config, for /.decodefs/config.json."""
+        return {
+            "path": str(self.path) if self.path else None,
+            "store": str(self.store),
+            "min_size": self.min_size,
+            "max_size": self.max_size,
+            "decode_workers": self.decode_workers,
+            "io_workers": self.io_workers,
+            "memory_cache_bytes": self.memory_cache_bytes,
+            "max_pixels": self.max_pixels,
+            "error_cache_seconds": self.error_cache_seconds,
+            "log_level": self.log_level,
+            "versions": {
+                name: {
+                    "source": str(v.source),
+                    "sizes": list(v.sizes),
+                    "resample": v.decode.resample,
+                    "fit": v.decode.fit,
+                    "exif_transpose": v.decode.exif_transpose,
+                    "draft": v.decode.draft,
+                    "extensions": sorted(v.extensions),
+                    "duplicates": v.duplicates,
+                }
+                for name, v in self.versions.items()
+            },
+        }
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate a config file; raise ConfigError naming the problem."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_config(raw, base_dir=path.parent.resolve(), path=path)
+
+
+def parse_config(raw: Mapping[str, Any], base_dir: Path, path: Path | None = None) -> Config:
+    """Validate an already-parsed TOML table. Relative paths are taken from base_dir."""
+    where = f"{path}: " if path else ""
+    try:
+        return _Parser(base_dir).config(raw, path)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}") from None
+
+
+def parse_byte_size(value: object) -> int:
+    """An int of bytes, or a string like "512M", "60G", "1.5TiB" (powers of 1024)."""
+    if isinstance(value, bool):
+        raise ValueError('expected a byte size such as 536870912 or "512M"')
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must not be negative")
+        return value
+    if isinstance(value, str):
+        match = _BYTE_SIZE.fullmatch(value.strip())
+        if match:
+            return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()])
+    raise ValueError(f'{value!r} is not a byte size such as 536870912 or "512M"')
+
+
+_TOP_KEYS: Final = (
+    "store",
+    "sizes",
+    "min_size",
+    "max_size",
+    "decode_workers",
+    "io_workers",
+    "memory_cache_bytes",
+    "max_pixels",
+    "error_cache_seconds",
+    "log_level",
+    "versions",
+)
+_VERSION_KEYS: Final = (
+    "source",
+    "sizes",
+    "resample",
+    "fit",
+    "exif_transpose",
+    "draft",
+    "extensions",
+    "duplicates",
+)
+
+
+class _Parser:
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+
+    def config(self, raw: Mapping[str, Any], path: Path | None) -> Config:
+        _reject_unknown(raw, _TOP_KEYS, prefix="")
+        if "store" not in raw:
+            raise ConfigError("store: missing (the directory on flash where arrays are kept)")
+        defaults = Config(store=Path(), versions={})
+        store = self.path(raw["store"], "store")
+        min_size = self.integer(raw, "min_size", defaults.min_size, low=1, high=SIZE_LIMIT)
+        max_size = self.integer(raw, "max_size", defaults.max_size, low=1, high=SIZE_LIMIT)
+        if min_size > max_size:
+            raise ConfigError(f"min_size: {min_size} is larger than max_size ({max_size})")
+        default_sizes = self.sizes(raw.get("sizes", [224]), "sizes", min_size, max_size)
+
+        versions_raw = raw.get("versions")
+        if not isinstance(versions_raw, Mapping) or not versions_raw:
+            raise ConfigError(
+                "versions: missing; add at least one [versions.<name>] table with a source"
+            )
+        versions = {
+            name: self.version(name, table, default_sizes, min_size, max_size)
+            for name, table in versions_raw.items()
+        }
+        log_level = self.choice(
+            raw, "log_level", defaults.log_level, ("debug", "info", "warning", "error")
+        )
+        return Config(
+            store=store,
+            versions=versions,
+            path=path,
+            min_size=min_size,
+            max_size=max_size,
+            decode_workers=self.integer(
+                raw, "decode_workers", defaults.decode_workers, low=1, high=256
+            ),
+            io_workers=self.integer(raw, "io_workers", defaults.io_workers, low=1, high=256),
+            memory_cache_bytes=self.byte_size(
+                raw, "memory_cache_bytes", defaults.memory_cache_bytes
+            ),
+            max_pixels=self.integer(raw, "max_pixels", defaults.max_pixels, low=1, high=2**40),
+            error_cache_seconds=self.number(
+                raw, "error_cache_seconds", defaults.error_cache_seconds
+            ),
+            log_level=cast(LogLevel, log_level),
+        )
+
+    def version(
+        self,
+        name: str,
+        table: object,
+        default_sizes: tuple[int, ...],
+        min_size: int,
+        max_size: int,
+    ) -> VersionConfig:
+        key = f"versions.{name}"
+        if not _VERSION_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{key}: a version name is letters, digits, '_', '.', '+' or '-' "
+                "(at most 128, not starting with '.' or '-')"
+            )
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{key}: expected a table such as [versions.{name}]")
+        _reject_unknown(table, _VERSION_KEYS, prefix=f"{key}.")
+        if "source" not in table:
+            raise ConfigError(f"{key}.source: missing (the directory of original images)")
+        source = self.path(table["source"], f"{key}.source")
+        if not source.is_dir():
+            raise ConfigError(f"{key}.source: {source} is not a directory")
+        sizes = self.sizes(
+            table.get("sizes", list(default_sizes)), f"{key}.sizes", min_size, max_size
+        )
+        defaults = DecodeSettings()
+        decode = DecodeSettings(
+            resample=cast(
+                Any, self.choice(table, "resample", defaults.resample, tuple(RESAMPLE_FILTERS), key)
+            ),
+            fit=cast(Any, self.choice(table, "fit", defaults.fit, FITS, key)),
+            exif_transpose=self.boolean(table, "exif_transpose", defaults.exif_transpose, key),
+            draft=self.boolean(table, "draft", defaults.draft, key),
+        )
+        return VersionConfig(
+            name=name,
+            source=source,
+            sizes=sizes,
+            decode=decode,
+            extensions=self.extensions(
+                table.get("extensions", list(DEFAULT_EXTENSIONS)), f"{key}.extensions"
+            ),
+            duplicates=cast(
+                Duplicates, self.choice(table, "duplicates", "error", ("error", "skip"), key)
+            ),
+        )
+
+    def path(self, value: object, key: str) -> Path:
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise ConfigError(f"{key}: expected a path string, got {value!r}")
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (self.base_dir / path)
+
+    def sizes(self, value: object, key: str, low: int, high: int) -> tuple[int, ...]:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of integers such as [224]")
+        sizes: list[int] = []
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise ConfigError(f"{key}[{i}]: expected an integer, got {item!r}")
+            if not low <= item <= high:
+                raise ConfigError(
+                    f"{key}[{i}]: {item} is outside min_size..max_size ({low}..{high})"
+                )
+            sizes.append(item)
+        return tuple(sorted(set(sizes)))
+
+    def extensions(self, value: object, key: str) -> frozenset[str]:
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f'{key}: expected a non-empty list such as ["jpg", "png"]')
+        result = set()
+        for i, item in enumerate(value):
+            if not isinstance(item, str) or not re.fullmatch(r"\.?[A-Za-z0-9]+", item):
+                raise ConfigError(f'{key}[{i}]: expected an extension such as "jpg", got {item!r}')
+            result.add(item.lstrip(".").lower())
+        return frozenset(result)
+
+    def integer(
+        self, table: Mapping[str, Any], name: str, default: int, *, low: int, high: int
+    ) -> int:
+        value = table.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        if not low <= value <= high:
+            raise ConfigError(f"{name}: {value} is outside {low}..{high}")
+        return value
+
+    def number(self, table: Mapping[str, Any], name: str, default: float) -> float:
+        value = table.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"{name}: expected a non-negative number, got {value!r}")
+        return float(value)
+
+    def byte_size(self, table: Mapping[str, Any], name: str, default: int) -> int:
+        try:
+            return parse_byte_size(table.get(name, default))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+
+    def boolean(self, table: Mapping[str, Any], name: str, default: bool, prefix: str) -> bool:
+        value = table.get(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{prefix}.{name}: expected true or false, got {value!r}")
+        return value
+
+    def choice(
+        self,
+        table: Mapping[str, Any],
+        name: str,
+        default: str,
+        allowed: tuple[str, ...],
+        prefix: str | None = None,
+    ) -> str:
+        key = f"{prefix}.{name}" if prefix else name
+        value = table.get(name, default)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+        return cast(str, value)
+
+
+def _reject_unknown(table: Mapping[str, Any], known: tuple[str, ...], prefix: str) -> None:
+    for key in table:
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{prefix}{key}: unknown key{suggestion}")

@@ -1,0 +1,284 @@
+"""Mount life cycle: stale-mount recovery, start-up, serving, signals, clean unmount.
+
+``serve`` runs a mount in this process until it is unmounted or signalled;
+``spawn`` starts ``serve`` in a detached child and returns once the mount is
+live. This module wires the layers together; it holds no caching policy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import pyfuse3
+import trio
+
+from .config import Config
+from .decode import decoder_fingerprint, quiet_pillow_warnings
+from .engine import Engine
+from .fs import DecodeFS
+from .source import scan_source
+from .store import Store
+from .tree import Tree
+
+__all__ = [
+    "MountError",
+    "MountInfo",
+    "find_mount",
+    "prepare_mountpoint",
+    "serve",
+    "spawn",
+    "unmount",
+]
+
+log = logging.getLogger(__name__)
+
+FS_NAME: Final = "decodefs"
+# pyfuse3 starts a worker task per concurrent request up to this many; a reader
+# waiting on a decode holds one, so keep it well above any plausible reader count.
+MAX_REQUEST_TASKS: Final = 512
+_PROBE_TIMEOUT: Final = 5.0
+
+
+class MountError(Exception):
+    """A mount point problem the user must resolve (already mounted, not a directory)."""
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    mountpoint: str
+    fstype: str
+    source: str
+
+
+def find_mount(mountpoint: str | os.PathLike[str]) -> MountInfo | None:
+    """The mount at exactly ``mountpoint``, from /proc/self/mountinfo.
+
+    ``os.path.ismount`` is no use here: on a dead FUSE daemon its lstat fails
+    with ENOTCONN and it answers False.
+    """
+    target = os.path.abspath(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            separator = fields.index("-")
+            point = _unescape(fields[4])
+            if point == target:
+                found = MountInfo(point, fields[separator + 1], _unescape(fields[separator + 2]))
+    return found  # the last one listed is the one on top
+
+
+def probe(mountpoint: str) -> str:
+    """'live', 'stale' (daemon gone: ENOTCONN) or 'hung' (no answer in time)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(os.statvfs, mountpoint)
+        try:
+            future.result(timeout=_PROBE_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            return "hung"
+        except OSError as exc:
+            if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+                return "stale"
+            raise
+    return "live"
+
+
+def prepare_mountpoint(mountpoint: str) -> None:
+    """Make ``mountpoint`` ready to mount on: clear a dead decodefs mount, refuse a live one."""
+    info = find_mount(mountpoint)
+    if info is not None:
+        state = probe(mountpoint) if info.fstype.startswith("fuse") else "live"
+        if state == "stale":
+            log.warning(
+                "clearing stale mount at %s (%s): its daemon is gone "
+                "(transport endpoint is not connected)",
+                mountpoint,
+                info.fstype,
+            )
+            _lazy_unmount(mountpoint)
+        elif state == "hung":
+            raise MountError(
+                f"{mountpoint} is mounted ({info.fstype}) but does not answer; "
+                f"run `decodefs umount --lazy {mountpoint}` once its daemon is stopped"
+            )
+        else:
+            raise MountError(
+                f"{mountpoint} is already mounted ({info.fstype} from {info.source}); "
+                f"run `decodefs umount {mountpoint}` first"
+            )
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not a directory (create it first)")
+
+
+def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
+    """Unmount and wait for the daemon to exit (it releases the store lock)."""
+    info = find_mount(mountpoint)
+    if info is None:
+        raise MountError(f"{mountpoint} is not mounted")
+    pid = _daemon_pid(mountpoint) if info.fstype == f"fuse.{FS_NAME}" else None
+    command = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        detail = result.stderr.strip() or f"fusermount3 exited with {result.returncode}"
+        hint = (
+            ""
+            if lazy
+            else f" (close the files open there, or use `decodefs umount --lazy {mountpoint}`)"
+        )
+        raise MountError(f"cannot unmount {mountpoint}: {detail}{hint}")
+    if pid is not None:
+        deadline = time.monotonic() + wait
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None = None) -> None:
+    """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly."""
+    mountpoint = os.path.abspath(mountpoint)
+    prepare_mountpoint(mountpoint)
+    quiet_pillow_warnings()
+    sources = {
+        name: scan_source(name, v.source, v.extensions, v.duplicates)
+        for name, v in config.versions.items()
+    }
+    store = Store(
+        config.store, {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()}
+    )
+    store.open()
+    try:
+        engine = Engine(config, sources, store)
+        status_files: dict[str, Callable[[], bytes]] = {
+            "stats.json": lambda: _json(
+                {**engine.stats(), "pid": os.getpid(), "mountpoint": mountpoint}
+            ),
+            "config.json": lambda: _json(config.as_dict()),
+        }
+        operations = DecodeFS(Tree(engine, list(status_files)), engine, status_files)
+        options = set(pyfuse3.default_options) | {f"fsname={FS_NAME}", f"subtype={FS_NAME}", "ro"}
+        pyfuse3.init(operations, mountpoint, options)
+        try:
+            trio.run(_serve, mountpoint, on_ready)
+        finally:
+            pyfuse3.close(unmount=True)
+    finally:
+        store.close()
+    log.info("unmounted %s", mountpoint)
+
+
+async def _serve(mountpoint: str, on_ready: Callable[[], None] | None) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(_announce_ready, mountpoint, on_ready)
+        await pyfuse3.main(max_tasks=MAX_REQUEST_TASKS)
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("%s received; unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+async def _announce_ready(mountpoint: str, on_ready: Callable[[], None] | None) -> None:
+    # A statvfs answered by our own handlers proves the kernel can reach us.
+    await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    log.info("mounted %s", mountpoint)
+    if on_ready is not None:
+        on_ready()
+
+
+def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | None) -> int:
+    """Start a detached daemon and return its pid once the mount is live.
+
+    The child reports readiness through a pipe; if it exits first, the tail of
+    its log explains why and MountError carries it.
+    """
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    read_end, write_end = os.pipe()
+    command = [
+        sys.executable, "-m", "decodefs", "mount", mountpoint,
+        "--config", str(config_path), "--foreground", "--ready-fd", str(write_end),
+    ]  # fmt: skip
+    if log_level:
+        command += ["--log-level", log_level]
+    with open(log_file, "ab") as log_stream:
+        child = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_stream,
+            stderr=log_stream,
+            pass_fds=(write_end,),
+            start_new_session=True,
+        )
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as ready:
+        message = ready.read()  # EOF when the child exits or closes the fd
+    if message.startswith(b"ready"):
+        return child.pid
+    code = child.wait()
+    raise MountError(
+        f"daemon exited with status {code} before the mount was live:\n{_tail(log_file)}"
+    )
+
+
+def _daemon_pid(mountpoint: str) -> int | None:
+    try:
+        with open(os.path.join(mountpoint, ".decodefs", "stats.json"), "rb") as f:
+            pid = json.load(f).get("pid")
+    except (OSError, ValueError):
+        return None
+    return pid if isinstance(pid, int) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child (tests) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _lazy_unmount(mountpoint: str) -> None:
+    result = subprocess.run(
+        ["fusermount3", "-u", "-z", mountpoint], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0 and find_mount(mountpoint) is not None:
+        raise MountError(f"cannot clear stale mount {mountpoint}: {result.stderr.strip()}")
+
+
+def _json(value: object) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"

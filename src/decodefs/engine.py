@@ -1,0 +1,377 @@
+"""Caching policy: a stored hit, or one decode per key, stored; never a failure it can avoid.
+
+``Engine.open`` returns a Handle for one array: verified store entry, freshly
+decoded bytes, or bytes kept in a bounded memory cache when the store cannot
+take them. All policy lives here; the fs layer only translates FUSE requests,
+and this module never imports pyfuse3.
+
+Concurrency: everything here runs on the trio thread, so the engine's own
+state needs no locks. Blocking work goes to worker threads through two
+limiters: ``_decode_limiter`` (sized to the cores; Pillow releases the GIL)
+and ``_io_limiter`` (store reads and writes, so a hit never queues behind
+decodes). ``_flights`` is the single-flight map: one task per key does the
+work, every other opener of that key waits for its result.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, TypeVar
+
+import trio
+
+from .config import Config
+from .decode import DecodeError, decode_image, npy_bytes, npy_file_size, npy_header
+from .metrics import LogThrottle, Metrics
+from .source import OriginalMissing, SourceIndex
+from .store import CorruptEntry, EntryKey, Store, StoreWriteError
+
+__all__ = ["Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_FAILURE_CACHE_MAX: Final = 100_000
+
+
+class OriginalNotFound(Exception):
+    """The uuid's original no longer exists (ENOENT)."""
+
+
+class OriginalUndecodable(Exception):
+    """The original exists but cannot be decoded (EIO)."""
+
+
+@dataclass
+class Handle:
+    """One open array. ``data`` is set when the bytes are already in memory."""
+
+    key: EntryKey
+    length: int
+    data: memoryview | None = None
+    fd: int | None = None
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    data: memoryview
+    decoded: bool  # a decode ran for it (a miss), rather than a verified stored hit
+    stored: bool  # it is on flash, so later opens may read the store file
+
+
+@dataclass
+class _Flight:
+    done: trio.Event = field(default_factory=trio.Event)
+    outcome: _Outcome | None = None
+    error: Exception | None = None
+
+
+class _MemoryCache:
+    """Bounded LRU of arrays the store could not take."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._items: OrderedDict[EntryKey, memoryview] = OrderedDict()
+
+    def get(self, key: EntryKey) -> memoryview | None:
+        data = self._items.get(key)
+        if data is not None:
+            self._items.move_to_end(key)
+        return data
+
+    def put(self, key: EntryKey, data: memoryview) -> None:
+        if len(data) > self.limit:
+            return  # served to its readers from their handles, not kept
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old)
+        self._items[key] = data
+        self.bytes += len(data)
+        while self.bytes > self.limit:
+            _, evicted = self._items.popitem(last=False)
+            self.bytes -= len(evicted)
+
+    def discard(self, key: EntryKey) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: Config,
+        sources: Mapping[str, SourceIndex],
+        store: Store,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.store = store
+        self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
+        self._sources = sources
+        self._decode_limiter = trio.CapacityLimiter(config.decode_workers)
+        self._io_limiter = trio.CapacityLimiter(config.io_workers)
+        self._flights: dict[EntryKey, _Flight] = {}
+        # (version, size) -> one byte per original: 1 once verified in this daemon's life.
+        self._verified: dict[tuple[str, int], bytearray] = {}
+        self._memory = _MemoryCache(config.memory_cache_bytes)
+        self._failures: dict[EntryKey, tuple[float, str]] = {}
+        self._throttle = LogThrottle(log)
+
+    # -- the namespace, for the fs layer ------------------------------------
+
+    def sizes(self, version: str) -> tuple[int, ...]:
+        return self.config.versions[version].sizes
+
+    def size_allowed(self, size: int) -> bool:
+        return self.config.min_size <= size <= self.config.max_size
+
+    def count(self, version: str) -> int:
+        return len(self._sources[version])
+
+    def find(self, version: str, uuid: str) -> int | None:
+        return self._sources[version].find(uuid)
+
+    def uuid_at(self, version: str, index: int) -> str:
+        return self._sources[version].uuids[index]
+
+    def shard_range(self, version: str, shard: str) -> range:
+        return self._sources[version].prefix_range(shard)
+
+    def scanned_at_ns(self, version: str) -> int:
+        return self._sources[version].scanned_at_ns
+
+    @staticmethod
+    def file_size(size: int) -> int:
+        return npy_file_size(size)
+
+    # -- arrays -------------------------------------------------------------
+
+    async def open(self, version: str, size: int, index: int) -> Handle:
+        """A handle for the array of original ``index``; decodes at most once per key.
+
+        Raises OriginalNotFound or OriginalUndecodable; never a store problem.
+        """
+        key = EntryKey(version, size, self._sources[version].uuids[index])
+        length = npy_file_size(size)
+        verified = self._verified_map(version, size)
+        if verified[index]:
+            self.metrics.hits += 1
+            return Handle(key, length)
+        cached = self._memory.get(key)
+        if cached is not None:
+            self.metrics.hits += 1
+            return Handle(key, length, data=cached)
+        self._check_recent_failure(key)
+
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = self._flights[key] = _Flight()
+            try:
+                flight.outcome = await self._acquire(key, index)
+                if flight.outcome.stored:
+                    verified[index] = 1
+            except Exception as exc:
+                flight.error = exc
+            finally:
+                del self._flights[key]
+                flight.done.set()
+        else:
+            self.metrics.coalesced += 1
+            await flight.done.wait()
+
+        if flight.error is not None:
+            raise flight.error
+        assert flight.outcome is not None
+        if flight.outcome.decoded:
+            self.metrics.misses += 1
+        else:
+            self.metrics.hits += 1
+        return Handle(key, length, data=flight.outcome.data)
+
+    async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
+        end = min(offset + size, handle.length)
+        if offset >= end:
+            return b""
+        data: memoryview | bytes
+        if handle.data is None:
+            data = await self._read_stored(handle, offset, end - offset)
+        else:
+            data = handle.data[offset:end]
+        self.metrics.bytes_served += len(data)
+        return data
+
+    def release(self, handle: Handle) -> None:
+        if handle.fd is not None:
+            os.close(handle.fd)
+            handle.fd = None
+
+    def stats(self) -> dict[str, object]:
+        m = self.metrics
+        usage = self.store.usage()
+        return {
+            "hits": m.hits,
+            "misses": m.misses,
+            "decodes": m.decodes,
+            "decode_errors": m.decode_errors,
+            "coalesced": m.coalesced,
+            "corrupt_entries": m.corrupt_entries,
+            "store_bytes": usage.bytes,
+            "store_entries": usage.entries,
+            "store_usage_complete": usage.complete,
+            "store_writable": self.store.writable,
+            "store_write_errors": m.store_write_errors,
+            "memory_fallbacks": m.memory_fallbacks,
+            "memory_cache_bytes": self._memory.bytes,
+            "memory_cache_entries": len(self._memory),
+            "bytes_served": m.bytes_served,
+            "inflight_decodes": m.inflight_decodes,
+            "errors": dict(m.errors),
+            "decode_seconds": m.decode_seconds.as_dict(),
+            "uptime_seconds": round(time.time() - m.started, 3),
+            "versions": {
+                name: {
+                    "originals": len(src),
+                    "duplicates_left_out": len(src.duplicates),
+                    "symlinks_outside_source": src.symlinks_outside,
+                    "fingerprint": self.store.fingerprint_description(name),
+                }
+                for name, src in self._sources.items()
+            },
+        }
+
+    # -- internals ----------------------------------------------------------
+
+    def _verified_map(self, version: str, size: int) -> bytearray:
+        verified = self._verified.get((version, size))
+        if verified is None:
+            verified = self._verified[version, size] = bytearray(self.count(version))
+        return verified
+
+    def _check_recent_failure(self, key: EntryKey) -> None:
+        failure = self._failures.get(key)
+        if failure is None:
+            return
+        until, reason = failure
+        if time.monotonic() < until:
+            self.metrics.errors["EIO"] += 1
+            raise OriginalUndecodable(reason)
+        del self._failures[key]
+
+    async def _acquire(self, key: EntryKey, index: int) -> _Outcome:
+        """Verified stored bytes of ``key``, else freshly decoded ones (stored if possible)."""
+        stored, problem = await self._in_thread(self._io_limiter, self._read_verified, key)
+        if stored is not None:
+            return _Outcome(stored, decoded=False, stored=True)
+        if problem is not None:
+            self.metrics.corrupt_entries += 1
+            log.warning("stored entry %s failed verification (%s); rebuilding it", key, problem)
+        data = await self._decode(key, index)
+        try:
+            await self._in_thread(self._io_limiter, self.store.write, key, data)
+        except StoreWriteError as exc:
+            self.metrics.store_write_errors += 1
+            self.metrics.memory_fallbacks += 1
+            self.metrics.errors[f"store_{exc.kind}"] += 1
+            self._memory.put(key, memoryview(data))
+            self._throttle.log(
+                logging.WARNING, f"store-{exc.kind}", "%s; serving it from memory", exc
+            )
+            return _Outcome(memoryview(data), decoded=True, stored=False)
+        return _Outcome(memoryview(data), decoded=True, stored=True)
+
+    def _read_verified(self, key: EntryKey) -> tuple[memoryview | None, str | None]:
+        """Worker thread: (payload, None) if the entry passes every check,
+        (None, None) if there is none, (None, why) if it was bad and is removed."""
+        try:
+            payload = self.store.read(key)
+        except CorruptEntry as exc:
+            return None, exc.reason
+        if payload is None:
+            return None, None
+        header = npy_header(key.size)
+        if len(payload) != npy_file_size(key.size) or payload[: len(header)] != header:
+            self.store.remove(key)
+            return None, "payload is not the expected .npy layout"
+        return payload, None
+
+    async def _decode(self, key: EntryKey, index: int) -> bytes:
+        source = self._sources[key.version]
+        try:
+            path = source.original_path(index)
+        except OriginalMissing as exc:
+            self.metrics.errors["ENOENT"] += 1
+            log.warning("original of %s is gone: %s", key, exc)
+            raise OriginalNotFound(str(exc)) from exc
+        settings = self.config.versions[key.version].decode
+        max_pixels = self.config.max_pixels
+
+        def work() -> tuple[bytes, float]:
+            started = time.perf_counter()
+            array = decode_image(path, key.size, settings, max_pixels=max_pixels)
+            return npy_bytes(array), time.perf_counter() - started
+
+        self.metrics.inflight_decodes += 1
+        try:
+            data, seconds = await self._in_thread(self._decode_limiter, work)
+        except DecodeError as exc:
+            self.metrics.decode_errors += 1
+            self.metrics.errors["EIO"] += 1
+            self._remember_failure(key, exc.reason)
+            log.warning("cannot decode %s for %s: %s", path, key, exc.reason)
+            raise OriginalUndecodable(f"{path}: {exc.reason}") from exc
+        finally:
+            self.metrics.inflight_decodes -= 1
+        self.metrics.decodes += 1
+        self.metrics.decode_seconds.observe(seconds)
+        log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
+        return data
+
+    def _remember_failure(self, key: EntryKey, reason: str) -> None:
+        if len(self._failures) >= _FAILURE_CACHE_MAX:
+            now = time.monotonic()
+            self._failures = {k: v for k, v in self._failures.items() if v[0] > now}
+        self._failures[key] = (time.monotonic() + self.config.error_cache_seconds, reason)
+
+    async def _read_stored(self, handle: Handle, offset: int, size: int) -> bytes:
+        """Bytes of an entry verified earlier in this daemon's life."""
+        if handle.fd is None:
+            try:
+                handle.fd = os.open(self.store.path(handle.key), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return await self._reacquire(handle, offset, size)
+        data = await self._in_thread(self._io_limiter, os.pread, handle.fd, size, offset)
+        if len(data) != size:
+            # Shortened behind our back (not by us): never serve a partial array.
+            return await self._reacquire(handle, offset, size)
+        return data
+
+    async def _reacquire(self, handle: Handle, offset: int, size: int) -> bytes:
+        key = handle.key
+        log.warning("stored entry %s vanished or shrank while in use; rebuilding it", key)
+        index = self._sources[key.version].find(key.uuid)
+        if index is None:  # pragma: no cover - the index never loses uuids
+            raise OSError(errno.EIO, "entry disappeared")
+        self._verified_map(key.version, key.size)[index] = 0
+        fresh = await self.open(key.version, key.size, index)
+        assert fresh.data is not None
+        handle.data = fresh.data
+        if handle.fd is not None:
+            os.close(handle.fd)
+            handle.fd = None
+        return bytes(fresh.data[offset : offset + size])
+
+    @staticmethod
+    async def _in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)

@@ -1,0 +1,261 @@
+"""pyfuse3 Operations: FUSE requests -> tree and engine calls, exceptions -> errno.
+
+Thin by design: names and inodes live in tree.py, caching policy in
+engine.py. This is the only module that imports pyfuse3 or raises FUSEError,
+and every handler runs behind ``_errno_boundary``: an unexpected exception
+becomes EIO for that one request instead of ending pyfuse3's main loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+import os
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar
+
+import pyfuse3
+
+from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
+from .metrics import Metrics
+from .tree import Attributes, Kind, Node, Tree
+
+__all__ = ["DecodeFS"]
+
+log = logging.getLogger(__name__)
+
+# Content never changes for a name within a mount, so let the kernel cache
+# names and attributes for a day; status files are live and never cached.
+CACHE_TIMEOUT: Final = 86400.0
+_BLOCK_SIZE: Final = 128 * 1024
+_WRITE_FLAGS: Final = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+# Testing aid: a uuid named here makes `open` raise an unexpected exception,
+# so the suite can show the errno boundary holds on a real mount.
+_FAILPOINT_ENV: Final = "DECODEFS_FAILPOINT_OPEN"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _errno_boundary(
+    handler: Callable[Concatenate[DecodeFS, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[DecodeFS, P], Coroutine[Any, Any, R]]:
+    @functools.wraps(handler)
+    async def wrapper(self: DecodeFS, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await handler(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OriginalNotFound:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        except OriginalUndecodable:
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception:
+            self._metrics.errors["unexpected"] += 1
+            log.exception("unexpected error in %s%r; answering EIO", handler.__name__, args)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class DecodeFS(pyfuse3.Operations):
+    def __init__(
+        self, tree: Tree, engine: Engine, status_files: Mapping[str, Callable[[], bytes]]
+    ) -> None:
+        super().__init__()
+        self._tree = tree
+        self._engine = engine
+        self._metrics: Metrics = engine.metrics
+        self._status_files = status_files
+        self._handles: dict[int, Handle | bytes] = {}
+        self._next_fh = itertools.count(1)
+        self._uid = os.getuid()
+        self._gid = os.getgid()
+        self._failpoint = os.environ.get(_FAILPOINT_ENV)
+
+    # -- names and attributes -----------------------------------------------
+
+    @_errno_boundary
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        parent = Node.from_ino(parent_inode)
+        if name == b".":
+            node: Node | None = parent
+        elif name == b"..":
+            node = self._tree.parent(parent)
+        else:
+            node = self._tree.lookup(parent, name)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._entry(node)
+
+    @_errno_boundary
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = Node.from_ino(inode)
+        if not self._tree.exists(node):
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._entry(node)
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        pass  # inode numbers are computed (tree.py); there is nothing to release
+
+    @_errno_boundary
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        usage = self._engine.store.usage()
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_blocks = usage.bytes // 4096
+        data.f_bfree = data.f_bavail = 0
+        data.f_files = usage.entries
+        data.f_ffree = data.f_favail = 0
+        data.f_namemax = 255
+        return data
+
+    # -- directories --------------------------------------------------------
+
+    @_errno_boundary
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = Node.from_ino(inode)
+        if not self._tree.is_dir(node):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @_errno_boundary
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        for next_id, name, child in self._tree.children(Node.from_ino(fh), start_id):
+            if not pyfuse3.readdir_reply(token, name, self._entry(child), next_id):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    # -- files --------------------------------------------------------------
+
+    @_errno_boundary
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        node = Node.from_ino(inode)
+        fh = next(self._next_fh)
+        if node.kind == Kind.ENTRY:
+            version = self._tree.version_name(node)
+            if self._failpoint and self._engine.uuid_at(version, node.index) == self._failpoint:
+                raise RuntimeError(f"failpoint {_FAILPOINT_ENV} hit")
+            self._handles[fh] = await self._engine.open(version, node.size, node.index)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        status = self._tree.status_file_name(node)
+        if status is None:
+            raise pyfuse3.FUSEError(errno.EISDIR if self._tree.is_dir(node) else errno.ENOENT)
+        self._handles[fh] = self._status_files[status]()
+        return pyfuse3.FileInfo(fh=fh, direct_io=True)
+
+    @_errno_boundary
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+        # pyfuse3 replies from any contiguous buffer, so a memoryview slice is zero-copy.
+        handle = self._handles[fh]
+        if isinstance(handle, bytes):
+            return handle[off : off + size]
+        return await self._engine.read(handle, off, size)
+
+    @_errno_boundary
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if isinstance(handle, Handle):
+            self._engine.release(handle)
+
+    # -- the mount is read-only (the kernel already refuses most of these: "ro") --
+
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    # -- helpers ------------------------------------------------------------
+
+    def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
+        status = self._tree.status_file_name(node)
+        if status is not None:
+            attrs = self._tree.attributes(node, len(self._status_files[status]()))
+            timeout = 0.0
+        else:
+            attrs = self._tree.attributes(node)
+            timeout = CACHE_TIMEOUT
+        return self._fill(node, attrs, timeout)
+
+    def _fill(self, node: Node, attrs: Attributes, timeout: float) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = node.ino
+        entry.generation = 0
+        entry.entry_timeout = timeout
+        entry.attr_timeout = timeout
+        entry.st_mode = attrs.mode
+        entry.st_nlink = attrs.nlink
+        entry.st_uid = self._uid
+        entry.st_gid = self._gid
+        entry.st_rdev = 0
+        entry.st_size = attrs.size
+        entry.st_blksize = _BLOCK_SIZE
+        entry.st_blocks = (attrs.size + 511) // 512
+        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = attrs.mtime_ns
+        return entry

@@ -1,0 +1,90 @@
+"""Counters and the decode-latency histogram, rendered as JSON.
+
+Updated only from the trio thread (the engine and fs layers), so no locks.
+This module knows nothing of FUSE, the store layout or images.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Final
+
+__all__ = ["DECODE_SECONDS_BUCKETS", "Histogram", "LogThrottle", "Metrics"]
+
+DECODE_SECONDS_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram in the Prometheus sense."""
+
+    buckets: tuple[float, ...] = DECODE_SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    count: int = 0
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def as_dict(self) -> dict[str, object]:
+        cumulative, running = {}, 0
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts, strict=True):
+            running += n
+            cumulative[bound] = running
+        return {"count": self.count, "sum": round(self.sum, 6), "buckets": cumulative}
+
+
+@dataclass
+class Metrics:
+    """What the daemon has done since it started. See README "Status files"."""
+
+    hits: int = 0  # opens served from a stored (or memory-cached) array
+    misses: int = 0  # opens that needed a decode, including ones that joined another's
+    decodes: int = 0  # decodes that ran to completion, rebuilds included
+    decode_errors: int = 0  # originals that failed to decode
+    coalesced: int = 0  # opens that waited on a decode already running for the same file
+    corrupt_entries: int = 0  # stored entries that failed verification and were rebuilt
+    store_write_errors: int = 0
+    memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
+    bytes_served: int = 0
+    inflight_decodes: int = 0
+    errors: Counter[str] = field(default_factory=Counter)  # errno name -> count
+    decode_seconds: Histogram = field(default_factory=Histogram)
+    started: float = field(default_factory=time.time)
+
+
+class LogThrottle:
+    """Logs the first event of a kind, then at most one line per interval.
+
+    The line after a quiet spell says how many events were folded into it, so
+    a flood of identical errors (a full disk) is visible without drowning the
+    journal.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 30.0) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._suppressed[kind] += 1
+            return
+        self._last[kind] = now
+        suppressed = self._suppressed.pop(kind, 0)
+        if suppressed:
+            msg += " (and %d more like it in the last %.0f s)"
+            args = (*args, suppressed, now - last if last is not None else 0.0)
+        self._logger.log(level, msg, *args)

@@ -1,0 +1,209 @@
+"""Index of one version's originals: uuid -> path, found by a recursive scan.
+
+Rules: a file counts when its extension (any case) is configured; the uuid is
+its stem; names starting with '.' are skipped (editor and macOS litter); a
+symlink is followed only when it resolves inside the source. This module knows
+nothing of decoding, the store or FUSE.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+__all__ = ["NAME_MAX", "OriginalMissing", "SourceError", "SourceIndex", "scan_source"]
+
+log = logging.getLogger(__name__)
+
+NAME_MAX: Final = 255
+_NPY_SUFFIX_LEN: Final = len(".npy")
+
+
+class SourceError(Exception):
+    """The source cannot be indexed as configured (a user-fixable problem)."""
+
+
+class OriginalMissing(Exception):
+    """The original behind a uuid is gone, or now leads outside the source."""
+
+
+@dataclass(frozen=True)
+class SourceIndex:
+    """The originals of one version, sorted by uuid.
+
+    Indices are stable for the life of the object, so callers may use them as
+    compact keys (the fs layer packs them into inode numbers).
+    """
+
+    version: str
+    root: str
+    uuids: Sequence[str]
+    relpaths: Sequence[str]
+    scanned_at_ns: int
+    duplicates: dict[str, list[str]] = field(default_factory=dict)
+    symlinks_outside: int = 0
+    skipped_names: int = 0
+    _positions: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self._positions:
+            self._positions.update((uuid, i) for i, uuid in enumerate(self.uuids))
+
+    def __len__(self) -> int:
+        return len(self.uuids)
+
+    def find(self, uuid: str) -> int | None:
+        return self._positions.get(uuid)
+
+    def original_path(self, index: int) -> str:
+        """The original's path, re-checked to still lie inside the source."""
+        path = os.path.join(self.root, self.relpaths[index])
+        real = os.path.realpath(path)
+        if not _inside(real, self.root):
+            raise OriginalMissing(f"{path} now resolves outside the source ({real})")
+        if not os.path.isfile(real):
+            raise OriginalMissing(f"{path} no longer exists")
+        return real
+
+    def prefix_range(self, prefix: str) -> range:
+        """Indices of uuids whose first two characters are ``prefix``."""
+        if not 1 <= len(prefix) <= 2:
+            return range(0)
+        if len(prefix) == 1:
+            i = self.find(prefix)
+            return range(i, i + 1) if i is not None else range(0)
+        start = bisect.bisect_left(self.uuids, prefix)
+        end = bisect.bisect_left(self.uuids, prefix[0] + chr(ord(prefix[1]) + 1))
+        return range(start, end)
+
+
+def scan_source(
+    version: str,
+    root: os.PathLike[str] | str,
+    extensions: Iterable[str],
+    duplicates: Literal["error", "skip"] = "error",
+) -> SourceIndex:
+    """Walk ``root`` recursively and index every original by its stem."""
+    started = time.monotonic()
+    root_real = os.path.realpath(root)
+    if not os.path.isdir(root_real):
+        raise SourceError(f"versions.{version}.source: {root} is not a directory")
+    walker = _Walker(root_real, frozenset(e.lower() for e in extensions))
+    walker.walk()
+
+    walker.merge_aliases()
+    clashes = {uuid: sorted(paths) for uuid, paths in walker.found.items() if len(paths) > 1}
+    if clashes and duplicates == "error":
+        example_uuid = min(clashes)
+        example = ", ".join(clashes[example_uuid][:3])
+        raise SourceError(
+            f"versions.{version}.source: {len(clashes)} uuid(s) have more than one original "
+            f"(e.g. {example_uuid!r}: {example}); rename them, or set "
+            f'versions.{version}.duplicates = "skip" to leave them out'
+        )
+    for uuid, paths in sorted(clashes.items()):
+        log.warning(
+            "version %s: uuid %r has %d originals %s; left out", version, uuid, len(paths), paths
+        )
+
+    uuids = sorted(u for u, paths in walker.found.items() if len(paths) == 1)
+    relpaths = [walker.found[u][0] for u in uuids]
+    log.info(
+        "version %s: indexed %d originals under %s in %.2f s",
+        version,
+        len(uuids),
+        root_real,
+        time.monotonic() - started,
+    )
+    return SourceIndex(
+        version=version,
+        root=root_real,
+        uuids=uuids,
+        relpaths=relpaths,
+        scanned_at_ns=time.time_ns(),
+        duplicates=clashes,
+        symlinks_outside=walker.symlinks_outside,
+        skipped_names=walker.skipped_names,
+    )
+
+
+class _Walker:
+    def __init__(self, root: str, extensions: frozenset[str]) -> None:
+        self.root = root
+        self.extensions = extensions
+        self.found: dict[str, list[str]] = {}
+        self.symlinks_outside = 0
+        self.skipped_names = 0
+        self._seen_dirs: set[tuple[int, int]] = set()
+
+    def walk(self) -> None:
+        root_stat = os.stat(self.root)
+        self._seen_dirs.add((root_stat.st_dev, root_stat.st_ino))
+        pending = [self.root]
+        while pending:
+            directory = pending.pop()
+            try:
+                entries = list(os.scandir(directory))
+            except OSError as exc:
+                log.warning("cannot list %s: %s; its originals are left out", directory, exc)
+                continue
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_symlink():
+                    self._symlink(entry, pending)
+                elif entry.is_dir(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) not in self._seen_dirs:
+                        self._seen_dirs.add((st.st_dev, st.st_ino))
+                        pending.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    self._file(entry.path, entry.name)
+
+    def merge_aliases(self) -> None:
+        """A symlink and its target with one stem are one original, not a clash."""
+        for stem, paths in self.found.items():
+            if len(paths) > 1:
+                by_file = {
+                    os.path.realpath(os.path.join(self.root, p)): p
+                    for p in sorted(paths, reverse=True)
+                }
+                if len(by_file) < len(paths):
+                    self.found[stem] = sorted(by_file.values())
+
+    def _symlink(self, entry: os.DirEntry[str], pending: list[str]) -> None:
+        target = os.path.realpath(entry.path)
+        if not _inside(target, self.root):
+            self.symlinks_outside += 1
+            log.debug("not following %s: it leads outside the source (%s)", entry.path, target)
+            return
+        try:
+            st = os.stat(target)
+        except OSError:
+            return  # dangling
+        if stat.S_ISDIR(st.st_mode):
+            if (st.st_dev, st.st_ino) not in self._seen_dirs:
+                self._seen_dirs.add((st.st_dev, st.st_ino))
+                pending.append(entry.path)
+        elif stat.S_ISREG(st.st_mode):
+            self._file(entry.path, entry.name)
+
+    def _file(self, path: str, name: str) -> None:
+        stem, dot, extension = name.rpartition(".")
+        if not dot or not stem or extension.lower() not in self.extensions:
+            return
+        if len(os.fsencode(stem)) + _NPY_SUFFIX_LEN > NAME_MAX:
+            self.skipped_names += 1
+            log.warning("skipping %s: its uuid is too long for a file name", path)
+            return
+        self.found.setdefault(stem, []).append(os.path.relpath(path, self.root))
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

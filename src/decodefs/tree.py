@@ -1,0 +1,237 @@
+"""The mount's namespace: which names exist, their inodes, listings and attributes.
+
+Inode numbers are computed, not allocated: a node packs into 64 bits, so the
+kernel can hold millions of entries without a table here, lookup counts need
+no bookkeeping, and an entry has the same inode under ``<size>/`` and under
+``<size>/<uu>/`` (one page cache for both paths)::
+
+    bits 60-63  kind      bits 48-59  version index
+    bits 35-47  size      bits  0-34  original index (or shard start index)
+
+This module is filesystem logic only: it does not import pyfuse3.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final
+
+from .engine import Engine
+
+__all__ = ["ROOT", "STATUS_DIR", "Attributes", "Kind", "Node", "Tree"]
+
+STATUS_DIR_NAME: Final = ".decodefs"
+NAME_MAX: Final = 255
+_SIZE_NAME = re.compile(rb"[1-9][0-9]{0,4}")
+_NPY: Final = b".npy"
+
+
+class Kind(IntEnum):
+    SPECIAL = 0  # root, the status directory and its files
+    VERSION = 1
+    SIZE = 2
+    SHARD = 3
+    ENTRY = 4
+
+
+@dataclass(frozen=True)
+class Node:
+    kind: Kind
+    version: int = 0
+    size: int = 0
+    index: int = 0
+
+    @property
+    def ino(self) -> int:
+        return (self.kind << 60) | (self.version << 48) | (self.size << 35) | self.index
+
+    @classmethod
+    def from_ino(cls, ino: int) -> Node:
+        return cls(
+            Kind(ino >> 60),
+            (ino >> 48) & 0xFFF,
+            (ino >> 35) & 0x1FFF,
+            ino & ((1 << 35) - 1),
+        )
+
+
+ROOT: Final = Node(Kind.SPECIAL, index=1)  # pyfuse3.ROOT_INODE == 1
+STATUS_DIR: Final = Node(Kind.SPECIAL, index=2)
+_FIRST_STATUS_FILE: Final = 3
+
+
+@dataclass(frozen=True)
+class Attributes:
+    mode: int
+    size: int
+    mtime_ns: int
+    nlink: int
+
+
+class Tree:
+    """Resolves names and lists directories from the engine's view of the sources."""
+
+    def __init__(self, engine: Engine, status_files: Sequence[str]) -> None:
+        self._engine = engine
+        self._versions = engine.version_names
+        self._version_index = {name.encode(): i for i, name in enumerate(self._versions)}
+        self._status_files = [name.encode() for name in status_files]
+        self._mounted_ns = time.time_ns()
+
+    # -- names -> nodes -----------------------------------------------------
+
+    def lookup(self, parent: Node, name: bytes) -> Node | None:
+        if not _valid_component(name):
+            return None
+        if parent == ROOT:
+            if name == STATUS_DIR_NAME.encode():
+                return STATUS_DIR
+            index = self._version_index.get(name)
+            return Node(Kind.VERSION, version=index) if index is not None else None
+        if parent == STATUS_DIR:
+            if name in self._status_files:
+                return Node(Kind.SPECIAL, index=_FIRST_STATUS_FILE + self._status_files.index(name))
+            return None
+        if parent.kind == Kind.VERSION:
+            size = self._parse_size(name)
+            return Node(Kind.SIZE, parent.version, size) if size is not None else None
+        if parent.kind == Kind.SIZE:
+            entry = self._lookup_entry(parent, name)
+            if entry is not None:
+                return entry
+            return self._lookup_shard(parent, name)
+        if parent.kind == Kind.SHARD:
+            entry = self._lookup_entry(parent, name)
+            shard = self._shard_name(parent)
+            if entry is not None and self._uuid(entry)[:2] == shard:
+                return entry
+        return None
+
+    def parent(self, node: Node) -> Node:
+        if node.kind == Kind.VERSION or node in (ROOT, STATUS_DIR):
+            return ROOT
+        if node.kind == Kind.SPECIAL:
+            return STATUS_DIR
+        if node.kind == Kind.SIZE:
+            return Node(Kind.VERSION, node.version)
+        return Node(Kind.SIZE, node.version, node.size)  # shard (entries: their listed parent)
+
+    def is_dir(self, node: Node) -> bool:
+        return node.kind in (Kind.VERSION, Kind.SIZE, Kind.SHARD) or node in (ROOT, STATUS_DIR)
+
+    def status_file_name(self, node: Node) -> str | None:
+        position = node.index - _FIRST_STATUS_FILE
+        if node.kind == Kind.SPECIAL and 0 <= position < len(self._status_files):
+            return self._status_files[position].decode()
+        return None
+
+    def exists(self, node: Node) -> bool:
+        """Whether an inode number the kernel hands back still names something."""
+        if node.kind == Kind.SPECIAL:
+            return node in (ROOT, STATUS_DIR) or self.status_file_name(node) is not None
+        if node.version >= len(self._versions):
+            return False
+        if node.kind == Kind.VERSION:
+            return True
+        if not self._engine.size_allowed(node.size):
+            return False
+        if node.kind == Kind.SIZE:
+            return True
+        return node.index < self._engine.count(self._versions[node.version])
+
+    # -- listings -----------------------------------------------------------
+
+    def children(self, node: Node, start: int) -> Iterator[tuple[int, bytes, Node]]:
+        """(next offset, name, node) from offset ``start``; offsets are stable."""
+        if node == ROOT:
+            names = [v.encode() for v in self._versions] + [STATUS_DIR_NAME.encode()]
+            for i in range(start, len(names)):
+                child = self.lookup(ROOT, names[i])
+                assert child is not None
+                yield i + 1, names[i], child
+        elif node == STATUS_DIR:
+            for i in range(start, len(self._status_files)):
+                yield i + 1, self._status_files[i], Node(Kind.SPECIAL, index=_FIRST_STATUS_FILE + i)
+        elif node.kind == Kind.VERSION:
+            sizes = self._engine.sizes(self._versions[node.version])
+            for i in range(start, len(sizes)):
+                yield i + 1, str(sizes[i]).encode(), Node(Kind.SIZE, node.version, sizes[i])
+        elif node.kind == Kind.SIZE:
+            count = self._engine.count(self._versions[node.version])
+            yield from self._entries(node, range(start, count))
+        elif node.kind == Kind.SHARD:
+            rows = self._shard_range(node)
+            yield from self._entries(node, range(max(start, rows.start), rows.stop))
+
+    def _entries(self, parent: Node, rows: range) -> Iterator[tuple[int, bytes, Node]]:
+        version = self._versions[parent.version]
+        for i in rows:
+            name = os.fsencode(self._engine.uuid_at(version, i)) + _NPY
+            yield i + 1, name, Node(Kind.ENTRY, parent.version, parent.size, i)
+
+    # -- attributes ---------------------------------------------------------
+
+    def attributes(self, node: Node, status_size: int = 0) -> Attributes:
+        if self.is_dir(node):
+            return Attributes(stat.S_IFDIR | 0o555, 0, self._mtime(node), 2)
+        if node.kind == Kind.ENTRY:
+            return Attributes(
+                stat.S_IFREG | 0o444, self._engine.file_size(node.size), self._mtime(node), 1
+            )
+        return Attributes(stat.S_IFREG | 0o444, status_size, time.time_ns(), 1)
+
+    def _mtime(self, node: Node) -> int:
+        if node.kind in (Kind.SIZE, Kind.SHARD, Kind.ENTRY, Kind.VERSION):
+            return self._engine.scanned_at_ns(self._versions[node.version])
+        return self._mounted_ns
+
+    # -- helpers ------------------------------------------------------------
+
+    def version_name(self, node: Node) -> str:
+        return self._versions[node.version]
+
+    def _uuid(self, entry: Node) -> str:
+        return self._engine.uuid_at(self._versions[entry.version], entry.index)
+
+    def _parse_size(self, name: bytes) -> int | None:
+        if not _SIZE_NAME.fullmatch(name):
+            return None
+        size = int(name)
+        return size if self._engine.size_allowed(size) else None
+
+    def _lookup_entry(self, parent: Node, name: bytes) -> Node | None:
+        if not name.endswith(_NPY) or len(name) == len(_NPY):
+            return None
+        uuid = os.fsdecode(name[: -len(_NPY)])
+        index = self._engine.find(self._versions[parent.version], uuid)
+        return Node(Kind.ENTRY, parent.version, parent.size, index) if index is not None else None
+
+    def _lookup_shard(self, parent: Node, name: bytes) -> Node | None:
+        if not 1 <= len(name) <= 8:  # two characters, up to 4 UTF-8 bytes each
+            return None
+        shard = os.fsdecode(name)
+        if len(shard) > 2:
+            return None
+        rows = self._engine.shard_range(self._versions[parent.version], shard)
+        return Node(Kind.SHARD, parent.version, parent.size, rows.start) if rows else None
+
+    def _shard_name(self, shard: Node) -> str:
+        return self._uuid(Node(Kind.ENTRY, shard.version, shard.size, shard.index))[:2]
+
+    def _shard_range(self, shard: Node) -> range:
+        return self._engine.shard_range(self._versions[shard.version], self._shard_name(shard))
+
+
+def _valid_component(name: bytes) -> bool:
+    return (
+        0 < len(name) <= NAME_MAX
+        and name not in (b".", b"..")
+        and b"/" not in name
+        and b"\0" not in name
+    )
