@@ -101,6 +101,9 @@ def _mount(args: argparse.Namespace) -> int:
     from . import daemon
 
     if not args.foreground:
+        logging.basicConfig(
+            level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr
+        )
         daemon.prepare_mountpoint(mountpoint)  # fail here, in the user's terminal
         log_file = args.log_file or _default_log_file(mountpoint)
         pid = daemon.spawn(args.config.resolve(), mountpoint, log_file, args.log_level)
@@ -117,7 +120,12 @@ def _mount(args: argparse.Namespace) -> int:
             os.close(ready_fd)
             ready_fd = None
 
-    daemon.serve(config, mountpoint, on_ready)
+    try:
+        daemon.serve(config, mountpoint, on_ready)
+    except Exception as exc:
+        if ready_fd is not None and _is_user_error(exc):
+            os.write(ready_fd, f"error: {exc}".encode())  # the parent prints it
+        raise
     return 0
 
 

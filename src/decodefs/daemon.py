@@ -50,6 +50,8 @@ FS_NAME: Final = "decodefs"
 # waiting on a decode holds one, so keep it well above any plausible reader count.
 MAX_REQUEST_TASKS: Final = 512
 _PROBE_TIMEOUT: Final = 5.0
+# After SIGTERM, how long readers holding an open file are still served.
+SHUTDOWN_GRACE: Final = 10.0
 
 
 class MountError(Exception):
@@ -180,18 +182,33 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
 
 async def _serve(mountpoint: str, on_ready: Callable[[], None] | None) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(_stop_on_signal, mountpoint)
         nursery.start_soon(_announce_ready, mountpoint, on_ready)
+        # Returns when the kernel ends the session: an unmount, and after a lazy
+        # unmount, once the last open file is closed.
         await pyfuse3.main(max_tasks=MAX_REQUEST_TASKS)
         nursery.cancel_scope.cancel()
 
 
-async def _stop_on_signal() -> None:
+async def _stop_on_signal(mountpoint: str) -> None:
+    """SIGTERM/SIGINT: detach at once, let open files finish, then stop.
+
+    The lazy unmount takes the mount out of the namespace (no new opens) while
+    readers that already hold a file keep being served, for up to
+    SHUTDOWN_GRACE seconds, so a service restart does not fail a read half-way.
+    """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("%s received; unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
-            return
+            break
+    try:
+        await trio.to_thread.run_sync(_lazy_unmount, mountpoint)
+    except MountError as exc:
+        log.warning("%s; stopping now", exc)
+    else:
+        await trio.sleep(SHUTDOWN_GRACE)
+        log.warning("files still open after %.0f s; stopping anyway", SHUTDOWN_GRACE)
+    pyfuse3.terminate()
 
 
 async def _announce_ready(mountpoint: str, on_ready: Callable[[], None] | None) -> None:
@@ -231,6 +248,8 @@ def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | N
     if message.startswith(b"ready"):
         return child.pid
     code = child.wait()
+    if message.startswith(b"error: "):
+        raise MountError(message[len(b"error: ") :].decode(errors="replace"))
     raise MountError(
         f"daemon exited with status {code} before the mount was live:\n{_tail(log_file)}"
     )

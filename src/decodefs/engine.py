@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -121,6 +122,9 @@ class Engine:
         self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
         self._sources = sources
         self._decode_limiter = trio.CapacityLimiter(config.decode_workers)
+        # Decodes hold a _decode_limiter token on the trio side (so queued and
+        # running decodes can be counted there); their threads need no other cap.
+        self._pool_threads = trio.CapacityLimiter(math.inf)
         self._io_limiter = trio.CapacityLimiter(config.io_workers)
         self._flights: dict[EntryKey, _Flight] = {}
         # (version, size) -> one byte per original: 1 once verified in this daemon's life.
@@ -237,6 +241,7 @@ class Engine:
             "memory_cache_entries": len(self._memory),
             "bytes_served": m.bytes_served,
             "inflight_decodes": m.inflight_decodes,
+            "queued_decodes": m.queued_decodes,
             "errors": dict(m.errors),
             "decode_seconds": m.decode_seconds.as_dict(),
             "uptime_seconds": round(time.time() - m.started, 3),
@@ -322,21 +327,35 @@ class Engine:
             array = decode_image(path, key.size, settings, max_pixels=max_pixels)
             return npy_bytes(array), time.perf_counter() - started
 
-        self.metrics.inflight_decodes += 1
         try:
-            data, seconds = await self._in_thread(self._decode_limiter, work)
+            data, seconds = await self._run_decode(work)
         except DecodeError as exc:
             self.metrics.decode_errors += 1
             self.metrics.errors["EIO"] += 1
             self._remember_failure(key, exc.reason)
             log.warning("cannot decode %s for %s: %s", path, key, exc.reason)
             raise OriginalUndecodable(f"{path}: {exc.reason}") from exc
-        finally:
-            self.metrics.inflight_decodes -= 1
         self.metrics.decodes += 1
         self.metrics.decode_seconds.observe(seconds)
         log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
         return data
+
+    async def _run_decode(self, work: Callable[[], T]) -> T:
+        """Run ``work`` in the decode pool, counting it as queued, then running."""
+        self.metrics.queued_decodes += 1
+        queued = True
+        try:
+            async with self._decode_limiter:
+                self.metrics.queued_decodes -= 1
+                queued = False
+                self.metrics.inflight_decodes += 1
+                try:
+                    return await self._in_thread(self._pool_threads, work)
+                finally:
+                    self.metrics.inflight_decodes -= 1
+        finally:
+            if queued:  # cancelled while waiting for a slot
+                self.metrics.queued_decodes -= 1
 
     def _remember_failure(self, key: EntryKey, reason: str) -> None:
         if len(self._failures) >= _FAILURE_CACHE_MAX:

@@ -20,7 +20,7 @@ import pyfuse3
 
 from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
 from .metrics import Metrics
-from .tree import Attributes, Kind, Node, Tree
+from .tree import NAME_MAX, Attributes, Kind, Node, Tree
 
 __all__ = ["DecodeFS"]
 
@@ -82,6 +82,8 @@ class DecodeFS(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         parent = Node.from_ino(parent_inode)
+        if len(name) > NAME_MAX:
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         if name == b".":
             node: Node | None = parent
         elif name == b"..":

@@ -56,7 +56,8 @@ class Metrics:
     store_write_errors: int = 0
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
     bytes_served: int = 0
-    inflight_decodes: int = 0
+    inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
+    queued_decodes: int = 0  # decodes waiting for a pool slot
     errors: Counter[str] = field(default_factory=Counter)  # errno name -> count
     decode_seconds: Histogram = field(default_factory=Histogram)
     started: float = field(default_factory=time.time)

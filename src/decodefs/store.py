@@ -10,9 +10,10 @@ Layout::
     <store>/<version>/<size>/<uuid[:2]>/<uuid>.npy
 
 An entry file is the exact .npy bytes followed by a 40-byte trailer (magic,
-format, decoder fingerprint, payload length, xxh3-64 of the payload), so every
-entry proves its own integrity on any filesystem, and ``np.load`` reads the
-file as it is (numpy ignores bytes after the array). Writes go to ``.tmp`` and
+format, decoder fingerprint, payload length, xxh3-64 of the payload seeded
+with the entry's key), so every entry proves its own integrity on any
+filesystem, a file moved to another key's path fails, and ``np.load`` reads
+the file as it is (numpy ignores bytes after the array). Writes go to ``.tmp`` and
 are renamed into place; there is no fsync, because a torn entry after a power
 cut fails its check and is rebuilt rather than served.
 
@@ -90,6 +91,11 @@ class EntryKey:
 
     def __str__(self) -> str:
         return f"{self.version}/{self.size}/{self.uuid}"
+
+    def checksum(self, payload: bytes | memoryview) -> int:
+        """xxh3-64 of ``payload``, seeded so only this key's file verifies."""
+        seed = xxhash.xxh3_64_intdigest(os.fsencode(str(self)))
+        return xxhash.xxh3_64_intdigest(payload, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,7 @@ class Store:
         try:
             with open(path, "rb", buffering=0) as f:
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             self._discard(key, path)
@@ -200,9 +206,7 @@ class Store:
     def write(self, key: EntryKey, payload: bytes) -> None:
         """Atomically store ``payload`` for ``key``; raises StoreWriteError."""
         digest = self._fingerprints[key.version]
-        trailer = _TRAILER.pack(
-            _MAGIC, STORE_FORMAT, digest, len(payload), xxhash.xxh3_64_intdigest(payload)
-        )
+        trailer = _TRAILER.pack(_MAGIC, STORE_FORMAT, digest, len(payload), key.checksum(payload))
         final = self.path(key)
         tmp = os.path.join(self._tmp, secrets.token_hex(8) + ".npy")
         try:
@@ -247,8 +251,8 @@ class Store:
             return "decoded with other settings or libraries"
         if length != len(data) - TRAILER_SIZE:
             return f"length {len(data) - TRAILER_SIZE}, trailer says {length}"
-        if xxhash.xxh3_64_intdigest(memoryview(data)[:length]) != checksum:
-            return "checksum mismatch"
+        if key.checksum(memoryview(data)[:length]) != checksum:
+            return "checksum mismatch (damaged, or another entry's file)"
         return None
 
     def _discard(self, key: EntryKey, path: str) -> None:

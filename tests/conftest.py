@@ -1,0 +1,75 @@
+"""Shared fixtures: real photographs, and real mounts that are always unmounted."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import Mount, write_config, write_photos
+
+MountFactory = Callable[..., Mount]
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+
+@pytest.fixture(scope="session")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """uuid -> path of real photographs in every encoding the issue names."""
+    return write_photos(tmp_path_factory.mktemp("photos"))
+
+
+@pytest.fixture(scope="session")
+def photos_dir(photos: dict[str, Path]) -> Path:
+    return next(iter(photos.values())).parents[2]
+
+
+def _make_factory(base: Path, created: list[Mount]) -> MountFactory:
+    def make(
+        versions: dict[str, Path],
+        *,
+        name: str = "mnt",
+        store: Path | None = None,
+        expect_errors: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        **config: Any,
+    ) -> Mount:
+        config_path = write_config(
+            base / f"{name}.toml", store or base / "store", versions, **config
+        )
+        mount = Mount(base / name, config_path, base / f"{name}.log", env or {}, expect_errors)
+        created.append(mount)
+        return mount.start()
+
+    return make
+
+
+def _teardown(created: list[Mount]) -> None:
+    problems = []
+    for mount in created:
+        mount.stop()
+        problems += mount.unexpected_log_lines()
+    assert not problems, "unexpected errors in daemon logs:\n" + "\n".join(problems)
+
+
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[MountFactory]:
+    """Start real daemons; every one is unmounted at the end, pass or fail."""
+    created: list[Mount] = []
+    try:
+        yield _make_factory(tmp_path, created)
+    finally:
+        _teardown(created)
+
+
+@pytest.fixture(scope="module")
+def module_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MountFactory]:
+    """Like `mounts`, shared by the tests of one module (read-only checks)."""
+    created: list[Mount] = []
+    try:
+        yield _make_factory(tmp_path_factory.mktemp("module-mount"), created)
+    finally:
+        _teardown(created)

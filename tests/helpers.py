@@ -1,0 +1,262 @@
+"""Test corpora, an independent reference decode, and a real-mount harness."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import skimage.data
+from PIL import Image
+
+SKIMAGE_DATA = Path(skimage.data.__file__).parent
+MOUNT_TIMEOUT = 60.0
+
+
+# -- the reference decode ---------------------------------------------------
+
+
+def reference_npy(path: Path, size: int) -> bytes:
+    """What a training pipeline computes, written independently of decodefs."""
+    # The issue's expression, verbatim (Pillow defines Image.BILINEAR at run time).
+    array = np.asarray(Image.open(path).convert("RGB").resize((size, size), Image.BILINEAR))  # type: ignore[attr-defined]
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+# -- corpora ----------------------------------------------------------------
+
+
+def write_photos(directory: Path) -> dict[str, Path]:
+    """Real photographs re-encoded the ways originals arrive. uuid -> path."""
+    astronaut = Image.open(SKIMAGE_DATA / "astronaut.png").convert("RGB")
+    coffee = Image.open(SKIMAGE_DATA / "coffee.png").convert("RGB")
+    chelsea = Image.open(SKIMAGE_DATA / "chelsea.png").convert("RGB")
+    camera = Image.open(SKIMAGE_DATA / "camera.png")
+    rocket = Image.open(SKIMAGE_DATA / "rocket.jpg")
+    logo = Image.open(SKIMAGE_DATA / "logo.png")
+    assert logo.mode == "RGBA"
+
+    originals: dict[str, tuple[Image.Image, str, dict[str, Any]]] = {
+        "astronaut-baseline": (astronaut, "jpg", {"quality": 90}),
+        "coffee-progressive": (coffee, "jpeg", {"quality": 85, "progressive": True}),
+        "chelsea-444": (chelsea, "JPG", {"quality": 95, "subsampling": 0}),
+        "camera-gray": (camera.convert("L"), "jpg", {"quality": 90}),
+        "rocket-cmyk": (rocket.convert("CMYK"), "jpg", {"quality": 90}),
+        "logo-alpha": (logo, "png", {}),
+        "astronaut-palette": (astronaut.quantize(64), "png", {}),
+        "coffee-webp": (coffee, "webp", {"quality": 80}),
+        "chelsea-bmp": (chelsea, "bmp", {}),
+        "camera-tiff": (camera, "TIFF", {"compression": "tiff_deflate"}),
+        "hubble-original": (
+            Image.open(SKIMAGE_DATA / "hubble_deep_field.jpg"),
+            "jpg",
+            {"quality": 92},
+        ),
+    }
+    paths = {}
+    for i, (uuid, (image, extension, options)) in enumerate(sorted(originals.items())):
+        path = directory / f"group-{i % 3}" / "nested" / f"{uuid}.{extension}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path, **options)
+        paths[uuid] = path
+    assert Image.open(paths["coffee-progressive"]).info.get("progressive")
+    assert Image.open(paths["rocket-cmyk"]).mode == "CMYK"
+    return paths
+
+
+def write_bad_originals(directory: Path, good_jpeg: Path) -> dict[str, Path]:
+    """Originals that must fail alone: uuid -> path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = good_jpeg.read_bytes()
+    bad = {
+        "bad-truncated": (directory / "bad-truncated.jpg", data[: len(data) // 2]),
+        "bad-empty": (directory / "bad-empty.jpg", b""),
+        "bad-text": (directory / "bad-text.jpg", b"this is not an image\n" * 50),
+        "bad-bomb": (directory / "bad-bomb.png", png_header_only(30_000, 30_000)),
+        "bad-bigger-than-max-pixels": (
+            directory / "bad-bigger-than-max-pixels.png",
+            png_header_only(10_000, 10_000),
+        ),
+    }
+    for path, payload in bad.values():
+        path.write_bytes(payload)
+    return {uuid: path for uuid, (path, _) in bad.items()}
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A valid PNG announcing ``width`` x ``height`` with almost no data: a decompression bomb."""
+
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    rows = zlib.compress(b"\0" * (width + 1) * 4)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+    )
+
+
+def write_config(path: Path, store: Path, versions: dict[str, Path], **extra: Any) -> Path:
+    """A config file; ``extra`` holds top-level keys and ``version_<key>`` for every version."""
+    version_keys = {k[len("version_") :]: v for k, v in extra.items() if k.startswith("version_")}
+    top = {k: v for k, v in extra.items() if not k.startswith("version_")}
+    lines = [f"store = {json.dumps(str(store))}"]
+    lines += [f"{key} = {_toml(value)}" for key, value in top.items()]
+    for name, source in versions.items():
+        lines.append(f"[versions.{name}]")
+        lines.append(f"source = {json.dumps(str(source))}")
+        lines += [f"{key} = {_toml(value)}" for key, value in version_keys.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
+
+
+# -- real mounts ------------------------------------------------------------
+
+# Daemon log lines that are failures unless a test says it expects them.
+_UNEXPECTED = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback")
+
+
+@dataclass
+class Mount:
+    """A real decodefs daemon serving a real FUSE mount, driven as a user would."""
+
+    mountpoint: Path
+    config: Path
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    expect_errors: Iterable[str] = ()
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Mount:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        log_stream = open(self.log, "ab")  # noqa: SIM115 - owned by the child
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "decodefs",
+                "mount",
+                str(self.mountpoint),
+                "--config",
+                str(self.config),
+                "--foreground",
+            ],
+            stdout=log_stream,
+            stderr=log_stream,
+            env={**os.environ, **self.env},
+        )
+        log_stream.close()
+        wait_until_live(self.mountpoint, self.process, self.log)
+        return self
+
+    def path(self, *parts: str) -> Path:
+        return self.mountpoint.joinpath(*parts)
+
+    def stats(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.path(".decodefs", "stats.json").read_bytes())
+        return data
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int | None:
+        """Unmount (always) and return the daemon's exit status."""
+        unmount_quietly(self.mountpoint)
+        code = None
+        if self.process is not None:
+            try:
+                code = self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                code = self.process.wait()
+        return code
+
+    def kill9(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def unexpected_log_lines(self) -> list[str]:
+        allowed = [re.compile(p) for p in self.expect_errors]
+        return [
+            line
+            for line in self.log_text().splitlines()
+            if _UNEXPECTED.search(line) and not any(p.search(line) for p in allowed)
+        ]
+
+
+def wait_until_live(mountpoint: Path, process: subprocess.Popen[bytes] | None, log: Path) -> None:
+    deadline = time.monotonic() + MOUNT_TIMEOUT
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(
+                f"daemon exited with {process.returncode}:\n{log.read_text(errors='replace')}"
+            )
+        if is_live_mount(mountpoint):
+            return
+        time.sleep(0.05)
+    raise AssertionError(
+        f"mount did not come up in {MOUNT_TIMEOUT} s:\n{log.read_text(errors='replace')}"
+    )
+
+
+def is_live_mount(mountpoint: Path) -> bool:
+    if not is_mounted(mountpoint):
+        return False
+    try:
+        os.statvfs(mountpoint)
+    except OSError:
+        return False
+    return True
+
+
+def is_mounted(mountpoint: Path) -> bool:
+    target = str(mountpoint.absolute())
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def unmount_quietly(mountpoint: Path) -> None:
+    for _ in range(3):
+        if not is_mounted(mountpoint):
+            return
+        subprocess.run(
+            ["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False
+        )
+        with contextlib.suppress(OSError):
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
+
+
+def errno_of(fn: Any, *args: Any) -> int:
+    """The errno a call fails with (the test fails if it succeeds)."""
+    try:
+        fn(*args)
+    except OSError as exc:
+        assert exc.errno is not None
+        return exc.errno
+    raise AssertionError(f"{fn.__name__}{args} succeeded")
+
+
+ERRNO_NAMES = errno.errorcode

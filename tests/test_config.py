@@ -1,0 +1,237 @@
+"""Config: defaults, and every mistake named by its key before anything mounts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decodefs.config import ConfigError, load_config, parse_byte_size
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "originals").mkdir(exist_ok=True)
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+MINIMAL = """
+store = "/mnt/flash/decodefs"
+[versions.v1]
+source = "originals"
+"""
+
+
+def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.store == Path("/mnt/flash/decodefs")
+    assert config.min_size == 8 and config.max_size == 4096
+    assert config.decode_workers == (os.cpu_count() or 1)
+    assert config.io_workers == 8
+    assert config.memory_cache_bytes == 512 << 20
+    assert config.max_pixels == 89_478_485
+    assert config.error_cache_seconds == 10.0
+    assert config.log_level == "info"
+    v1 = config.versions["v1"]
+    assert v1.source == tmp_path / "originals"  # relative to the config file
+    assert v1.sizes == (224,)
+    assert v1.decode.resample == "bilinear" and v1.decode.fit == "stretch"
+    assert not v1.decode.exif_transpose and not v1.decode.draft
+    assert v1.extensions == {"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff"}
+    assert v1.duplicates == "error"
+
+
+def test_full_config(tmp_path: Path) -> None:
+    config = load_config(
+        write(
+            tmp_path,
+            """
+store = "cache"
+sizes = [224, 128]
+min_size = 16
+max_size = 1024
+decode_workers = 3
+io_workers = 4
+memory_cache_bytes = "1.5G"
+max_pixels = 50000000
+error_cache_seconds = 2.5
+log_level = "debug"
+[versions.v1]
+source = "originals"
+[versions."v2.1-crop"]
+source = "originals"
+sizes = [512]
+resample = "bicubic"
+fit = "crop"
+exif_transpose = true
+draft = true
+extensions = [".JPG", "png"]
+duplicates = "skip"
+""",
+        )
+    )
+    assert config.store == tmp_path / "cache"
+    assert config.versions["v1"].sizes == (128, 224)
+    assert config.memory_cache_bytes == int(1.5 * 2**30)
+    v2 = config.versions["v2.1-crop"]
+    assert v2.sizes == (512,)
+    assert (v2.decode.resample, v2.decode.fit, v2.decode.exif_transpose, v2.decode.draft) == (
+        "bicubic",
+        "crop",
+        True,
+        True,
+    )
+    assert v2.extensions == {"jpg", "png"}
+    assert v2.duplicates == "skip"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[versions.v1]\nsource='originals'", "store: missing"),
+        ("store='s'", "versions: missing"),
+        ("store='s'\nstroe_x=1\n[versions.v1]\nsource='originals'", "stroe_x: unknown key"),
+        (
+            "store='s'\nsize=[224]\n[versions.v1]\nsource='originals'",
+            "size: unknown key (did you mean 'sizes'?)",
+        ),
+        (
+            "store='s'\n[versions.v1]\nsourse='originals'",
+            "versions.v1.sourse: unknown key (did you mean 'source'?)",
+        ),
+        ("store='s'\n[versions.v1]\nsizes=[224]", "versions.v1.source: missing"),
+        ("store='s'\n[versions.v1]\nsource='nowhere'", "versions.v1.source: "),
+        ("store='s'\n[versions.'.hidden']\nsource='originals'", "versions..hidden: a version name"),
+        ("store='s'\n[versions.'a/b']\nsource='originals'", "versions.a/b: a version name"),
+        (
+            "store='s'\n[versions.v1]\nsource='originals'\nsizes=[224, 7]",
+            "versions.v1.sizes[1]: 7 is outside",
+        ),
+        (
+            "store='s'\n[versions.v1]\nsource='originals'\nsizes=['224']",
+            "versions.v1.sizes[0]: expected an integer",
+        ),
+        ("store='s'\nsizes=224\n[versions.v1]\nsource='originals'", "sizes: expected a list"),
+        (
+            "store='s'\nmin_size=300\nmax_size=200\n[versions.v1]\nsource='originals'",
+            "min_size: 300 is larger",
+        ),
+        (
+            "store='s'\nmax_size=9000\n[versions.v1]\nsource='originals'",
+            "max_size: 9000 is outside",
+        ),
+        (
+            "store='s'\ndecode_workers=0\n[versions.v1]\nsource='originals'",
+            "decode_workers: 0 is outside",
+        ),
+        (
+            "store='s'\ndecode_workers=true\n[versions.v1]\nsource='originals'",
+            "decode_workers: expected an integer",
+        ),
+        (
+            "store='s'\nmemory_cache_bytes='lots'\n[versions.v1]\nsource='originals'",
+            "memory_cache_bytes: 'lots'",
+        ),
+        (
+            "store='s'\nerror_cache_seconds=-1\n[versions.v1]\nsource='originals'",
+            "error_cache_seconds: expected",
+        ),
+        (
+            "store='s'\nlog_level='loud'\n[versions.v1]\nsource='originals'",
+            "log_level: 'loud' is not one of",
+        ),
+        (
+            "store='s'\n[versions.v1]\nsource='originals'\nresample='cubic'",
+            "versions.v1.resample: 'cubic'",
+        ),
+        ("store='s'\n[versions.v1]\nsource='originals'\nfit='zoom'", "versions.v1.fit: 'zoom'"),
+        (
+            "store='s'\n[versions.v1]\nsource='originals'\ndraft='yes'",
+            "versions.v1.draft: expected true or false",
+        ),
+        (
+            "store='s'\n[versions.v1]\nsource='originals'\nextensions=[]",
+            "versions.v1.extensions: expected",
+        ),
+        (
+            "store='s'\n[versions.v1]\nsource='originals'\nduplicates='first'",
+            "versions.v1.duplicates: 'first'",
+        ),
+        ("store=3\n[versions.v1]\nsource='originals'", "store: expected a path"),
+        ("store='s'\n[versions]\nv1='originals'", "versions.v1: expected a table"),
+        ("store = \n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert message in str(info.value)
+    assert str(tmp_path / "config.toml") in str(info.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (0, 0),
+        (1234, 1234),
+        ("512M", 512 << 20),
+        ("60G", 60 << 30),
+        ("1.5TiB", int(1.5 * 2**40)),
+        ("10k", 10240),
+        ("7", 7),
+    ],
+)
+def test_byte_sizes(value: object, expected: int) -> None:
+    assert parse_byte_size(value) == expected
+
+
+@pytest.mark.parametrize("value", ["12X", "", "-5M", -1, True, 1.5, "M"])
+def test_bad_byte_sizes(value: object) -> None:
+    with pytest.raises(ValueError):
+        parse_byte_size(value)
+
+
+def test_cli_reports_a_bad_config_in_one_line_and_mounts_nothing(tmp_path: Path) -> None:
+    config = write(tmp_path, "store='s'\n[versions.v1]\nsource='originals'\nsizes=[0224]\n")
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    for extra in ([], ["--foreground"]):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "decodefs",
+                "mount",
+                str(mountpoint),
+                "--config",
+                str(config),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("decodefs: error: ")
+        assert "Traceback" not in result.stderr
+        assert not os.path.ismount(mountpoint)
+    # TOML itself rejects a leading zero; a valid integer out of bounds names the key:
+    config.write_text("store='s'\n[versions.v1]\nsource='originals'\nsizes=[5000]\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "decodefs", "mount", str(mountpoint), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "versions.v1.sizes[0]: 5000 is outside min_size..max_size (8..4096)" in result.stderr

@@ -1,0 +1,144 @@
+"""The one decode function: exact pixels, exact .npy bytes, clear failures."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import PIL
+import pytest
+from PIL import Image, ImageOps
+
+from decodefs import DecodeError, DecodeSettings, decode_image, npy_bytes, npy_file_size, npy_header
+from decodefs.decode import decoder_fingerprint
+from tests.helpers import SKIMAGE_DATA, png_header_only, reference_npy, write_bad_originals
+
+
+@pytest.mark.parametrize("size", [8, 224, 333])
+def test_default_decode_is_the_training_pipeline_path(photos: dict[str, Path], size: int) -> None:
+    for uuid, path in photos.items():
+        got = npy_bytes(decode_image(path, size))
+        assert got == reference_npy(path, size), uuid
+
+
+def test_npy_bytes_are_numpy_save_bytes() -> None:
+    rng = np.random.default_rng(0)
+    for size in [1, 8, 9, 99, 100, 224, 1000, 4096]:
+        array = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        assert npy_bytes(array) == buffer.getvalue()
+        assert npy_file_size(size) == len(buffer.getvalue())
+        assert buffer.getvalue().startswith(npy_header(size))
+
+
+def test_npy_bytes_rejects_other_shapes() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        npy_bytes(np.zeros((4, 5, 3), np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        npy_bytes(np.zeros((4, 4, 3), np.float32))
+
+
+def test_decode_accepts_a_file_object(photos: dict[str, Path]) -> None:
+    path = photos["astronaut-baseline"]
+    with open(path, "rb") as f:
+        assert np.array_equal(decode_image(f, 64), decode_image(path, 64))
+
+
+def test_resample_setting(photos: dict[str, Path]) -> None:
+    path = photos["coffee-progressive"]
+    got = decode_image(path, 96, DecodeSettings(resample="lanczos"))
+    want = np.asarray(Image.open(path).convert("RGB").resize((96, 96), Image.Resampling.LANCZOS))
+    assert np.array_equal(got, want)
+    assert not np.array_equal(got, decode_image(path, 96))
+
+
+def test_crop_is_torchvision_resize_then_center_crop(photos: dict[str, Path]) -> None:
+    # torchvision.transforms.functional: resize(img, 96) keeps the aspect ratio
+    # with the long side int(96 * long / short); center_crop rounds the offsets.
+    path = photos["coffee-progressive"]  # 600 x 400, landscape
+    image = Image.open(path).convert("RGB")
+    scaled = image.resize((int(96 * 600 / 400), 96), Image.Resampling.BILINEAR)
+    left = round((scaled.width - 96) / 2.0)
+    want = np.asarray(scaled.crop((left, 0, left + 96, 96)))
+    assert np.array_equal(decode_image(path, 96, DecodeSettings(fit="crop")), want)
+
+
+def test_pad_letterboxes_on_black(photos: dict[str, Path]) -> None:
+    path = photos["coffee-progressive"]  # 600 x 400 -> 96 x 64 centered
+    got = decode_image(path, 96, DecodeSettings(fit="pad"))
+    assert got.shape == (96, 96, 3)
+    assert not got[:16].any() and not got[80:].any()
+    inner = np.asarray(Image.open(path).convert("RGB").resize((96, 64), Image.Resampling.BILINEAR))
+    assert np.array_equal(got[16:80], inner)
+
+
+def test_exif_transpose(tmp_path: Path) -> None:
+    image = Image.open(SKIMAGE_DATA / "chelsea.png").convert("RGB")  # landscape
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW to display
+    path = tmp_path / "rotated.jpg"
+    image.save(path, quality=90, exif=exif)
+    got = decode_image(path, 64, DecodeSettings(exif_transpose=True))
+    want = np.asarray(
+        ImageOps.exif_transpose(Image.open(path))
+        .convert("RGB")
+        .resize((64, 64), Image.Resampling.BILINEAR)
+    )
+    assert np.array_equal(got, want)
+    assert not np.array_equal(got, decode_image(path, 64))
+
+
+def test_draft_uses_reduced_dct_decode(tmp_path: Path) -> None:
+    path = tmp_path / "big.jpg"
+    Image.open(SKIMAGE_DATA / "astronaut.png").convert("RGB").resize((2048, 2048)).save(
+        path, quality=90
+    )
+    reference = Image.open(path)
+    reference.draft("RGB", (64, 64))
+    assert reference.size < (2048, 2048)  # the decoder really scaled down
+    want = np.asarray(reference.convert("RGB").resize((64, 64), Image.Resampling.BILINEAR))
+    got = decode_image(path, 64, DecodeSettings(draft=True))
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_bad_originals_raise_decode_error_with_a_reason(
+    tmp_path: Path, photos: dict[str, Path]
+) -> None:
+    reasons = {}
+    for uuid, path in write_bad_originals(tmp_path, photos["astronaut-baseline"]).items():
+        with pytest.raises(DecodeError) as info:
+            decode_image(path, 32)
+        reasons[uuid] = info.value.reason
+    assert "truncated" in reasons["bad-truncated"]
+    assert "cannot identify" in reasons["bad-empty"]
+    assert "cannot identify" in reasons["bad-text"]
+    assert "decompression bomb" in reasons["bad-bomb"]
+    assert "decompression bomb" in reasons["bad-bigger-than-max-pixels"]
+
+
+def test_max_pixels_is_configurable(tmp_path: Path) -> None:
+    path = tmp_path / "wide.png"
+    path.write_bytes(png_header_only(2000, 1000))
+    with pytest.raises(DecodeError, match="2000x1000 is more than 1000000 pixels"):
+        decode_image(path, 32, max_pixels=1_000_000)
+
+
+def test_fingerprint_covers_settings_and_libraries() -> None:
+    default = decoder_fingerprint(DecodeSettings())
+    assert default == decoder_fingerprint(DecodeSettings())
+    assert default.digest != decoder_fingerprint(DecodeSettings(resample="bicubic")).digest
+    assert default.digest != decoder_fingerprint(DecodeSettings(draft=True)).digest
+    libraries = default.description["libraries"]
+    assert isinstance(libraries, dict)
+    assert libraries["pil"] == PIL.__version__
+    assert "libjpeg_turbo" in libraries and "zlib" in libraries
+
+
+def test_invalid_settings_are_rejected() -> None:
+    with pytest.raises(ValueError, match="resample"):
+        DecodeSettings(resample="cubic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fit"):
+        DecodeSettings(fit="zoom")  # type: ignore[arg-type]

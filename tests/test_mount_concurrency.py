@@ -1,0 +1,111 @@
+"""Concurrent readers: one decode per key, a bounded pool, a loop that never blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from decodefs.sample import make_sample_corpus
+from tests.conftest import MountFactory
+from tests.helpers import reference_npy
+
+LARGE_COUNT = 6
+
+
+@pytest.fixture(scope="session")
+def large(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """~7 MP photo-like JPEGs: a decode takes long enough for readers to pile up."""
+    return make_sample_corpus(tmp_path_factory.mktemp("large"), LARGE_COUNT, 3072, 2304, seed=7)
+
+
+_READER = """
+import hashlib, sys, time
+path, start = sys.argv[1], float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))
+with open(path, "rb") as f:
+    print(hashlib.sha256(f.read()).hexdigest())
+"""
+
+
+def test_concurrent_cold_readers_cause_one_decode(mounts: MountFactory, large: list[Path]) -> None:
+    mount = mounts({"v1": large[0].parents[1]}, decode_workers=2)
+    original = large[0]
+    entry = mount.path("v1", "224", f"{original.stem}.npy")
+    want = hashlib.sha256(reference_npy(original, 224)).hexdigest()
+
+    start = time.time() + 2.0  # every reader fires at once, threads and processes alike
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _READER, str(entry), str(start)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    digests: list[str] = []
+
+    def thread_reader() -> None:
+        time.sleep(max(0.0, start - time.time()))
+        digests.append(hashlib.sha256(entry.read_bytes()).hexdigest())
+
+    threads = [threading.Thread(target=thread_reader) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for process in processes:
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == 0
+        digests.append(out.strip())
+
+    assert digests == [want] * 12
+    stats = mount.stats()
+    assert stats["decodes"] == 1
+    assert stats["hits"] + stats["misses"] == 12
+    assert stats["coalesced"] >= 1 and stats["coalesced"] == stats["misses"] - 1
+
+
+def test_decodes_run_in_a_bounded_pool_while_hits_keep_flowing(
+    mounts: MountFactory, large: list[Path]
+) -> None:
+    mount = mounts({"v1": large[0].parents[1]}, decode_workers=2)
+    hit_entry = mount.path("v1", "32", f"{large[0].stem}.npy")
+    hit_bytes = reference_npy(large[0], 32)
+    assert hit_entry.read_bytes() == hit_bytes
+
+    results: dict[str, bytes] = {}
+
+    def cold_reader(original: Path) -> None:
+        results[original.stem] = mount.path("v1", "224", f"{original.stem}.npy").read_bytes()
+
+    threads = [threading.Thread(target=cold_reader, args=(p,)) for p in large]
+    for thread in threads:
+        thread.start()
+    running_seen, queued_seen, hits_during_decodes = [], [], 0
+    while any(t.is_alive() for t in threads):
+        # Both reads are answered by the daemon's event loop, between decodes.
+        with open(hit_entry, "rb", buffering=0) as f:
+            assert f.read() == hit_bytes
+        stats = mount.stats()
+        running_seen.append(stats["inflight_decodes"])
+        queued_seen.append(stats["queued_decodes"])
+        if stats["inflight_decodes"]:
+            hits_during_decodes += 1
+        time.sleep(0.005)
+    for thread in threads:
+        thread.join()
+
+    assert max(running_seen) <= 2  # the pool is bounded
+    assert max(queued_seen) >= 1  # and readers queued behind it
+    assert hits_during_decodes >= 1  # while hits were answered
+    for original in large:
+        assert results[original.stem] == reference_npy(original, 224)
+    stats = mount.stats()
+    assert stats["decodes"] == LARGE_COUNT + 1
+    assert stats["inflight_decodes"] == stats["queued_decodes"] == 0

@@ -1,0 +1,194 @@
+"""Faults injected for real: bad originals, corrupt entries, full and read-only stores."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from decodefs.store import TRAILER_SIZE
+from tests.conftest import MountFactory, needs_root
+from tests.helpers import errno_of, reference_npy, write_bad_originals
+
+
+def read(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+@pytest.fixture
+def corpus(tmp_path: Path, photos: dict[str, Path]) -> Path:
+    """A private copy of the photos (tests change originals)."""
+    root = tmp_path / "originals"
+    for path in photos.values():
+        shutil.copy(path, root / path.name if root.exists() else _mkdir(root) / path.name)
+    return root
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+def test_bad_originals_are_eio_for_that_file_only(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path]
+) -> None:
+    bad = write_bad_originals(corpus / "bad", photos["astronaut-baseline"])
+    mount = mounts({"v1": corpus}, error_cache_seconds=0.5)
+    for uuid in bad:
+        assert errno_of(read, mount.path("v1", "224", f"{uuid}.npy")) == errno.EIO, uuid
+        assert os.stat(mount.path("v1", "224", f"{uuid}.npy")).st_size > 0  # listing still works
+    for uuid, path in photos.items():  # the daemon keeps serving everything else
+        assert read(mount.path("v1", "224", f"{uuid}.npy")) == reference_npy(path, 224)
+    stats = mount.stats()
+    assert stats["decode_errors"] == len(bad)
+    assert stats["errors"]["EIO"] == len(bad)
+    log = mount.log_text()
+    for uuid, path in bad.items():
+        assert f"cannot decode {path}" in log, uuid
+    assert "image file is truncated" in log
+    assert "cannot identify image file" in log
+    assert "decompression bomb" in log
+
+
+def test_a_failed_original_is_negative_cached_briefly(mounts: MountFactory, corpus: Path) -> None:
+    broken = corpus / "broken.jpg"
+    broken.write_bytes(b"not yet an image")
+    mount = mounts({"v1": corpus}, error_cache_seconds=1.0)
+    entry = mount.path("v1", "64", "broken.npy")
+    assert errno_of(read, entry) == errno.EIO
+    assert errno_of(read, entry) == errno.EIO  # answered from the negative cache
+    stats = mount.stats()
+    assert stats["decode_errors"] == 1 and stats["errors"]["EIO"] == 2
+
+    shutil.copy(next(corpus.glob("*.jpg")), broken)  # the original is fixed
+    time.sleep(1.2)
+    assert read(entry) == reference_npy(broken, 64)
+
+
+def test_an_original_deleted_after_the_scan_is_enoent(mounts: MountFactory, corpus: Path) -> None:
+    mount = mounts({"v1": corpus})
+    victim = next(corpus.glob("*.png"))
+    victim.unlink()
+    assert errno_of(read, mount.path("v1", "224", f"{victim.stem}.npy")) == errno.ENOENT
+    assert mount.stats()["errors"]["ENOENT"] == 1
+
+
+def test_corrupt_entries_are_rebuilt_never_served(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    mount = mounts({"v1": corpus})
+    uuids = sorted(photos)
+    for uuid in uuids:
+        read(mount.path("v1", "224", f"{uuid}.npy"))
+    assert mount.stop() == 0
+
+    store = tmp_path / "store" / "v1" / "224"
+
+    def entry(uuid: str) -> Path:
+        return store / uuid[:2] / f"{uuid}.npy"
+
+    def flip(path: Path, offset: int, bit: int = 0x01) -> None:
+        data = bytearray(path.read_bytes())
+        data[offset] ^= bit
+        path.write_bytes(bytes(data))
+
+    damaged = uuids[:6]
+    entry(damaged[0]).write_bytes(entry(damaged[0]).read_bytes()[:70_000])  # truncated
+    flip(entry(damaged[1]), 10)  # header
+    flip(entry(damaged[2]), 60_000, 0x20)  # one payload bit
+    entry(damaged[3]).write_bytes(
+        entry(damaged[3]).read_bytes()[:-TRAILER_SIZE]
+    )  # plain .npy, no trailer
+    entry(damaged[4]).write_bytes(b"")  # zero length, as after a power cut
+    os.replace(entry(damaged[5]), entry(damaged[5]).with_name("moved"))
+    shutil.copy(entry(uuids[-1]), entry(damaged[5]))  # another uuid's intact entry
+
+    mount.start()
+    for uuid in uuids:
+        assert read(mount.path("v1", "224", f"{uuid}.npy")) == reference_npy(photos[uuid], 224), (
+            uuid
+        )
+    stats = mount.stats()
+    assert stats["corrupt_entries"] == len(damaged)
+    assert stats["decodes"] == len(damaged)  # rebuilds are decodes
+    assert stats["hits"] == len(uuids) - len(damaged)
+    for uuid in damaged:  # repaired on disk, too
+        assert entry(uuid).read_bytes()[:-TRAILER_SIZE] == reference_npy(photos[uuid], 224)
+    assert mount.log_text().count("failed verification") == len(damaged)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    root = tmp_path / "tmpfs"
+    root.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "decodefs-test", str(root)], check=True
+    )
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+@needs_root
+def test_a_full_store_serves_from_memory(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tiny_tmpfs: Path
+) -> None:
+    mount = mounts({"v1": corpus}, store=tiny_tmpfs / "store", memory_cache_bytes="400K")
+    for _ in range(2):
+        for uuid, path in photos.items():  # 11 x 147 KiB into 1 MiB
+            assert read(mount.path("v1", "224", f"{uuid}.npy")) == reference_npy(path, 224), uuid
+    stats = mount.stats()
+    assert 0 < stats["store_entries"] < len(photos)
+    assert stats["store_write_errors"] == stats["memory_fallbacks"] > 0
+    assert stats["errors"]["store_ENOSPC"] == stats["store_write_errors"]
+    assert stats["memory_cache_bytes"] <= 400 * 1024
+    assert stats["decode_errors"] == 0
+    log = mount.log_text()
+    assert "ENOSPC" in log and "serving it from memory" in log
+    assert log.count("serving it from memory") < stats["store_write_errors"]  # rate-limited
+    assert os.listdir(tiny_tmpfs / "store" / ".tmp") == []
+
+
+@needs_root
+def test_a_read_only_store_serves_hits_from_flash_and_misses_from_memory(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tiny_tmpfs: Path
+) -> None:
+    uuids = sorted(photos)
+    mount = mounts({"v1": corpus}, store=tiny_tmpfs / "store", expect_errors=("is not writable",))
+    for uuid in uuids[:3]:
+        read(mount.path("v1", "64", f"{uuid}.npy"))
+    assert mount.stop() == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True)
+
+    mount.start()
+    for uuid in uuids:
+        assert read(mount.path("v1", "64", f"{uuid}.npy")) == reference_npy(photos[uuid], 64), uuid
+    stats = mount.stats()
+    assert stats["store_writable"] is False
+    assert stats["hits"] == 3
+    assert stats["decodes"] == stats["memory_fallbacks"] == len(uuids) - 3
+    assert stats["errors"]["store_EROFS"] == len(uuids) - 3
+
+
+def test_an_unexpected_exception_is_eio_for_that_request_only(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts(
+        {"v1": corpus},
+        env={"DECODEFS_FAILPOINT_OPEN": "camera-gray"},
+        expect_errors=("unexpected error in open", "Traceback"),
+    )
+    for _ in range(3):
+        assert errno_of(read, mount.path("v1", "224", "camera-gray.npy")) == errno.EIO
+    for uuid, path in photos.items():
+        if uuid != "camera-gray":
+            assert read(mount.path("v1", "224", f"{uuid}.npy")) == reference_npy(path, 224)
+    assert mount.stats()["errors"]["unexpected"] == 3
+    assert "RuntimeError: failpoint" in mount.log_text()

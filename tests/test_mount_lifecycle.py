@@ -1,0 +1,205 @@
+"""Mount life cycle through the real CLI: background mount, umount, signals, kill -9."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MountFactory
+from tests.helpers import errno_of, is_mounted, reference_npy, unmount_quietly, write_config
+
+
+def decodefs(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "decodefs", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def mountpoint(tmp_path: Path) -> Iterator[Path]:
+    """A mount point for daemons the CLI starts in the background; always cleared."""
+    path = tmp_path / "cli-mnt"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        pid = _pid_of(path)
+        unmount_quietly(path)
+        if pid:
+            _wait_gone(pid)
+
+
+def _pid_of(mountpoint: Path) -> int | None:
+    try:
+        value = json.loads((mountpoint / ".decodefs" / "stats.json").read_bytes())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    """Whether ``pid`` has exited (a zombie awaiting its reaper counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state == "Z":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(
+    tmp_path: Path, mountpoint: Path, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    result = decodefs(
+        "mount", mountpoint, "--config", config, "--log-file", tmp_path / "daemon.log"
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"mounted {mountpoint}" in result.stdout
+    # Live the moment the command returns: no polling.
+    uuid, path = next(iter(photos.items()))
+    assert (mountpoint / "v1" / "224" / f"{uuid}.npy").read_bytes() == reference_npy(path, 224)
+    pid = _pid_of(mountpoint)
+    assert pid is not None
+
+    table = decodefs("stats", mountpoint)
+    assert table.returncode == 0
+    assert "misses" in table.stdout and "hit ratio" in table.stdout
+    assert json.loads(decodefs("stats", mountpoint, "--json").stdout)["decodes"] == 1
+
+    result = decodefs("umount", mountpoint)
+    assert result.returncode == 0, result.stderr
+    assert not is_mounted(mountpoint)
+    assert _wait_gone(pid, timeout=0.5)  # umount already waited for it
+    log = (tmp_path / "daemon.log").read_text()
+    assert "mounted" in log and "unmounted" in log and "ERROR" not in log
+
+
+def test_kill_9_then_mount_recovers_the_stale_mount_and_keeps_the_store(
+    mounts: MountFactory,
+    mountpoint: Path,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    for uuid in photos:
+        mount.path("v1", "224", f"{uuid}.npy").read_bytes()
+    mount.kill9()
+
+    # The kernel keeps the dead mount; anything that reaches the daemon fails.
+    assert is_mounted(mount.mountpoint)
+    assert errno_of(os.listdir, mount.mountpoint) == errno.ENOTCONN
+    assert errno_of(os.statvfs, mount.mountpoint) == errno.ENOTCONN
+
+    log = tmp_path / "restart.log"
+    result = decodefs("mount", mount.mountpoint, "--config", mount.config, "--log-file", log)
+    assert result.returncode == 0, result.stderr + log.read_text()
+    try:
+        for uuid, path in photos.items():
+            assert mount.path("v1", "224", f"{uuid}.npy").read_bytes() == reference_npy(path, 224)
+        stats = mount.stats()
+        assert stats["decodes"] == 0 and stats["hits"] == len(photos)
+        assert "decodefs: clearing stale mount" in result.stderr
+    finally:
+        assert decodefs("umount", mount.mountpoint).returncode == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_unmounts_cleanly_and_exits_zero(
+    mounts: MountFactory, photos_dir: Path, signum: signal.Signals
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    assert mount.process is not None
+    mount.process.send_signal(signum)
+    assert mount.process.wait(timeout=30) == 0
+    assert not is_mounted(mount.mountpoint)
+    assert f"{signum.name} received; unmounting" in mount.log_text()
+
+
+def test_sigterm_detaches_but_finishes_reads_already_open(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    assert mount.process is not None
+    uuid, original = next(iter(photos.items()))
+    with open(mount.path("v1", "224", f"{uuid}.npy"), "rb", buffering=0) as busy:
+        head = busy.read(100)
+        mount.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while is_mounted(mount.mountpoint) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not is_mounted(mount.mountpoint)  # gone from the namespace at once
+        assert mount.process.poll() is None  # but still serving the open file
+        assert head + busy.read() == reference_npy(original, 224)
+    assert mount.process.wait(timeout=30) == 0  # exits once the last file is closed
+
+
+def test_a_live_mount_is_not_mounted_over(mounts: MountFactory, photos_dir: Path) -> None:
+    mount = mounts({"v1": photos_dir})
+    for extra in ([], ["--foreground"]):
+        result = decodefs("mount", mount.mountpoint, "--config", mount.config, *extra)
+        assert result.returncode == 1
+        assert "is already mounted" in result.stderr and "decodefs umount" in result.stderr
+    assert os.listdir(mount.path("v1")) == ["224"]  # the first mount is untouched
+
+
+def test_user_errors_are_one_line(tmp_path: Path, photos_dir: Path, mountpoint: Path) -> None:
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    cases = [
+        (("mount", tmp_path / "absent", "--config", config), "mount point"),
+        (("mount", mountpoint, "--config", tmp_path / "absent.toml"), "no such config file"),
+        (("umount", mountpoint), "is not mounted"),
+        (("stats", mountpoint), "is decodefs mounted there?"),
+    ]
+    for args, message in cases:
+        result = decodefs(*args)
+        assert result.returncode == 1, args
+        assert result.stderr.startswith("decodefs: error: ") and message in result.stderr, (
+            result.stderr
+        )
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_duplicate_uuids_stop_the_mount_with_the_reason(tmp_path: Path, mountpoint: Path) -> None:
+    source = tmp_path / "originals"
+    (source / "a").mkdir(parents=True)
+    (source / "b").mkdir()
+    (source / "a" / "x.jpg").write_bytes(b"1")
+    (source / "b" / "x.png").write_bytes(b"2")
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": source})
+    for extra in ([], ["--foreground"]):
+        result = decodefs(
+            "mount", mountpoint, "--config", config, "--log-file", tmp_path / "log", *extra
+        )
+        assert result.returncode == 1
+        assert "versions.v1.source: 1 uuid(s) have more than one original" in result.stderr
+        assert result.stderr.count("\n") == 1
+        assert not is_mounted(mountpoint)
+
+
+def test_one_daemon_per_store(mounts: MountFactory, photos_dir: Path, mountpoint: Path) -> None:
+    mount = mounts({"v1": photos_dir})
+    result = decodefs(
+        "mount", mountpoint, "--config", mount.config, "--log-file", mountpoint.parent / "2.log"
+    )
+    assert result.returncode == 1
+    assert "in use by another decodefs daemon" in result.stderr
+    assert not is_mounted(mountpoint)

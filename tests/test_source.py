@@ -1,0 +1,140 @@
+"""Indexing originals: recursion, extensions, stems, duplicates, symlinks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decodefs.config import DEFAULT_EXTENSIONS
+from decodefs.source import OriginalMissing, SourceError, scan_source
+
+
+def touch(path: Path, data: bytes = b"x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_recursive_scan_by_extension_any_case(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    for name in [
+        "a.jpg",
+        "b.JPEG",
+        "deep/er/c.png",
+        "d.webp",
+        "e.Bmp",
+        "f.tif",
+        "g.TIFF",
+        "h.jpeg",
+    ]:
+        touch(root / name)
+    for name in [
+        "notes.txt",
+        "i.gif",
+        "noext",
+        "j.jpg.bak",
+        ".hidden.jpg",
+        ".cache/k.jpg",
+        "Thumbs.db",
+    ]:
+        touch(root / name)
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS)
+    assert list(index.uuids) == ["a", "b", "c", "d", "e", "f", "g", "h"]
+    assert index.original_path(index.find("c") or 0) == str(root / "deep/er/c.png")
+    assert index.find("notes") is None and index.find("k") is None
+
+
+def test_uuid_is_the_stem(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch(root / "2f9e.v2.final.jpg")
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS)
+    assert list(index.uuids) == ["2f9e.v2.final"]
+
+
+def test_duplicate_stems_are_an_error_naming_them(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch(root / "a" / "x.jpg")
+    touch(root / "b" / "x.png")
+    touch(root / "y.jpg")
+    with pytest.raises(SourceError) as info:
+        scan_source("v1", root, DEFAULT_EXTENSIONS)
+    message = str(info.value)
+    assert "versions.v1.source" in message and "'x'" in message
+    assert "a/x.jpg" in message and "b/x.png" in message
+    assert 'duplicates = "skip"' in message
+
+
+def test_duplicates_skip_leaves_every_clashing_uuid_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "src"
+    touch(root / "a" / "x.jpg")
+    touch(root / "b" / "x.png")
+    touch(root / "y.jpg")
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS, duplicates="skip")
+    assert list(index.uuids) == ["y"]
+    assert index.duplicates == {"x": ["a/x.jpg", "b/x.png"]}
+    assert "uuid 'x' has 2 originals" in caplog.text
+
+
+def test_symlinks_inside_are_followed_outside_are_not(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    outside = tmp_path / "outside"
+    touch(outside / "secret.jpg")
+    touch(outside / "dir" / "leak.jpg")
+    touch(root / "real" / "inner.jpg")
+    (root / "escape.jpg").symlink_to(outside / "secret.jpg")
+    (root / "escape-dir").symlink_to(outside / "dir")
+    (root / "alias.jpg").symlink_to(root / "real" / "inner.jpg")
+    (root / "linked-dir").symlink_to(root / "real")  # same files again: not duplicates
+    (root / "loop").symlink_to(root)
+    (root / "dangling.jpg").symlink_to(root / "gone.jpg")
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS)
+    assert list(index.uuids) == ["alias", "inner"]
+    assert index.symlinks_outside == 2
+
+
+def test_original_path_refuses_a_symlink_swapped_to_the_outside(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    target = touch(root / "a.jpg")
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS)
+    target.unlink()
+    with pytest.raises(OriginalMissing, match="no longer exists"):
+        index.original_path(0)
+    target.symlink_to(touch(tmp_path / "outside.jpg"))
+    with pytest.raises(OriginalMissing, match="outside the source"):
+        index.original_path(0)
+
+
+def test_names_too_long_for_a_file_name_are_skipped(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    # Only an extension shorter than "npy" can make <uuid>.npy longer than its original.
+    touch(root / ("a" * 251 + ".jp"))  # "a"*251 + ".npy" is 255 bytes: fine
+    touch(root / ("b" * 252 + ".jp"))  # would be 256
+    index = scan_source("v1", root, ["jp"])
+    assert list(index.uuids) == ["a" * 251]
+    assert index.skipped_names == 1
+
+
+def test_prefix_ranges_are_the_sharded_layout(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    for uuid in ["a", "ab", "abc", "abd", "ac", "b0", "é1", "éz"]:
+        touch(root / f"{uuid}.jpg")
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS)
+
+    def shard(prefix: str) -> list[str]:
+        return [index.uuids[i] for i in index.prefix_range(prefix)]
+
+    assert shard("a") == ["a"]
+    assert shard("ab") == ["ab", "abc", "abd"]
+    assert shard("b0") == ["b0"]
+    assert shard("é1") == ["é1"]
+    assert shard("zz") == [] and shard("") == [] and shard("abc") == []
+    for uuid in index.uuids:
+        assert uuid in shard(uuid[:2])
+
+
+def test_missing_source_is_a_source_error(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=r"versions\.v1\.source"):
+        scan_source("v1", tmp_path / "absent", DEFAULT_EXTENSIONS)

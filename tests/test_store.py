@@ -1,0 +1,200 @@
+"""The store on disk: atomic self-verifying entries, fingerprints, locks, usage."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
+from decodefs.store import TRAILER_SIZE, CorruptEntry, EntryKey, Store, StoreError, StoreWriteError
+from tests.conftest import needs_root
+
+V1 = decoder_fingerprint(DecodeSettings())
+KEY = EntryKey("v1", 16, "abcdef")
+
+
+def payload(seed: int = 0, size: int = 16) -> bytes:
+    rng = np.random.default_rng(seed)
+    return npy_bytes(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "store", {"v1": V1})
+    s.open()
+    yield s
+    s.close()
+
+
+def test_entry_is_numpy_save_bytes_plus_trailer_at_the_sharded_path(
+    store: Store, tmp_path: Path
+) -> None:
+    data = payload()
+    store.write(KEY, data)
+    path = tmp_path / "store" / "v1" / "16" / "ab" / "abcdef.npy"
+    assert store.path(KEY) == str(path)
+    raw = path.read_bytes()
+    assert raw[:-TRAILER_SIZE] == data and len(raw) == len(data) + TRAILER_SIZE
+    assert np.array_equal(np.load(path), np.load(io.BytesIO(data)))  # numpy ignores the trailer
+    assert np.array_equal(np.load(path, mmap_mode="r"), np.load(io.BytesIO(data)))
+    assert bytes(store.read(KEY) or b"") == data
+    assert store.read(EntryKey("v1", 16, "absent")) is None
+    assert os.listdir(tmp_path / "store" / ".tmp") == []
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda b: b[:100], "no integrity trailer"),
+        (lambda b: b[:-1], "no integrity trailer"),
+        (lambda b: b"", "truncated to 0 bytes"),
+        (lambda b: b[:5] + bytes([b[5] ^ 0x01]) + b[6:], "checksum mismatch"),  # header bit
+        (lambda b: b[:200] + bytes([b[200] ^ 0x10]) + b[201:], "checksum mismatch"),  # payload bit
+        (
+            lambda b: b[: -TRAILER_SIZE - 1] + b[-TRAILER_SIZE:],
+            "length",
+        ),  # a byte short, trailer intact
+    ],
+)
+def test_damaged_entries_are_detected_and_removed(
+    store: Store, damage: object, reason: str
+) -> None:
+    store.write(KEY, payload())
+    path = Path(store.path(KEY))
+    path.write_bytes(damage(path.read_bytes()))  # type: ignore[operator]
+    with pytest.raises(CorruptEntry, match=reason):
+        store.read(KEY)
+    assert not path.exists()
+    assert store.read(KEY) is None
+
+
+def test_every_single_bit_flip_is_caught(store: Store) -> None:
+    data = payload(size=8)
+    store.write(KEY, data)
+    path = Path(store.path(KEY))
+    good = path.read_bytes()
+    rng = np.random.default_rng(1)
+    for position in rng.choice(len(good), 64, replace=False):
+        bit = 1 << int(rng.integers(8))
+        path.write_bytes(good[:position] + bytes([good[position] ^ bit]) + good[position + 1 :])
+        with pytest.raises(CorruptEntry):
+            store.read(KEY)
+        store.write(KEY, data)
+
+
+def test_entries_of_other_decode_settings_are_never_served(tmp_path: Path) -> None:
+    first = Store(tmp_path / "store", {"v1": V1})
+    first.open()
+    first.write(KEY, payload())
+    path = Path(first.path(KEY))
+    first.close()
+    copy = path.read_bytes()
+
+    changed = Store(
+        tmp_path / "store", {"v1": decoder_fingerprint(DecodeSettings(resample="bicubic"))}
+    )
+    changed.open()
+    assert not path.exists()  # the old version directory was discarded
+    path.parent.mkdir(parents=True)
+    path.write_bytes(copy)  # even an old entry put back by hand is refused
+    with pytest.raises(CorruptEntry, match="other settings"):
+        changed.read(KEY)
+    changed.close()
+
+
+def test_leftover_temp_files_are_removed_at_open(tmp_path: Path) -> None:
+    tmp = tmp_path / "store" / ".tmp"
+    tmp.mkdir(parents=True)
+    (tmp / "0123abcd.npy").write_bytes(b"half a write")
+    s = Store(tmp_path / "store", {"v1": V1})
+    s.open()
+    assert os.listdir(tmp) == []
+    s.close()
+
+
+def test_one_daemon_per_store(store: Store, tmp_path: Path) -> None:
+    second = Store(tmp_path / "store", {"v1": V1})
+    with pytest.raises(StoreError, match="in use by another decodefs daemon"):
+        second.open()
+
+
+def test_a_store_of_another_format_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / ".decodefs-store").write_text('{"format": 99}')
+    with pytest.raises(StoreError, match="store format 99"):
+        Store(tmp_path / "store", {"v1": V1}).open()
+
+
+def test_usage_is_counted_at_start_and_kept_current(tmp_path: Path) -> None:
+    first = Store(tmp_path / "store", {"v1": V1})
+    first.open()
+    for i in range(5):
+        first.write(EntryKey("v1", 16, f"u{i:02d}"), payload(i))
+    first.close()
+    entry_bytes = len(payload()) + TRAILER_SIZE
+
+    s = Store(tmp_path / "store", {"v1": V1})
+    s.open()
+    usage = s.wait_for_usage()
+    assert (usage.entries, usage.bytes, usage.complete) == (5, 5 * entry_bytes, True)
+    s.write(EntryKey("v1", 16, "new"), payload(9))
+    s.write(EntryKey("v1", 16, "u00"), payload(0))  # a rewrite adds nothing
+    s.remove(EntryKey("v1", 16, "u01"))
+    assert (s.usage().entries, s.usage().bytes) == (5, 5 * entry_bytes)
+    s.close()
+
+
+def test_a_store_that_cannot_be_created_serves_nothing_and_raises_nothing(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    s = Store(tmp_path / "file" / "store", {"v1": V1})
+    s.open()
+    assert not s.writable
+    assert s.read(KEY) is None
+    with pytest.raises(StoreWriteError, match="ENOTDIR"):
+        s.write(KEY, payload())
+
+
+@needs_root
+def test_full_and_read_only_stores_raise_store_write_error(tmp_path: Path) -> None:
+    root = tmp_path / "tiny"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], check=True)
+    try:
+        s = Store(root / "store", {"v1": V1})
+        s.open()
+        big = payload(size=96)  # ~27 KiB each
+        written = 0
+        with pytest.raises(StoreWriteError, match="ENOSPC"):
+            for i in range(100):
+                s.write(EntryKey("v1", 96, f"k{i:03d}"), big)
+                written += 1
+        assert 3 < written < 100
+        assert os.listdir(root / "store" / ".tmp") == []  # the failed temp file is gone
+        assert bytes(s.read(EntryKey("v1", 96, "k000")) or b"") == big
+        s.close()
+
+        subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+        ro = Store(root / "store", {"v1": V1})
+        ro.open()
+        assert not ro.writable
+        assert bytes(ro.read(EntryKey("v1", 96, "k000")) or b"") == big  # hits still work
+        with pytest.raises(StoreWriteError, match="EROFS"):
+            ro.write(EntryKey("v1", 96, "other"), big)
+        ro.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def test_an_entry_moved_to_another_keys_path_fails(store: Store) -> None:
+    other = EntryKey("v1", 16, "abzzzz")
+    store.write(KEY, payload(1))
+    store.write(other, payload(2))
+    Path(store.path(KEY)).replace(store.path(other))  # same shard dir: a misdirected rename
+    with pytest.raises(CorruptEntry, match="another entry's file"):
+        store.read(other)
