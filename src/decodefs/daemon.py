@@ -170,7 +170,13 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
         }
         operations = DecodeFS(Tree(engine, list(status_files)), engine, status_files)
         options = set(pyfuse3.default_options) | {f"fsname={FS_NAME}", f"subtype={FS_NAME}", "ro"}
-        pyfuse3.init(operations, mountpoint, options)
+        try:
+            pyfuse3.init(operations, mountpoint, options)
+        except RuntimeError as exc:  # libfuse has printed its reason on stderr
+            raise MountError(
+                f"cannot mount {mountpoint}: {exc} "
+                "(is /dev/fuse present and fusermount3 installed?)"
+            ) from exc
         try:
             trio.run(_serve, mountpoint, on_ready)
         finally:

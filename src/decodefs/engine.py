@@ -73,6 +73,22 @@ class _Flight:
     error: Exception | None = None
 
 
+class _Bitmap:
+    """One bit per original: 46 KiB per (version, size) at 370k originals."""
+
+    def __init__(self, size: int) -> None:
+        self._bits = bytearray((size + 7) // 8)
+
+    def __getitem__(self, index: int) -> bool:
+        return bool(self._bits[index >> 3] & (1 << (index & 7)))
+
+    def set(self, index: int, value: bool) -> None:
+        if value:
+            self._bits[index >> 3] |= 1 << (index & 7)
+        else:
+            self._bits[index >> 3] &= ~(1 << (index & 7)) & 0xFF
+
+
 class _MemoryCache:
     """Bounded LRU of arrays the store could not take."""
 
@@ -127,8 +143,8 @@ class Engine:
         self._pool_threads = trio.CapacityLimiter(math.inf)
         self._io_limiter = trio.CapacityLimiter(config.io_workers)
         self._flights: dict[EntryKey, _Flight] = {}
-        # (version, size) -> one byte per original: 1 once verified in this daemon's life.
-        self._verified: dict[tuple[str, int], bytearray] = {}
+        # (version, size) -> a bit per original, set once verified in this daemon's life.
+        self._verified: dict[tuple[str, int], _Bitmap] = {}
         self._memory = _MemoryCache(config.memory_cache_bytes)
         self._failures: dict[EntryKey, tuple[float, str]] = {}
         self._throttle = LogThrottle(log)
@@ -185,7 +201,7 @@ class Engine:
             try:
                 flight.outcome = await self._acquire(key, index)
                 if flight.outcome.stored:
-                    verified[index] = 1
+                    verified.set(index, True)
             except Exception as exc:
                 flight.error = exc
             finally:
@@ -258,10 +274,10 @@ class Engine:
 
     # -- internals ----------------------------------------------------------
 
-    def _verified_map(self, version: str, size: int) -> bytearray:
+    def _verified_map(self, version: str, size: int) -> _Bitmap:
         verified = self._verified.get((version, size))
         if verified is None:
-            verified = self._verified[version, size] = bytearray(self.count(version))
+            verified = self._verified[version, size] = _Bitmap(self.count(version))
         return verified
 
     def _check_recent_failure(self, key: EntryKey) -> None:
@@ -313,22 +329,24 @@ class Engine:
 
     async def _decode(self, key: EntryKey, index: int) -> bytes:
         source = self._sources[key.version]
-        try:
-            path = source.original_path(index)
-        except OriginalMissing as exc:
-            self.metrics.errors["ENOENT"] += 1
-            log.warning("original of %s is gone: %s", key, exc)
-            raise OriginalNotFound(str(exc)) from exc
         settings = self.config.versions[key.version].decode
         max_pixels = self.config.max_pixels
+        path = source.relpaths[index]
 
         def work() -> tuple[bytes, float]:
+            # Worker thread: the source may be slow network storage.
+            nonlocal path
+            path = source.original_path(index)
             started = time.perf_counter()
             array = decode_image(path, key.size, settings, max_pixels=max_pixels)
             return npy_bytes(array), time.perf_counter() - started
 
         try:
             data, seconds = await self._run_decode(work)
+        except OriginalMissing as exc:
+            self.metrics.errors["ENOENT"] += 1
+            log.warning("original of %s is gone: %s", key, exc)
+            raise OriginalNotFound(str(exc)) from exc
         except DecodeError as exc:
             self.metrics.decode_errors += 1
             self.metrics.errors["EIO"] += 1
@@ -382,7 +400,7 @@ class Engine:
         index = self._sources[key.version].find(key.uuid)
         if index is None:  # pragma: no cover - the index never loses uuids
             raise OSError(errno.EIO, "entry disappeared")
-        self._verified_map(key.version, key.size)[index] = 0
+        self._verified_map(key.version, key.size).set(index, False)
         fresh = await self.open(key.version, key.size, index)
         assert fresh.data is not None
         handle.data = fresh.data
