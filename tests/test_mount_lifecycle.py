@@ -203,3 +203,25 @@ def test_one_daemon_per_store(mounts: MountFactory, photos_dir: Path, mountpoint
     assert result.returncode == 1
     assert "in use by another decodefs daemon" in result.stderr
     assert not is_mounted(mountpoint)
+
+
+def test_umount_refuses_while_files_are_open_unless_lazy(
+    tmp_path: Path, mountpoint: Path, photos_dir: Path
+) -> None:
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    assert (
+        decodefs("mount", mountpoint, "--config", config, "--log-file", tmp_path / "log").returncode
+        == 0
+    )
+    pid = _pid_of(mountpoint)
+    assert pid is not None
+    with open(next((mountpoint / "v1" / "224").iterdir()), "rb") as busy:
+        busy.read(10)
+        result = decodefs("umount", mountpoint)
+        assert result.returncode == 1
+        assert "busy" in result.stderr and "--lazy" in result.stderr
+        assert is_mounted(mountpoint)
+        assert decodefs("umount", "--lazy", mountpoint).returncode == 0
+        assert not is_mounted(mountpoint)
+        busy.read()  # the reader holding the file is not cut off
+    assert _wait_gone(pid)
