@@ -35,12 +35,15 @@ def _make_factory(base: Path, created: list[Mount]) -> MountFactory:
         store: Path | None = None,
         expect_errors: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        wrapper: tuple[str, ...] = (),
         **config: Any,
     ) -> Mount:
         config_path = write_config(
             base / f"{name}.toml", store or base / "store", versions, **config
         )
-        mount = Mount(base / name, config_path, base / f"{name}.log", env or {}, expect_errors)
+        mount = Mount(
+            base / name, config_path, base / f"{name}.log", env or {}, expect_errors, list(wrapper)
+        )
         created.append(mount)
         return mount.start()
 

@@ -147,6 +147,7 @@ class Mount:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     expect_errors: Iterable[str] = ()
+    wrapper: list[str] = field(default_factory=list)  # e.g. ["prlimit", "--nofile=64:64"]
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Mount:
@@ -154,14 +155,9 @@ class Mount:
         log_stream = open(self.log, "ab")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "decodefs",
-                "mount",
-                str(self.mountpoint),
-                "--config",
-                str(self.config),
-                "--foreground",
+                *self.wrapper,
+                *(sys.executable, "-m", "decodefs", "mount", str(self.mountpoint)),
+                *("--config", str(self.config), "--foreground"),
             ],
             stdout=log_stream,
             stderr=log_stream,

@@ -140,6 +140,9 @@ duplicates = "skip"
             "store='s'\nerror_cache_seconds=-1\n[versions.v1]\nsource='originals'",
             "error_cache_seconds: expected",
         ),
+        ("store='s'\nerror_cache_seconds=inf\n[versions.v1]\nsource='originals'", "expected"),
+        ("store='s'\nerror_cache_seconds=nan\n[versions.v1]\nsource='originals'", "expected"),
+        ("store='s'\nmax_pixels=200000000\n[versions.v1]\nsource='originals'", "max_pixels: 2"),
         (
             "store='s'\nlog_level='loud'\n[versions.v1]\nsource='originals'",
             "log_level: 'loud' is not one of",

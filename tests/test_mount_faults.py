@@ -10,7 +10,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from decodefs.store import TRAILER_SIZE
 from tests.conftest import MountFactory, needs_root
@@ -47,6 +49,7 @@ def test_bad_originals_are_eio_for_that_file_only(
         assert read(mount.path("v1", "224", f"{uuid}.npy")) == reference_npy(path, 224)
     stats = mount.stats()
     assert stats["decode_errors"] == len(bad)
+    assert stats["decodes"] == len(bad) + len(photos)  # failed decodes ran too
     assert stats["errors"]["EIO"] == len(bad)
     log = mount.log_text()
     for uuid, path in bad.items():
@@ -192,3 +195,60 @@ def test_an_unexpected_exception_is_eio_for_that_request_only(
             assert read(mount.path("v1", "224", f"{uuid}.npy")) == reference_npy(path, 224)
     assert mount.stats()["errors"]["unexpected"] == 3
     assert "RuntimeError: failpoint" in mount.log_text()
+
+
+def test_hundreds_of_open_files_do_not_exhaust_the_daemons_descriptors(
+    mounts: MountFactory, tmp_path: Path
+) -> None:
+    originals = tmp_path / "small"
+    originals.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(300):
+        Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(
+            originals / f"s{i:03d}.png"
+        )
+    # The daemon may hold at most 64 descriptors, soft and hard: it cannot raise them.
+    mount = mounts({"v1": originals}, sizes=[16], wrapper=("prlimit", "--nofile=64:64"))
+    entries = sorted(mount.path("v1", "16").iterdir())
+    for entry in entries:  # decode and store all; no data enters the page cache
+        os.close(os.open(entry, os.O_RDONLY))
+    files = [open(entry, "rb", buffering=0) for entry in entries]  # noqa: SIM115
+    try:  # 300 handles open at once, each read reaching the daemon
+        for entry, f in zip(entries, files, strict=True):
+            assert f.read() == reference_npy(originals / f"{entry.stem}.png", 16), entry.name
+    finally:
+        for f in files:
+            f.close()
+    stats = mount.stats()
+    assert "unexpected" not in stats["errors"]
+    assert stats["decodes"] == 300 and stats["hits"] == 300
+
+
+def test_an_unreadable_entry_fails_open(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    uuid = "chelsea-444"
+    entry = tmp_path / "store" / "v1" / "224" / uuid[:2] / f"{uuid}.npy"
+    entry.mkdir(parents=True)  # reading it fails with EISDIR, and so does replacing it
+    mount = mounts({"v1": corpus})
+    for _ in range(2):
+        assert read(mount.path("v1", "224", f"{uuid}.npy")) == reference_npy(photos[uuid], 224)
+    stats = mount.stats()
+    assert stats["errors"]["store_read_EISDIR"] == 1  # the second open was a memory hit
+    assert stats["memory_fallbacks"] == 1 and stats["corrupt_entries"] == 0
+    assert entry.is_dir()
+
+
+@needs_root
+def test_a_store_full_at_start_still_mounts_and_serves(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tiny_tmpfs: Path
+) -> None:
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={tiny_tmpfs}/filler", "bs=4k"], capture_output=True, check=False
+    )
+    mount = mounts({"v1": corpus}, store=tiny_tmpfs / "store", expect_errors=("is not writable",))
+    for uuid, path in photos.items():
+        assert read(mount.path("v1", "64", f"{uuid}.npy")) == reference_npy(path, 64)
+    stats = mount.stats()
+    assert stats["store_writable"] is False
+    assert stats["memory_fallbacks"] == len(photos)

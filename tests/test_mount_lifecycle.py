@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from tests.conftest import MountFactory
 from tests.helpers import errno_of, is_mounted, reference_npy, unmount_quietly, write_config
@@ -225,3 +226,41 @@ def test_umount_refuses_while_files_are_open_unless_lazy(
         assert not is_mounted(mountpoint)
         busy.read()  # the reader holding the file is not cut off
     assert _wait_gone(pid)
+
+
+def test_a_hung_daemon_is_reported_not_waited_on_forever(
+    mounts: MountFactory, photos_dir: Path
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    assert mount.process is not None
+    mount.process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        result = decodefs("mount", mount.mountpoint, "--config", mount.config)
+        assert result.returncode == 1
+        assert "does not answer" in result.stderr
+        assert time.monotonic() - started < 60  # the probe gives up; it does not hang
+    finally:
+        mount.process.send_signal(signal.SIGCONT)
+    assert os.listdir(mount.path("v1")) == ["224"]  # and the daemon was left alone
+
+
+def test_unmounting_right_after_a_burst_of_closes_is_a_clean_exit(
+    mounts: MountFactory, tmp_path: Path
+) -> None:
+    # Queued RELEASE requests at unmount make some kernels end the session with
+    # ECONNABORTED instead of ENODEV; the daemon must still exit 0, quietly.
+    originals = tmp_path / "small"
+    originals.mkdir()
+    for i in range(200):
+        Image.new("RGB", (12, 12), (i, 0, 0)).save(originals / f"s{i:03d}.png")
+    mount = mounts({"v1": originals}, sizes=[16])
+    for _ in range(3):
+        files = [open(entry, "rb") for entry in mount.path("v1", "16").iterdir()]  # noqa: SIM115
+        for f in files:
+            f.read()
+        for f in files:
+            f.close()
+        assert mount.stop() == 0
+        assert not mount.unexpected_log_lines()
+        mount.start()

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 
 from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
-from decodefs.store import TRAILER_SIZE, CorruptEntry, EntryKey, Store, StoreError, StoreWriteError
+from decodefs.store import (
+    TRAILER_SIZE,
+    CorruptEntry,
+    EntryKey,
+    Store,
+    StoreError,
+    StoreReadError,
+    StoreWriteError,
+)
 from tests.conftest import needs_root
 
 V1 = decoder_fingerprint(DecodeSettings())
@@ -198,3 +206,43 @@ def test_an_entry_moved_to_another_keys_path_fails(store: Store) -> None:
     Path(store.path(KEY)).replace(store.path(other))  # same shard dir: a misdirected rename
     with pytest.raises(CorruptEntry, match="another entry's file"):
         store.read(other)
+
+
+def test_an_unreadable_entry_is_left_alone_not_called_corrupt(store: Store) -> None:
+    path = Path(store.path(KEY))
+    path.mkdir(parents=True)  # open() fails with EISDIR: nothing is known of its bytes
+    with pytest.raises(StoreReadError, match="EISDIR"):
+        store.read(KEY)
+    assert path.is_dir()
+
+
+def test_odd_leftovers_do_not_make_the_store_read_only(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    (root / ".tmp" / "a-directory").mkdir(parents=True)
+    (root / ".tmp" / "a-directory" / "x").write_bytes(b"x")
+    (root / "v1").mkdir()
+    (root / "v1" / ".fingerprint.json").write_text("[]")  # valid JSON, not an object
+    s = Store(root, {"v1": V1})
+    s.open()
+    assert s.writable
+    assert os.listdir(root / ".tmp") == []
+    assert V1.hex in (root / "v1" / ".fingerprint.json").read_text()
+    s.close()
+
+
+@needs_root
+def test_a_store_full_at_start_opens_and_refuses_writes(tmp_path: Path) -> None:
+    root = tmp_path / "tiny"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(root)], check=True)
+    try:
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={root}/filler", "bs=4k"], capture_output=True, check=False
+        )
+        s = Store(root / "store", {"v1": V1})
+        s.open()  # no exception: the daemon must still start
+        with pytest.raises(StoreWriteError, match="ENOSPC"):
+            s.write(KEY, payload())
+        s.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)

@@ -7,6 +7,7 @@ before anything is mounted. This module knows nothing of FUSE or the store.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -205,7 +206,10 @@ class _Parser:
             memory_cache_bytes=self.byte_size(
                 raw, "memory_cache_bytes", defaults.memory_cache_bytes
             ),
-            max_pixels=self.integer(raw, "max_pixels", defaults.max_pixels, low=1, high=2**40),
+            # Pillow's Image.open refuses more than twice its default on its own.
+            max_pixels=self.integer(
+                raw, "max_pixels", defaults.max_pixels, low=1, high=2 * DEFAULT_MAX_PIXELS
+            ),
             error_cache_seconds=self.number(
                 raw, "error_cache_seconds", defaults.error_cache_seconds
             ),
@@ -301,7 +305,11 @@ class _Parser:
 
     def number(self, table: Mapping[str, Any], name: str, default: float) -> float:
         value = table.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 <= value < math.inf  # also refuses nan
+        ):
             raise ConfigError(f"{name}: expected a non-negative number, got {value!r}")
         return float(value)
 

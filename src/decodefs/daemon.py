@@ -7,28 +7,28 @@ live. This module wires the layers together; it holds no caching policy.
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import json
 import logging
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import pyfuse3
 import trio
 
 from .config import Config
 from .decode import decoder_fingerprint, quiet_pillow_warnings
 from .engine import Engine
-from .fs import DecodeFS
+from .fs import FS_NAME, DecodeFS, FuseMount, MountFailed
 from .source import scan_source
 from .store import Store
 from .tree import Tree
@@ -45,10 +45,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FS_NAME: Final = "decodefs"
-# pyfuse3 starts a worker task per concurrent request up to this many; a reader
-# waiting on a decode holds one, so keep it well above any plausible reader count.
-MAX_REQUEST_TASKS: Final = 512
 _PROBE_TIMEOUT: Final = 5.0
 # After SIGTERM, how long readers holding an open file are still served.
 SHUTDOWN_GRACE: Final = 10.0
@@ -85,16 +81,26 @@ def find_mount(mountpoint: str | os.PathLike[str]) -> MountInfo | None:
 
 def probe(mountpoint: str) -> str:
     """'live', 'stale' (daemon gone: ENOTCONN) or 'hung' (no answer in time)."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(os.statvfs, mountpoint)
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
         try:
-            future.result(timeout=_PROBE_TIMEOUT)
-        except concurrent.futures.TimeoutError:
-            return "hung"
+            os.statvfs(mountpoint)
+            outcome.append(None)
         except OSError as exc:
-            if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
-                return "stale"
-            raise
+            outcome.append(exc)
+
+    # A daemon thread: a hung mount may never answer, and must not hold up exit.
+    thread = threading.Thread(target=call, name="mount-probe", daemon=True)
+    thread.start()
+    thread.join(_PROBE_TIMEOUT)
+    if not outcome:
+        return "hung"
+    error = outcome[0]
+    if isinstance(error, OSError) and error.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+        return "stale"
+    if error is not None:
+        raise error
     return "live"
 
 
@@ -156,6 +162,7 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
     mountpoint = os.path.abspath(mountpoint)
     prepare_mountpoint(mountpoint)
     quiet_pillow_warnings()
+    _raise_open_file_limit()
     sources = {
         name: scan_source(name, v.source, v.extensions, v.duplicates)
         for name, v in config.versions.items()
@@ -173,34 +180,39 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
             "config.json": lambda: _json(config.as_dict()),
         }
         operations = DecodeFS(Tree(engine, list(status_files)), engine, status_files)
-        options = set(pyfuse3.default_options) | {f"fsname={FS_NAME}", f"subtype={FS_NAME}", "ro"}
+        fuse = FuseMount(operations, mountpoint)
         try:
-            pyfuse3.init(operations, mountpoint, options)
-        except RuntimeError as exc:  # libfuse has printed its reason on stderr
+            fuse.mount()
+        except MountFailed as exc:
             raise MountError(
                 f"cannot mount {mountpoint}: {exc} "
                 "(is /dev/fuse present and fusermount3 installed?)"
             ) from exc
         try:
-            trio.run(_serve, mountpoint, on_ready)
+            trio.run(_serve, fuse, mountpoint, on_ready)
         finally:
-            pyfuse3.close(unmount=True)
+            fuse.close()
     finally:
         store.close()
     log.info("unmounted %s", mountpoint)
 
 
-async def _serve(mountpoint: str, on_ready: Callable[[], None] | None) -> None:
+async def _serve(fuse: FuseMount, mountpoint: str, on_ready: Callable[[], None] | None) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, mountpoint)
+        nursery.start_soon(_stop_on_signal, fuse, mountpoint)
         nursery.start_soon(_announce_ready, mountpoint, on_ready)
-        # Returns when the kernel ends the session: an unmount, and after a lazy
-        # unmount, once the last open file is closed.
-        await pyfuse3.main(max_tasks=MAX_REQUEST_TASKS)
+        aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
+    if not aborted:
+        return
+    if find_mount(mountpoint) is not None:
+        # Still mounted, so not an unmount: the connection was aborted under us.
+        # Fail, so that a service manager restarts the daemon.
+        raise ConnectionAbortedError(errno.ECONNABORTED, "the kernel aborted the FUSE connection")
+    log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing was lost")
 
 
-async def _stop_on_signal(mountpoint: str) -> None:
+async def _stop_on_signal(fuse: FuseMount, mountpoint: str) -> None:
     """SIGTERM/SIGINT: detach at once, let open files finish, then stop.
 
     The lazy unmount takes the mount out of the namespace (no new opens) while
@@ -218,7 +230,7 @@ async def _stop_on_signal(mountpoint: str) -> None:
     else:
         await trio.sleep(SHUTDOWN_GRACE)
         log.warning("files still open after %.0f s; stopping anyway", SHUTDOWN_GRACE)
-    pyfuse3.terminate()
+    fuse.stop()
 
 
 async def _announce_ready(mountpoint: str, on_ready: Callable[[], None] | None) -> None:
@@ -263,6 +275,19 @@ def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | N
     raise MountError(
         f"daemon exited with status {code} before the mount was live:\n{_tail(log_file)}"
     )
+
+
+def _raise_open_file_limit() -> None:
+    """Many readers at once must not run the daemon out of descriptors (soft limit 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # an unlimited hard limit cannot be the soft one
+        log.debug("open-file limit stays %d: %s", soft, exc)
+    else:
+        log.debug("open-file limit raised from %d to %d", soft, hard)
 
 
 def _daemon_pid(mountpoint: str) -> int | None:

@@ -1,8 +1,8 @@
 """Original image -> uint8 [size, size, 3] array -> .npy bytes.
 
 Pure functions: no daemon state, no caching policy, no I/O beyond reading the
-original. The daemon, `decodefs warm`, the tests and a user's live training
-path all call `decode_image`, so the mount serves exactly what it returns.
+original. The daemon, the tests and a user's live training path all call
+`decode_image`, so the mount serves exactly what it returns.
 """
 
 from __future__ import annotations

@@ -6,19 +6,18 @@ take them. All policy lives here; the fs layer only translates FUSE requests,
 and this module never imports pyfuse3.
 
 Concurrency: everything here runs on the trio thread, so the engine's own
-state needs no locks. Blocking work goes to worker threads through two
-limiters: ``_decode_limiter`` (sized to the cores; Pillow releases the GIL)
-and ``_io_limiter`` (store reads and writes, so a hit never queues behind
-decodes). ``_flights`` is the single-flight map: one task per key does the
-work, every other opener of that key waits for its result.
+state needs no locks. Blocking work goes to worker threads through three
+limiters: ``_decode_limiter`` (sized to the cores; Pillow releases the GIL),
+and ``_read_limiter`` and ``_write_limiter`` for the store, so a hit never
+queues behind decodes or behind slow writes. ``_flights`` is the
+single-flight map: one task per key does the work, every other opener of
+that key waits for its result.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -31,7 +30,7 @@ from .config import Config
 from .decode import DecodeError, decode_image, npy_bytes, npy_file_size, npy_header
 from .metrics import LogThrottle, Metrics
 from .source import OriginalMissing, SourceIndex
-from .store import CorruptEntry, EntryKey, Store, StoreWriteError
+from .store import CorruptEntry, EntryKey, Store, StoreReadError, StoreWriteError
 
 __all__ = ["Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
 
@@ -51,12 +50,12 @@ class OriginalUndecodable(Exception):
 
 @dataclass
 class Handle:
-    """One open array. ``data`` is set when the bytes are already in memory."""
+    """One open array. ``data`` is set when the bytes are already in memory;
+    otherwise reads come from the store entry, verified earlier in this life."""
 
     key: EntryKey
     length: int
     data: memoryview | None = None
-    fd: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,8 @@ class Engine:
         # Decodes hold a _decode_limiter token on the trio side (so queued and
         # running decodes can be counted there); their threads need no other cap.
         self._pool_threads = trio.CapacityLimiter(math.inf)
-        self._io_limiter = trio.CapacityLimiter(config.io_workers)
+        self._read_limiter = trio.CapacityLimiter(config.io_workers)
+        self._write_limiter = trio.CapacityLimiter(config.io_workers)
         self._flights: dict[EntryKey, _Flight] = {}
         # (version, size) -> a bit per original, set once verified in this daemon's life.
         self._verified: dict[tuple[str, int], _Bitmap] = {}
@@ -232,11 +232,6 @@ class Engine:
         self.metrics.bytes_served += len(data)
         return data
 
-    def release(self, handle: Handle) -> None:
-        if handle.fd is not None:
-            os.close(handle.fd)
-            handle.fd = None
-
     def stats(self) -> dict[str, object]:
         m = self.metrics
         usage = self.store.usage()
@@ -292,15 +287,27 @@ class Engine:
 
     async def _acquire(self, key: EntryKey, index: int) -> _Outcome:
         """Verified stored bytes of ``key``, else freshly decoded ones (stored if possible)."""
-        stored, problem = await self._in_thread(self._io_limiter, self._read_verified, key)
+        try:
+            stored, problem = await self._in_thread(self._read_limiter, self._read_verified, key)
+        except StoreReadError as exc:
+            # Say nothing of its integrity and leave it; decode and replace it.
+            self.metrics.errors[f"store_read_{exc.kind}"] += 1
+            self._throttle.log(logging.WARNING, f"store-read-{exc.kind}", "%s; decoding it", exc)
+            stored, problem = None, None
         if stored is not None:
             return _Outcome(stored, decoded=False, stored=True)
         if problem is not None:
             self.metrics.corrupt_entries += 1
-            log.warning("stored entry %s failed verification (%s); rebuilding it", key, problem)
+            self._throttle.log(  # once per entry: a read-only store cannot drop it
+                logging.WARNING,
+                f"corrupt-{key}",
+                "stored entry %s failed verification (%s); rebuilding it",
+                key,
+                problem,
+            )
         data = await self._decode(key, index)
         try:
-            await self._in_thread(self._io_limiter, self.store.write, key, data)
+            await self._in_thread(self._write_limiter, self.store.write, key, data)
         except StoreWriteError as exc:
             self.metrics.store_write_errors += 1
             self.metrics.memory_fallbacks += 1
@@ -348,6 +355,7 @@ class Engine:
             log.warning("original of %s is gone: %s", key, exc)
             raise OriginalNotFound(str(exc)) from exc
         except DecodeError as exc:
+            self.metrics.decodes += 1  # it ran: `decodes` counts every decode
             self.metrics.decode_errors += 1
             self.metrics.errors["EIO"] += 1
             self._remember_failure(key, exc.reason)
@@ -383,30 +391,35 @@ class Engine:
 
     async def _read_stored(self, handle: Handle, offset: int, size: int) -> bytes:
         """Bytes of an entry verified earlier in this daemon's life."""
-        if handle.fd is None:
-            try:
-                handle.fd = os.open(self.store.path(handle.key), os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                return await self._reacquire(handle, offset, size)
-        data = await self._in_thread(self._io_limiter, os.pread, handle.fd, size, offset)
+        try:
+            data = await self._in_thread(
+                self._read_limiter, self.store.read_range, handle.key, offset, size
+            )
+        except OSError as exc:
+            # Gone (removed behind our back) or unreadable: never fail the reader.
+            self._throttle.log(
+                logging.WARNING,
+                "store-reread",
+                "stored entry %s cannot be read (%s); rebuilding it",
+                handle.key,
+                exc,
+            )
+            return await self._reacquire(handle, offset, size)
         if len(data) != size:
-            # Shortened behind our back (not by us): never serve a partial array.
+            self._throttle.log(
+                logging.WARNING, "store-reread", "stored entry %s shrank; rebuilding it", handle.key
+            )
             return await self._reacquire(handle, offset, size)
         return data
 
     async def _reacquire(self, handle: Handle, offset: int, size: int) -> bytes:
         key = handle.key
-        log.warning("stored entry %s vanished or shrank while in use; rebuilding it", key)
         index = self._sources[key.version].find(key.uuid)
-        if index is None:  # pragma: no cover - the index never loses uuids
-            raise OSError(errno.EIO, "entry disappeared")
+        assert index is not None  # the index never loses uuids within a daemon's life
         self._verified_map(key.version, key.size).set(index, False)
         fresh = await self.open(key.version, key.size, index)
-        assert fresh.data is not None
+        assert fresh.data is not None  # an unverified open always returns bytes
         handle.data = fresh.data
-        if handle.fd is not None:
-            os.close(handle.fd)
-            handle.fd = None
         return bytes(fresh.data[offset : offset + size])
 
     @staticmethod

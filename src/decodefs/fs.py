@@ -1,4 +1,4 @@
-"""pyfuse3 Operations: FUSE requests -> tree and engine calls, exceptions -> errno.
+"""pyfuse3: the session (FuseMount) and the Operations (DecodeFS) that answer it.
 
 Thin by design: names and inodes live in tree.py, caching policy in
 engine.py. This is the only module that imports pyfuse3 or raises FUSEError,
@@ -22,10 +22,14 @@ from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
 from .metrics import Metrics
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
 
-__all__ = ["DecodeFS"]
+__all__ = ["FS_NAME", "DecodeFS", "FuseMount", "MountFailed"]
 
 log = logging.getLogger(__name__)
 
+FS_NAME: Final = "decodefs"  # shows in /proc/mounts as fuse.decodefs
+# pyfuse3 starts a worker task per concurrent request up to this many; a reader
+# waiting on a decode holds one, so keep it well above any plausible reader count.
+MAX_REQUEST_TASKS: Final = 512
 # Content never changes for a name within a mount, so let the kernel cache
 # names and attributes for a day; status files are live and never cached.
 CACHE_TIMEOUT: Final = 86400.0
@@ -171,9 +175,7 @@ class DecodeFS(pyfuse3.Operations):
 
     @_errno_boundary
     async def release(self, fh: int) -> None:
-        handle = self._handles.pop(fh, None)
-        if isinstance(handle, Handle):
-            self._engine.release(handle)
+        self._handles.pop(fh, None)
 
     # -- the mount is read-only (the kernel already refuses most of these: "ro") --
 
@@ -268,3 +270,65 @@ class DecodeFS(pyfuse3.Operations):
         entry.st_blocks = (attrs.size + 511) // 512
         entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = attrs.mtime_ns
         return entry
+
+
+class _DroppedRequestFilter(logging.Filter):
+    """Demote pyfuse3's ERROR for a reply the kernel no longer wanted.
+
+    A reply fails with ENOENT when the kernel has dropped the request:
+    interrupted, or ended by an unmount while RELEASEs were queued. Nothing is
+    lost, so it is a debug line, not an error for the operator.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "fuse_reply_* failed with No such file or directory" in message:
+            log.debug("%s (the kernel had dropped the request)", message)
+            return False
+        return True
+
+
+class MountFailed(Exception):
+    """The kernel refused the mount (libfuse has printed its reason on stderr)."""
+
+
+class FuseMount:
+    """pyfuse3's session for one mount point. One per process (pyfuse3 is global)."""
+
+    def __init__(self, operations: DecodeFS, mountpoint: str) -> None:
+        self._operations = operations
+        self._mountpoint = mountpoint
+
+    def mount(self) -> None:
+        pyfuse3_log = logging.getLogger("pyfuse3")
+        if not any(isinstance(f, _DroppedRequestFilter) for f in pyfuse3_log.filters):
+            pyfuse3_log.addFilter(_DroppedRequestFilter())
+        options = set(pyfuse3.default_options) | {f"fsname={FS_NAME}", f"subtype={FS_NAME}", "ro"}
+        try:
+            pyfuse3.init(self._operations, self._mountpoint, options)
+        except RuntimeError as exc:
+            raise MountFailed(str(exc)) from exc
+
+    async def serve(self) -> bool:
+        """Answer requests until the kernel ends the session: an unmount, and
+        after a lazy unmount, once the last open file is closed.
+
+        Returns True if the kernel ended it with ECONNABORTED rather than
+        ENODEV: libfuse passes that on as an error, yet it happens on a plain
+        unmount that races queued RELEASE requests, as well as when someone
+        aborts the connection through fusectl. The caller tells them apart.
+        """
+        aborted = False
+        try:
+            await pyfuse3.main(max_tasks=MAX_REQUEST_TASKS)
+        except* ConnectionAbortedError:
+            aborted = True
+        return aborted
+
+    def stop(self) -> None:
+        """Make ``serve`` return (call from the trio thread)."""
+        pyfuse3.terminate()
+
+    def close(self) -> None:
+        """Unmount if still mounted, and free the session."""
+        pyfuse3.close(unmount=True)

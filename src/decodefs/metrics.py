@@ -15,6 +15,7 @@ from typing import Final
 
 __all__ = ["DECODE_SECONDS_BUCKETS", "Histogram", "LogThrottle", "Metrics"]
 
+_THROTTLE_KINDS_MAX: Final = 10_000
 DECODE_SECONDS_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -49,7 +50,7 @@ class Metrics:
 
     hits: int = 0  # opens served from a stored (or memory-cached) array
     misses: int = 0  # opens that needed a decode, including ones that joined another's
-    decodes: int = 0  # decodes that ran to completion, rebuilds included
+    decodes: int = 0  # decodes that ran, failed ones and rebuilds included
     decode_errors: int = 0  # originals that failed to decode
     coalesced: int = 0  # opens that waited on a decode already running for the same file
     corrupt_entries: int = 0  # stored entries that failed verification and were rebuilt
@@ -79,6 +80,8 @@ class LogThrottle:
 
     def log(self, level: int, kind: str, msg: str, *args: object) -> None:
         now = time.monotonic()
+        if len(self._last) > _THROTTLE_KINDS_MAX:  # kinds may be per entry; stay bounded
+            self._last = {k: t for k, t in self._last.items() if now - t < self._interval}
         last = self._last.get(kind)
         if last is not None and now - last < self._interval:
             self._suppressed[kind] += 1
