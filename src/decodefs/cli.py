@@ -48,14 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"decodefs {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
+    config_help = f"TOML config (default: $DECODEFS_CONFIG or {DEFAULT_CONFIG_PATH})"
+    default_config = Path(os.environ.get("DECODEFS_CONFIG", DEFAULT_CONFIG_PATH))
+
     mount = commands.add_parser("mount", help="mount the filesystem (returns once it is live)")
-    mount.add_argument("mountpoint", type=Path)
     mount.add_argument(
-        "--config",
-        type=Path,
-        default=Path(os.environ.get("DECODEFS_CONFIG", DEFAULT_CONFIG_PATH)),
-        help=f"TOML config (default: $DECODEFS_CONFIG or {DEFAULT_CONFIG_PATH})",
+        "mountpoint", type=Path, nargs="?", help="default: the config's `mountpoint`"
     )
+    mount.add_argument("--config", type=Path, default=default_config, help=config_help)
     mount.add_argument(
         "--foreground",
         "-f",
@@ -74,11 +74,44 @@ def _parser() -> argparse.ArgumentParser:
     mount.set_defaults(run=_mount)
 
     umount = commands.add_parser("umount", help="unmount and wait for the daemon to exit")
-    umount.add_argument("mountpoint", type=Path)
+    umount.add_argument(
+        "mountpoint", type=Path, nargs="?", help="default: the config's `mountpoint`"
+    )
+    umount.add_argument("--config", type=Path, default=default_config, help=config_help)
     umount.add_argument(
         "--lazy", "-z", action="store_true", help="detach now even if files are open"
     )
+    umount.add_argument(
+        "--if-stale",
+        action="store_true",
+        help="only clear a mount whose daemon is gone; never touch a live one (systemd)",
+    )
     umount.set_defaults(run=_umount)
+
+    warm = commands.add_parser("warm", help="decode and store a version's arrays ahead of training")
+    warm.add_argument("mountpoint", type=Path)
+    warm.add_argument("version")
+    warm.add_argument("size", type=int)
+    warm.add_argument("--uuids", type=Path, help="a file of uuids, one a line (default: all)")
+    warm.add_argument(
+        "--jobs",
+        "-j",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="files in flight (default: cores)",
+    )
+    warm.set_defaults(run=_warm)
+
+    verify = commands.add_parser("verify", help="check every stored entry offline")
+    verify.add_argument(
+        "target",
+        type=Path,
+        help="a config file (checks against the current decode settings) or a store directory",
+    )
+    verify.add_argument(
+        "--remove", action="store_true", help="delete bad entries (no daemon may use the store)"
+    )
+    verify.set_defaults(run=_verify)
 
     stats = commands.add_parser("stats", help="print a mounted daemon's counters")
     stats.add_argument("mountpoint", type=Path)
@@ -97,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _mount(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    mountpoint = os.path.abspath(args.mountpoint)
+    mountpoint = _mountpoint(args.mountpoint, config.mountpoint)
     from . import daemon
 
     if not args.foreground:
@@ -130,10 +163,98 @@ def _mount(args: argparse.Namespace) -> int:
 
 
 def _umount(args: argparse.Namespace) -> int:
-    from .daemon import unmount
+    from .daemon import clear_stale, unmount
 
-    unmount(os.path.abspath(args.mountpoint), lazy=args.lazy)
+    configured = load_config(args.config).mountpoint if args.mountpoint is None else None
+    mountpoint = _mountpoint(args.mountpoint, configured)
+    if args.if_stale:
+        logging.basicConfig(level=logging.INFO, format="decodefs: %(message)s", stream=sys.stderr)
+        clear_stale(mountpoint)
+    else:
+        unmount(mountpoint, lazy=args.lazy)
     return 0
+
+
+def _warm(args: argparse.Namespace) -> int:
+    from .warm import read_uuid_list, warm
+
+    directory = args.mountpoint / args.version / str(args.size)
+    if not directory.is_dir():
+        raise UsageError(f"{directory} does not exist (is decodefs mounted, with that version?)")
+    uuids = read_uuid_list(args.uuids) if args.uuids else None
+    before = _read_stats(args.mountpoint)
+    report = warm(directory, uuids, max(1, args.jobs), progress=sys.stderr.isatty())
+    after = _read_stats(args.mountpoint)
+    decoded = _counter(after, "decodes") - _counter(before, "decodes")
+    rate = report.done / report.seconds if report.seconds else 0.0
+    what = f"{args.version}/{args.size}"
+    print(
+        f"decodefs: warmed {report.done:,} of {report.total:,} arrays of {what} "
+        f"in {report.seconds:.1f} s ({rate:,.1f}/s); the daemon decoded {decoded:,} meanwhile"
+    )
+    for uuid, reason in sorted(report.failed.items())[:20]:
+        print(f"decodefs: failed: {uuid}: {reason} (the daemon log says why)", file=sys.stderr)
+    if report.missing:
+        print(
+            f"decodefs: {len(report.missing):,} uuids are not in {args.version}, "
+            f"e.g. {report.missing[0]!r}",
+            file=sys.stderr,
+        )
+    if report.interrupted:
+        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return EXIT_ERROR if report.failed or report.missing else 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .decode import decoder_fingerprint
+    from .verify import recorded_digests, verify_store
+
+    if args.target.is_dir():
+        root = args.target
+        digests = recorded_digests(root)
+    else:
+        config = load_config(args.target)
+        root = config.store
+        digests = {n: decoder_fingerprint(v.decode).digest for n, v in config.versions.items()}
+    if not root.is_dir():
+        raise UsageError(f"{root} is not a store directory")
+    report = verify_store(root, digests, remove=args.remove, progress=sys.stderr.isatty())
+    for path, reason in sorted(report.bad.items())[:50]:
+        print(f"{path}: {reason}")
+    if len(report.bad) > 50:
+        print(f"... and {len(report.bad) - 50:,} more")
+    action = f", {report.removed:,} removed" if args.remove else ""
+    versions = ", ".join(sorted(digests)) or "no version"
+    corrupt = len(report.bad) - report.stale
+    print(
+        f"decodefs: checked {report.checked:,} entries of {versions}: "
+        f"{report.ok:,} ok, {corrupt:,} corrupt, {report.stale:,} stale{action}"
+    )
+    return EXIT_ERROR if report.bad and not args.remove else 0
+
+
+class UsageError(Exception):
+    """A command-line mistake the user can fix (printed as one line)."""
+
+
+def _mountpoint(given: Path | None, configured: Path | None) -> str:
+    if given is None and configured is None:
+        raise UsageError("no mount point: give one, or set `mountpoint` in the config")
+    return os.path.abspath(given if given is not None else configured)  # type: ignore[arg-type]
+
+
+def _read_stats(mountpoint: Path) -> dict[str, object]:
+    try:
+        data = json.loads((mountpoint / ".decodefs" / "stats.json").read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _counter(stats: dict[str, object], key: str) -> int:
+    value = stats.get(key, 0)
+    return value if isinstance(value, int) else 0
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -230,5 +351,8 @@ def _is_user_error(exc: BaseException) -> bool:
     from .daemon import MountError
     from .source import SourceError
     from .store import StoreError
+    from .verify import StoreBusy
 
-    return isinstance(exc, ConfigError | MountError | SourceError | StoreError)
+    return isinstance(
+        exc, ConfigError | MountError | SourceError | StoreError | UsageError | StoreBusy
+    )

@@ -56,6 +56,7 @@ class VersionConfig:
     decode: DecodeSettings
     extensions: frozenset[str]
     duplicates: Duplicates
+    warm: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class Config:
     store: Path
     versions: Mapping[str, VersionConfig]
     path: Path | None = None
+    mountpoint: Path | None = None
+    allow_other: bool = False
+    max_store_bytes: int | None = None
+    min_free_fraction: float | None = None
     min_size: int = 8
     max_size: int = 4096
     decode_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -76,7 +81,11 @@ class Config:
         """The effective config, for /.decodefs/config.json."""
         return {
             "path": str(self.path) if self.path else None,
+            "mountpoint": str(self.mountpoint) if self.mountpoint else None,
+            "allow_other": self.allow_other,
             "store": str(self.store),
+            "max_store_bytes": self.max_store_bytes,
+            "min_free_fraction": self.min_free_fraction,
             "min_size": self.min_size,
             "max_size": self.max_size,
             "decode_workers": self.decode_workers,
@@ -95,6 +104,7 @@ class Config:
                     "draft": v.decode.draft,
                     "extensions": sorted(v.extensions),
                     "duplicates": v.duplicates,
+                    "warm": v.warm,
                 }
                 for name, v in self.versions.items()
             },
@@ -142,6 +152,10 @@ def parse_byte_size(value: object) -> int:
 
 _TOP_KEYS: Final = (
     "store",
+    "mountpoint",
+    "allow_other",
+    "max_store_bytes",
+    "min_free_fraction",
     "sizes",
     "min_size",
     "max_size",
@@ -162,6 +176,7 @@ _VERSION_KEYS: Final = (
     "draft",
     "extensions",
     "duplicates",
+    "warm",
 )
 
 
@@ -193,10 +208,26 @@ class _Parser:
         log_level = self.choice(
             raw, "log_level", defaults.log_level, ("debug", "info", "warning", "error")
         )
+        max_store_bytes = None
+        if "max_store_bytes" in raw:
+            max_store_bytes = self.byte_size(raw, "max_store_bytes", 0)
+            if max_store_bytes <= 0:
+                raise ConfigError("max_store_bytes: must be positive (leave it out for no limit)")
+        min_free_fraction = None
+        if "min_free_fraction" in raw:
+            min_free_fraction = self.number(raw, "min_free_fraction", 0.0)
+            if not 0 < min_free_fraction < 1:
+                raise ConfigError(
+                    f"min_free_fraction: {min_free_fraction} is not between 0 and 1 (e.g. 0.1)"
+                )
         return Config(
             store=store,
             versions=versions,
             path=path,
+            mountpoint=self.path(raw["mountpoint"], "mountpoint") if "mountpoint" in raw else None,
+            allow_other=self.boolean(raw, "allow_other", False, None),
+            max_store_bytes=max_store_bytes,
+            min_free_fraction=min_free_fraction,
             min_size=min_size,
             max_size=max_size,
             decode_workers=self.integer(
@@ -261,6 +292,7 @@ class _Parser:
             duplicates=cast(
                 Duplicates, self.choice(table, "duplicates", "error", ("error", "skip"), key)
             ),
+            warm=self.boolean(table, "warm", False, key),
         )
 
     def path(self, value: object, key: str) -> Path:
@@ -319,10 +351,13 @@ class _Parser:
         except ValueError as exc:
             raise ConfigError(f"{name}: {exc}") from None
 
-    def boolean(self, table: Mapping[str, Any], name: str, default: bool, prefix: str) -> bool:
+    def boolean(
+        self, table: Mapping[str, Any], name: str, default: bool, prefix: str | None
+    ) -> bool:
         value = table.get(name, default)
         if not isinstance(value, bool):
-            raise ConfigError(f"{prefix}.{name}: expected true or false, got {value!r}")
+            key = f"{prefix}.{name}" if prefix else name
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
         return value
 
     def choice(

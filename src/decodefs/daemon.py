@@ -29,6 +29,8 @@ from .config import Config
 from .decode import decoder_fingerprint, quiet_pillow_warnings
 from .engine import Engine
 from .fs import FS_NAME, DecodeFS, FuseMount, MountFailed
+from .metrics import render_prometheus
+from .notify import ServiceNotifier
 from .source import scan_source
 from .store import Store
 from .tree import Tree
@@ -36,6 +38,7 @@ from .tree import Tree
 __all__ = [
     "MountError",
     "MountInfo",
+    "clear_stale",
     "find_mount",
     "prepare_mountpoint",
     "serve",
@@ -131,6 +134,16 @@ def prepare_mountpoint(mountpoint: str) -> None:
         raise MountError(f"mount point {mountpoint} is not a directory (create it first)")
 
 
+def clear_stale(mountpoint: str) -> bool:
+    """Clear ``mountpoint`` if its daemon is gone; leave anything else alone. True if cleared."""
+    info = find_mount(mountpoint)
+    if info is None or not info.fstype.startswith("fuse") or probe(mountpoint) != "stale":
+        return False
+    log.warning("clearing stale mount at %s (%s): its daemon is gone", mountpoint, info.fstype)
+    _lazy_unmount(mountpoint)
+    return True
+
+
 def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
     """Unmount and wait for the daemon to exit (it releases the store lock).
 
@@ -160,15 +173,20 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
 def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None = None) -> None:
     """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly."""
     mountpoint = os.path.abspath(mountpoint)
+    notifier = ServiceNotifier.from_environment()
     prepare_mountpoint(mountpoint)
     quiet_pillow_warnings()
     _raise_open_file_limit()
+    notifier.notify(f"STATUS=indexing originals for {mountpoint}")
     sources = {
         name: scan_source(name, v.source, v.extensions, v.duplicates)
         for name, v in config.versions.items()
     }
     store = Store(
-        config.store, {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()}
+        config.store,
+        {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()},
+        max_bytes=config.max_store_bytes,
+        min_free_fraction=config.min_free_fraction,
     )
     store.open()
     try:
@@ -177,19 +195,20 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
             "stats.json": lambda: _json(
                 {**engine.stats(), "pid": os.getpid(), "mountpoint": mountpoint}
             ),
+            "metrics": lambda: render_prometheus(engine.stats()),
             "config.json": lambda: _json(config.as_dict()),
         }
         operations = DecodeFS(Tree(engine, list(status_files)), engine, status_files)
-        fuse = FuseMount(operations, mountpoint)
+        fuse = FuseMount(operations, mountpoint, allow_other=config.allow_other)
         try:
             fuse.mount()
         except MountFailed as exc:
-            raise MountError(
-                f"cannot mount {mountpoint}: {exc} "
-                "(is /dev/fuse present and fusermount3 installed?)"
-            ) from exc
+            hint = "is /dev/fuse present and fusermount3 installed?"
+            if config.allow_other and os.geteuid() != 0:
+                hint = "allow_other needs 'user_allow_other' in /etc/fuse.conf when not root"
+            raise MountError(f"cannot mount {mountpoint}: {exc} ({hint})") from exc
         try:
-            trio.run(_serve, fuse, mountpoint, on_ready)
+            trio.run(_serve, fuse, engine, mountpoint, on_ready, notifier)
         finally:
             fuse.close()
     finally:
@@ -197,10 +216,17 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
     log.info("unmounted %s", mountpoint)
 
 
-async def _serve(fuse: FuseMount, mountpoint: str, on_ready: Callable[[], None] | None) -> None:
+async def _serve(
+    fuse: FuseMount,
+    engine: Engine,
+    mountpoint: str,
+    on_ready: Callable[[], None] | None,
+    notifier: ServiceNotifier,
+) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, fuse, mountpoint)
-        nursery.start_soon(_announce_ready, mountpoint, on_ready)
+        nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier)
+        nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
+        nursery.start_soon(engine.flush_accesses_forever)
         aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
     if not aborted:
@@ -212,7 +238,7 @@ async def _serve(fuse: FuseMount, mountpoint: str, on_ready: Callable[[], None] 
     log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing was lost")
 
 
-async def _stop_on_signal(fuse: FuseMount, mountpoint: str) -> None:
+async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNotifier) -> None:
     """SIGTERM/SIGINT: detach at once, let open files finish, then stop.
 
     The lazy unmount takes the mount out of the namespace (no new opens) while
@@ -223,6 +249,7 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str) -> None:
         async for signum in signals:
             log.info("%s received; unmounting", signal.Signals(signum).name)
             break
+    notifier.notify("STOPPING=1", f"STATUS=unmounting {mountpoint}")
     try:
         await trio.to_thread.run_sync(_lazy_unmount, mountpoint)
     except MountError as exc:
@@ -233,12 +260,36 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str) -> None:
     fuse.stop()
 
 
-async def _announce_ready(mountpoint: str, on_ready: Callable[[], None] | None) -> None:
+async def _once_live(
+    engine: Engine,
+    mountpoint: str,
+    on_ready: Callable[[], None] | None,
+    notifier: ServiceNotifier,
+    nursery: trio.Nursery,
+) -> None:
     # A statvfs answered by our own handlers proves the kernel can reach us.
     await trio.to_thread.run_sync(os.statvfs, mountpoint)
     log.info("mounted %s", mountpoint)
+    notifier.notify("READY=1", f"STATUS=serving {mountpoint}")
     if on_ready is not None:
         on_ready()
+    interval = notifier.watchdog_interval
+    if interval is not None:
+        nursery.start_soon(_feed_watchdog, mountpoint, notifier, interval)
+    nursery.start_soon(engine.warm_in_background)
+
+
+async def _feed_watchdog(mountpoint: str, notifier: ServiceNotifier, interval: float) -> None:
+    """WATCHDOG=1 each interval, but only after a request made it through the mount.
+
+    A stuck event loop or a wedged FUSE connection stops the pings, and
+    systemd restarts the service.
+    """
+    while True:
+        with trio.move_on_after(interval):
+            await trio.to_thread.run_sync(os.statvfs, mountpoint, abandon_on_cancel=True)
+            notifier.notify("WATCHDOG=1")
+        await trio.sleep(interval)
 
 
 def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | None) -> int:

@@ -6,12 +6,13 @@ take them. All policy lives here; the fs layer only translates FUSE requests,
 and this module never imports pyfuse3.
 
 Concurrency: everything here runs on the trio thread, so the engine's own
-state needs no locks. Blocking work goes to worker threads through three
-limiters: ``_decode_limiter`` (sized to the cores; Pillow releases the GIL),
-and ``_read_limiter`` and ``_write_limiter`` for the store, so a hit never
-queues behind decodes or behind slow writes. ``_flights`` is the
-single-flight map: one task per key does the work, every other opener of
-that key waits for its result.
+state needs no locks. Blocking work goes to worker threads: decodes through
+``_slots`` (sized to the cores; Pillow releases the GIL; readers before the
+background warm), store reads and writes through their own limiters, so a hit
+never queues behind decodes or slow writes. ``_flights`` is the single-flight
+map: one task per key does the work, every other opener of that key waits for
+its result. Every open handle and every flight pins its key in the store, so
+eviction never removes a file someone relies on.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
@@ -32,12 +33,16 @@ from .metrics import LogThrottle, Metrics
 from .source import OriginalMissing, SourceIndex
 from .store import CorruptEntry, EntryKey, Store, StoreReadError, StoreWriteError
 
-__all__ = ["Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
+__all__ = ["DecodeSlots", "Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _FAILURE_CACHE_MAX: Final = 100_000
+# While a reader has asked for a decode this recently, the background warm
+# leaves one decode slot free for readers.
+READER_QUIET_SECONDS: Final = 2.0
+ACCESS_FLUSH_SECONDS: Final = 30.0
 
 
 class OriginalNotFound(Exception):
@@ -50,8 +55,9 @@ class OriginalUndecodable(Exception):
 
 @dataclass
 class Handle:
-    """One open array. ``data`` is set when the bytes are already in memory;
-    otherwise reads come from the store entry, verified earlier in this life."""
+    """One open array, pinned in the store until released. ``data`` is set when the
+    bytes are already in memory; otherwise reads come from the store entry,
+    verified earlier in this daemon's life."""
 
     key: EntryKey
     length: int
@@ -114,13 +120,66 @@ class _MemoryCache:
             _, evicted = self._items.popitem(last=False)
             self.bytes -= len(evicted)
 
-    def discard(self, key: EntryKey) -> None:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.bytes -= len(old)
-
     def __len__(self) -> int:
         return len(self._items)
+
+
+class DecodeSlots:
+    """The decode pool's slots: readers first, the background warm in the gaps.
+
+    A reader's decode takes a free slot at once, or the next one released.
+    Background work takes a slot only when no reader waits for one, and while
+    readers have asked for a decode in the last READER_QUIET_SECONDS it leaves
+    one slot free (with two or more), so a reader's miss starts at once.
+    Runs on the trio thread only.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._free = total
+        self._background = 0
+        self._readers: deque[trio.Event] = deque()
+        self._warmers: deque[trio.Event] = deque()
+        self._last_reader = -math.inf
+
+    async def acquire(self, reader: bool) -> None:
+        if reader:
+            self._last_reader = trio.current_time()
+        if self._may_take(reader):
+            self._free -= 1
+            self._background += not reader
+            return
+        handed = trio.Event()
+        (self._readers if reader else self._warmers).append(handed)
+        try:
+            await handed.wait()  # release() hands the slot over and does the counting
+        except BaseException:
+            if handed.is_set():
+                self.release(reader)
+            else:
+                (self._readers if reader else self._warmers).remove(handed)
+            raise
+
+    def release(self, reader: bool) -> None:
+        self._background -= not reader
+        if self._readers:
+            self._readers.popleft().set()
+        elif self._warmers and self._background < self._background_cap():
+            self._background += 1
+            self._warmers.popleft().set()
+        else:
+            self._free += 1
+
+    def _may_take(self, reader: bool) -> bool:
+        if self._free == 0:
+            return False
+        if reader:
+            return True
+        return not self._readers and self._background < self._background_cap()
+
+    def _background_cap(self) -> int:
+        readers_active = trio.current_time() - self._last_reader < READER_QUIET_SECONDS
+        return self.total - 1 if readers_active and self.total > 1 else self.total
 
 
 class Engine:
@@ -136,9 +195,8 @@ class Engine:
         self.store = store
         self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
         self._sources = sources
-        self._decode_limiter = trio.CapacityLimiter(config.decode_workers)
-        # Decodes hold a _decode_limiter token on the trio side (so queued and
-        # running decodes can be counted there); their threads need no other cap.
+        self._slots = DecodeSlots(config.decode_workers)
+        # Decode threads are capped by _slots; their trio limiter must not cap them again.
         self._pool_threads = trio.CapacityLimiter(math.inf)
         self._read_limiter = trio.CapacityLimiter(config.io_workers)
         self._write_limiter = trio.CapacityLimiter(config.io_workers)
@@ -182,43 +240,18 @@ class Engine:
         """A handle for the array of original ``index``; decodes at most once per key.
 
         Raises OriginalNotFound or OriginalUndecodable; never a store problem.
+        The handle pins the entry until ``release``.
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
-        length = npy_file_size(size)
-        verified = self._verified_map(version, size)
-        if verified[index]:
-            self.metrics.hits += 1
-            return Handle(key, length)
-        cached = self._memory.get(key)
-        if cached is not None:
-            self.metrics.hits += 1
-            return Handle(key, length, data=cached)
-        self._check_recent_failure(key)
+        self.store.pin(key)
+        try:
+            return await self._open_pinned(key, index)
+        except BaseException:
+            self.store.unpin(key)
+            raise
 
-        flight = self._flights.get(key)
-        if flight is None:
-            flight = self._flights[key] = _Flight()
-            try:
-                flight.outcome = await self._acquire(key, index)
-                if flight.outcome.stored:
-                    verified.set(index, True)
-            except Exception as exc:
-                flight.error = exc
-            finally:
-                del self._flights[key]
-                flight.done.set()
-        else:
-            self.metrics.coalesced += 1
-            await flight.done.wait()
-
-        if flight.error is not None:
-            raise flight.error
-        assert flight.outcome is not None
-        if flight.outcome.decoded:
-            self.metrics.misses += 1
-        else:
-            self.metrics.hits += 1
-        return Handle(key, length, data=flight.outcome.data)
+    def release(self, handle: Handle) -> None:
+        self.store.unpin(handle.key)
 
     async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
         end = min(offset + size, handle.length)
@@ -231,6 +264,48 @@ class Engine:
             data = handle.data[offset:end]
         self.metrics.bytes_served += len(data)
         return data
+
+    async def flush_accesses_forever(self) -> None:
+        """Write hits' access times to the catalog now and then, for LRU eviction."""
+        while True:
+            await trio.sleep(ACCESS_FLUSH_SECONDS)
+            await self._in_thread(self._write_limiter, self.store.flush_accesses)
+
+    async def warm_in_background(self) -> None:
+        """Decode and store the configured sizes of versions with ``warm = true``.
+
+        Runs on the slots readers leave free (see DecodeSlots); stops for a
+        store that cannot take more without evicting what readers use.
+        """
+        versions = [v for v in self.config.versions.values() if v.warm]
+        if not versions:
+            return
+        if not self.store.writable:
+            log.warning("background warm: the store is not writable; not warming")
+            return
+        for version in versions:
+            for size in version.sizes:
+                stored = await self._in_thread(
+                    self._read_limiter, self.store.stored_uuids, version.name, size
+                )
+                todo = iter(
+                    i
+                    for i, uuid in enumerate(self._sources[version.name].uuids)
+                    if uuid not in stored
+                )
+                started, before = time.monotonic(), self.metrics.background_decodes
+                async with trio.open_nursery() as nursery:
+                    for _ in range(self._slots.total):
+                        nursery.start_soon(
+                            self._warm_worker, version.name, size, todo, nursery.cancel_scope
+                        )
+                log.info(
+                    "background warm: %s/%d done, %d decoded in %.0f s",
+                    version.name,
+                    size,
+                    self.metrics.background_decodes - before,
+                    time.monotonic() - started,
+                )
 
     def stats(self) -> dict[str, object]:
         m = self.metrics
@@ -246,6 +321,8 @@ class Engine:
             "store_entries": usage.entries,
             "store_usage_complete": usage.complete,
             "store_writable": self.store.writable,
+            "store_max_bytes": self.config.max_store_bytes,
+            "evictions": usage.evictions,
             "store_write_errors": m.store_write_errors,
             "memory_fallbacks": m.memory_fallbacks,
             "memory_cache_bytes": self._memory.bytes,
@@ -253,6 +330,7 @@ class Engine:
             "bytes_served": m.bytes_served,
             "inflight_decodes": m.inflight_decodes,
             "queued_decodes": m.queued_decodes,
+            "background_decodes": m.background_decodes,
             "errors": dict(m.errors),
             "decode_seconds": m.decode_seconds.as_dict(),
             "uptime_seconds": round(time.time() - m.started, 3),
@@ -268,6 +346,61 @@ class Engine:
         }
 
     # -- internals ----------------------------------------------------------
+
+    async def _open_pinned(self, key: EntryKey, index: int) -> Handle:
+        self._forget_evicted()
+        length = npy_file_size(key.size)
+        verified = self._verified_map(key.version, key.size)
+        if verified[index]:
+            # Pinned before this check, so eviction cannot take the file now.
+            self.metrics.hits += 1
+            self.store.record_access(key)
+            return Handle(key, length)
+        cached = self._memory.get(key)
+        if cached is not None:
+            self.metrics.hits += 1
+            return Handle(key, length, data=cached)
+        self._check_recent_failure(key)
+
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = await self._fly(key, index, reader=True)
+        else:
+            self.metrics.coalesced += 1
+            await flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        assert flight.outcome is not None
+        if flight.outcome.decoded:
+            self.metrics.misses += 1
+        else:
+            self.metrics.hits += 1
+            self.store.record_access(key)
+        return Handle(key, length, data=flight.outcome.data)
+
+    async def _fly(
+        self, key: EntryKey, index: int, reader: bool, slot_held: bool = False
+    ) -> _Flight:
+        """Be the one task that acquires ``key``; others wait on the returned flight."""
+        flight = self._flights[key] = _Flight()
+        try:
+            flight.outcome = await self._acquire(key, index, reader, slot_held)
+            if flight.outcome.stored:
+                self._verified_map(key.version, key.size).set(index, True)
+        except Exception as exc:
+            flight.error = exc
+        finally:
+            del self._flights[key]
+            flight.done.set()
+        return flight
+
+    def _forget_evicted(self) -> None:
+        # The store appends evicted keys from its threads; only we read them.
+        while self.store.evicted:
+            key = self.store.evicted.popleft()
+            index = self._sources[key.version].find(key.uuid)
+            if index is not None:
+                self._verified_map(key.version, key.size).set(index, False)
 
     def _verified_map(self, version: str, size: int) -> _Bitmap:
         verified = self._verified.get((version, size))
@@ -285,7 +418,7 @@ class Engine:
             raise OriginalUndecodable(reason)
         del self._failures[key]
 
-    async def _acquire(self, key: EntryKey, index: int) -> _Outcome:
+    async def _acquire(self, key: EntryKey, index: int, reader: bool, slot_held: bool) -> _Outcome:
         """Verified stored bytes of ``key``, else freshly decoded ones (stored if possible)."""
         try:
             stored, problem = await self._in_thread(self._read_limiter, self._read_verified, key)
@@ -305,7 +438,7 @@ class Engine:
                 key,
                 problem,
             )
-        data = await self._decode(key, index)
+        data = await self._decode(key, index, reader, slot_held)
         try:
             await self._in_thread(self._write_limiter, self.store.write, key, data)
         except StoreWriteError as exc:
@@ -334,7 +467,7 @@ class Engine:
             return None, "payload is not the expected .npy layout"
         return payload, None
 
-    async def _decode(self, key: EntryKey, index: int) -> bytes:
+    async def _decode(self, key: EntryKey, index: int, reader: bool, slot_held: bool) -> bytes:
         source = self._sources[key.version]
         settings = self.config.versions[key.version].decode
         max_pixels = self.config.max_pixels
@@ -349,7 +482,7 @@ class Engine:
             return npy_bytes(array), time.perf_counter() - started
 
         try:
-            data, seconds = await self._run_decode(work)
+            data, seconds = await self._run_decode(work, reader, slot_held)
         except OriginalMissing as exc:
             self.metrics.errors["ENOENT"] += 1
             log.warning("original of %s is gone: %s", key, exc)
@@ -359,29 +492,68 @@ class Engine:
             self.metrics.decode_errors += 1
             self.metrics.errors["EIO"] += 1
             self._remember_failure(key, exc.reason)
-            log.warning("cannot decode %s for %s: %s", path, key, exc.reason)
+            self._throttle.log(  # once per original per interval, however often asked
+                logging.WARNING,
+                f"decode-{path}",
+                "cannot decode %s for %s: %s",
+                path,
+                key,
+                exc.reason,
+            )
             raise OriginalUndecodable(f"{path}: {exc.reason}") from exc
         self.metrics.decodes += 1
+        self.metrics.background_decodes += not reader
         self.metrics.decode_seconds.observe(seconds)
         log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
         return data
 
-    async def _run_decode(self, work: Callable[[], T]) -> T:
+    async def _run_decode(self, work: Callable[[], T], reader: bool, slot_held: bool) -> T:
         """Run ``work`` in the decode pool, counting it as queued, then running."""
-        self.metrics.queued_decodes += 1
-        queued = True
+        if not slot_held:
+            self.metrics.queued_decodes += 1
+            try:
+                await self._slots.acquire(reader)
+            finally:
+                self.metrics.queued_decodes -= 1
+        self.metrics.inflight_decodes += 1
         try:
-            async with self._decode_limiter:
-                self.metrics.queued_decodes -= 1
-                queued = False
-                self.metrics.inflight_decodes += 1
-                try:
-                    return await self._in_thread(self._pool_threads, work)
-                finally:
-                    self.metrics.inflight_decodes -= 1
+            return await self._in_thread(self._pool_threads, work)
         finally:
-            if queued:  # cancelled while waiting for a slot
-                self.metrics.queued_decodes -= 1
+            self.metrics.inflight_decodes -= 1
+            if not slot_held:
+                self._slots.release(reader)
+
+    async def _warm_worker(
+        self, version: str, size: int, todo: Iterator[int], cancel: trio.CancelScope
+    ) -> None:
+        uuids = self._sources[version].uuids
+        verified = self._verified_map(version, size)
+        nbytes = npy_file_size(size)
+        for index in todo:  # shared by the workers: each index is taken once
+            key = EntryKey(version, size, uuids[index])
+            if verified[index] or key in self._flights or self._memory.get(key) is not None:
+                continue
+            if key in self._failures:
+                continue
+            if await self._in_thread(self._read_limiter, self.store.would_evict, nbytes):
+                log.info("background warm: the store is at its limit; not evicting for a warm")
+                cancel.cancel()
+                return
+            await self._slots.acquire(reader=False)
+            try:
+                if key in self._flights:  # a reader got there while we waited
+                    continue
+                self.store.pin(key)
+                try:
+                    flight = await self._fly(key, index, reader=False, slot_held=True)
+                finally:
+                    self.store.unpin(key)
+            finally:
+                self._slots.release(reader=False)
+            if flight.outcome is not None and not flight.outcome.stored:
+                log.warning("background warm: the store refused an entry; not warming")
+                cancel.cancel()
+                return
 
     def _remember_failure(self, key: EntryKey, reason: str) -> None:
         if len(self._failures) >= _FAILURE_CACHE_MAX:
@@ -390,13 +562,13 @@ class Engine:
         self._failures[key] = (time.monotonic() + self.config.error_cache_seconds, reason)
 
     async def _read_stored(self, handle: Handle, offset: int, size: int) -> bytes:
-        """Bytes of an entry verified earlier in this daemon's life."""
+        """Bytes of an entry verified earlier in this daemon's life (and pinned)."""
         try:
             data = await self._in_thread(
                 self._read_limiter, self.store.read_range, handle.key, offset, size
             )
         except OSError as exc:
-            # Gone (removed behind our back) or unreadable: never fail the reader.
+            # Removed behind our back or unreadable: never fail the reader.
             self._throttle.log(
                 logging.WARNING,
                 "store-reread",
@@ -417,7 +589,7 @@ class Engine:
         index = self._sources[key.version].find(key.uuid)
         assert index is not None  # the index never loses uuids within a daemon's life
         self._verified_map(key.version, key.size).set(index, False)
-        fresh = await self.open(key.version, key.size, index)
+        fresh = await self._open_pinned(key, index)  # the handle's pin still holds
         assert fresh.data is not None  # an unverified open always returns bytes
         handle.data = fresh.data
         return bytes(fresh.data[offset : offset + size])

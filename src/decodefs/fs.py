@@ -175,7 +175,9 @@ class DecodeFS(pyfuse3.Operations):
 
     @_errno_boundary
     async def release(self, fh: int) -> None:
-        self._handles.pop(fh, None)
+        handle = self._handles.pop(fh, None)
+        if isinstance(handle, Handle):
+            self._engine.release(handle)
 
     # -- the mount is read-only (the kernel already refuses most of these: "ro") --
 
@@ -295,15 +297,19 @@ class MountFailed(Exception):
 class FuseMount:
     """pyfuse3's session for one mount point. One per process (pyfuse3 is global)."""
 
-    def __init__(self, operations: DecodeFS, mountpoint: str) -> None:
+    def __init__(self, operations: DecodeFS, mountpoint: str, allow_other: bool = False) -> None:
         self._operations = operations
         self._mountpoint = mountpoint
+        self._allow_other = allow_other
 
     def mount(self) -> None:
         pyfuse3_log = logging.getLogger("pyfuse3")
         if not any(isinstance(f, _DroppedRequestFilter) for f in pyfuse3_log.filters):
             pyfuse3_log.addFilter(_DroppedRequestFilter())
+        # default_permissions: the kernel enforces the 0444/0555 modes for every user.
         options = set(pyfuse3.default_options) | {f"fsname={FS_NAME}", f"subtype={FS_NAME}", "ro"}
+        if self._allow_other:
+            options.add("allow_other")  # other users' processes may read the mount
         try:
             pyfuse3.init(self._operations, self._mountpoint, options)
         except RuntimeError as exc:

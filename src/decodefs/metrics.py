@@ -1,4 +1,4 @@
-"""Counters and the decode-latency histogram, rendered as JSON.
+"""Counters and the decode-latency histogram; rendered as JSON and Prometheus text.
 
 Updated only from the trio thread (the engine and fs layers), so no locks.
 This module knows nothing of FUSE, the store layout or images.
@@ -10,10 +10,20 @@ import bisect
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["DECODE_SECONDS_BUCKETS", "Histogram", "LogThrottle", "Metrics"]
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
+__all__ = ["DECODE_SECONDS_BUCKETS", "Histogram", "LogThrottle", "Metrics", "render_prometheus"]
 
 _THROTTLE_KINDS_MAX: Final = 10_000
 DECODE_SECONDS_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -57,6 +67,7 @@ class Metrics:
     store_write_errors: int = 0
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
     bytes_served: int = 0
+    background_decodes: int = 0  # decodes the daemon's own background warm ran
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
     queued_decodes: int = 0  # decodes waiting for a pool slot
     errors: Counter[str] = field(default_factory=Counter)  # errno name -> count
@@ -92,3 +103,71 @@ class LogThrottle:
             msg += " (and %d more like it in the last %.0f s)"
             args = (*args, suppressed, now - last if last is not None else 0.0)
         self._logger.log(level, msg, *args)
+
+
+# stats.json key -> help text. Counters get the conventional _total suffix.
+_COUNTERS: Final = {
+    "hits": "Opens served from a stored or memory-held array",
+    "misses": "Opens that needed a decode, including ones that joined another's",
+    "decodes": "Decodes that ran, failed ones and rebuilds included",
+    "decode_errors": "Originals that failed to decode",
+    "coalesced": "Opens that joined a decode already running for the same file",
+    "corrupt_entries": "Stored entries that failed verification and were rebuilt",
+    "evictions": "Stored entries evicted to stay within the capacity limits",
+    "store_write_errors": "Arrays the store refused (full, read-only, at its limit)",
+    "memory_fallbacks": "Arrays kept in memory because the store refused them",
+    "background_decodes": "Decodes run by the background warm",
+    "bytes_served": "Bytes answered to READ requests (page-cache hits never reach the daemon)",
+}
+_GAUGES: Final = {
+    "store_bytes": "Bytes of stored entries",
+    "store_entries": "Stored entries",
+    "inflight_decodes": "Decodes running in the pool",
+    "queued_decodes": "Decodes waiting for a pool slot",
+    "memory_cache_bytes": "Bytes of arrays held in memory because the store refused them",
+    "memory_cache_entries": "Arrays held in memory because the store refused them",
+    "uptime_seconds": "Seconds since the daemon started",
+}
+
+
+class _StatsCollector(Collector):
+    """Prometheus families from one stats snapshot (the dict behind stats.json)."""
+
+    def __init__(self, stats: Mapping[str, Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        for name, documentation in _COUNTERS.items():
+            yield CounterMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
+        for name, documentation in _GAUGES.items():
+            yield GaugeMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
+        yield GaugeMetricFamily(
+            "decodefs_store_writable",
+            "1 if the store accepts new entries",
+            value=int(stats["store_writable"]),
+        )
+        errors = CounterMetricFamily(
+            "decodefs_errors", "Errors answered or met, by kind", labels=["kind"]
+        )
+        for kind, count in sorted(stats["errors"].items()):
+            errors.add_metric([kind], count)
+        yield errors
+        originals = GaugeMetricFamily("decodefs_originals", "Originals indexed", labels=["version"])
+        for version, info in sorted(stats["versions"].items()):
+            originals.add_metric([version], info["originals"])
+        yield originals
+        latency = stats["decode_seconds"]
+        yield HistogramMetricFamily(
+            "decodefs_decode_seconds",
+            "Time to decode, resize and serialize one array",
+            buckets=list(latency["buckets"].items()),
+            sum_value=latency["sum"],
+        )
+
+
+def render_prometheus(stats: Mapping[str, Any]) -> bytes:
+    """The Prometheus text exposition format of a stats snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatsCollector(stats))
+    return generate_latest(registry)

@@ -4,6 +4,7 @@ Layout::
 
     <store>/.decodefs-store           format marker
     <store>/.lock                     flock held by the one daemon using the store
+    <store>/.catalog.sqlite3          sizes and last access of entries (catalog.py)
     <store>/.tmp/                     temp files, emptied at start
     <store>/.trash/                   discarded versions, deleted in the background
     <store>/<version>/.fingerprint.json
@@ -16,6 +17,10 @@ filesystem, a file moved to another key's path fails, and ``np.load`` reads
 the file as it is (numpy ignores bytes after the array). Writes go to ``.tmp``
 and are renamed into place; there is no fsync, because a torn entry after a
 power cut fails its check and is rebuilt rather than served.
+
+Capacity: past ``max_bytes`` (or below ``min_free_fraction`` of the filesystem
+free), least-recently-used entries are evicted before a new one is written,
+except pinned ones: a caller pins a key while it relies on its file.
 
 This module stores opaque payloads: it knows nothing of images, numpy or FUSE.
 """
@@ -30,16 +35,21 @@ import logging
 import os
 import secrets
 import shutil
+import sqlite3
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import xxhash
 
+from .catalog import Catalog
+
 __all__ = [
+    "CATALOG_FILE",
     "STORE_FORMAT",
     "TRAILER_SIZE",
     "CorruptEntry",
@@ -50,9 +60,13 @@ __all__ = [
     "StoreReadError",
     "StoreUsage",
     "StoreWriteError",
+    "check_entry",
+    "iter_entry_files",
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STORE_FORMAT: Final = 1
 _MAGIC: Final = b"DCFS"
@@ -60,6 +74,9 @@ _TRAILER: Final = struct.Struct("<4sI16sQQ")  # magic, format, fingerprint, leng
 TRAILER_SIZE: Final = _TRAILER.size
 _MARKER: Final = ".decodefs-store"
 _FINGERPRINT_FILE: Final = ".fingerprint.json"
+CATALOG_FILE: Final = ".catalog.sqlite3"
+_EVICT_BATCH: Final = 64
+_FILL_BATCH: Final = 2000
 
 
 class StoreError(Exception):
@@ -125,32 +142,46 @@ class EntryKey:
 class StoreUsage:
     entries: int
     bytes: int
-    complete: bool  # False while the start-up scan is still counting
+    complete: bool  # False while a scan is still filling the catalog
+    evictions: int = 0
 
 
 class Store:
     """Entries on flash. Methods block (call them off the event loop) and are thread-safe.
 
     Concurrency: callers guarantee at most one operation per key at a time (the
-    engine's single flight). ``_lock`` makes each rename or unlink atomic with
-    its usage accounting, and the start-up scan holds it while it counts one
-    shard directory, so every entry is counted exactly once. ``usage()`` reads
-    the counters without the lock: the event loop never waits for the scan.
+    engine's single flight). ``_lock`` guards the usage counters and the pins,
+    and makes each rename, unlink and eviction decision atomic with them; it is
+    never held across catalog (SQLite) calls, so the event loop, which takes it
+    to pin, never waits for a commit. ``_evict_lock`` lets one thread evict at
+    a time. The catalog is kept a superset of the files (see catalog.py).
     """
 
     def __init__(
-        self, root: os.PathLike[str] | str, fingerprints: Mapping[str, Fingerprint]
+        self,
+        root: os.PathLike[str] | str,
+        fingerprints: Mapping[str, Fingerprint],
+        max_bytes: int | None = None,
+        min_free_fraction: float | None = None,
     ) -> None:
         self.root = os.path.abspath(root)
         self._fingerprints = dict(fingerprints)
+        self._max_bytes = max_bytes
+        self._min_free_fraction = min_free_fraction
         self._tmp = os.path.join(self.root, ".tmp")
         self._trash = os.path.join(self.root, ".trash")
         self._lock_fd: int | None = None
         self._lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self._access_lock = threading.Lock()
+        self._catalog: Catalog | None = None
         self._entries = 0
         self._bytes = 0
-        self._scan_done = False
-        self._unscanned_dirs: set[str] = set()
+        self._filled = True
+        self._pins: Counter[EntryKey] = Counter()
+        self._accesses: dict[EntryKey, float] = {}
+        self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
+        self.evictions = 0
         self.writable = False
 
     # -- life cycle ---------------------------------------------------------
@@ -165,11 +196,12 @@ class Store:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
             log.error("store %s cannot be created (%s); serving from memory only", self.root, exc)
-            self._scan_done = True
+            self._catalog, _ = Catalog.open(":memory:")
             return
         self._check_marker()
         self._take_lock()
         self.writable = self._prepare_tmp()
+        self._open_catalog()
         if self.writable:
             for version in self._fingerprints:
                 self._check_fingerprint(version)
@@ -178,23 +210,19 @@ class Store:
             log.error(
                 "store %s is not writable; hits are served from it, misses from memory", self.root
             )
-        # Listing directories is quick; counting and sizing files is the slow part
-        # and runs in the background while the daemon already serves.
-        self._unscanned_dirs = {
-            shard_dir
-            for version in self._fingerprints
-            for size_dir in _subdirs(os.path.join(self.root, version))
-            for shard_dir in _subdirs(size_dir)
-        }
-        threading.Thread(target=self._scan_usage, name="store-usage-scan", daemon=True).start()
 
     def close(self) -> None:
+        if self._catalog is not None:
+            with contextlib.suppress(Exception):
+                self.flush_accesses()
+            self._catalog.close()
+            self._catalog = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     def wait_for_usage(self, timeout: float = 60.0) -> StoreUsage:
-        """Block until the start-up scan has counted everything (tests, tools)."""
+        """Block until a scan filling the catalog has finished (tests, tools)."""
         deadline = time.monotonic() + timeout
         while not self.usage().complete and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -220,9 +248,9 @@ class Store:
             return None
         except OSError as exc:
             raise StoreReadError(key, exc) from exc
-        problem = self._check(key, data)
+        problem = check_entry(key, data, self._fingerprints[key.version].digest)
         if problem:
-            self._discard(path)
+            self.remove(key)
             raise CorruptEntry(key, problem)
         return memoryview(data)[: len(data) - TRAILER_SIZE]
 
@@ -239,75 +267,167 @@ class Store:
             os.close(fd)
 
     def write(self, key: EntryKey, payload: bytes) -> None:
-        """Atomically store ``payload`` for ``key``; raises StoreWriteError."""
+        """Atomically store ``payload`` for ``key``, evicting first if over a limit.
+
+        Raises StoreWriteError: the store is full, read-only, unwritable, or at
+        its limit with everything left pinned.
+        """
+        assert self._catalog is not None
         digest = self._fingerprints[key.version].digest
         trailer = _TRAILER.pack(_MAGIC, STORE_FORMAT, digest, len(payload), key.checksum(payload))
+        nbytes = len(payload) + TRAILER_SIZE
         final = self.path(key)
         tmp = os.path.join(self._tmp, secrets.token_hex(8) + ".npy")
         try:
+            self._make_room(key, nbytes)
             try:
                 with open(tmp, "xb") as f:
                     f.write(payload)
                     f.write(trailer)
                 os.makedirs(os.path.dirname(final), exist_ok=True)
-                with self._lock:
-                    existed = os.path.exists(final)
+                new = self._catalog_call(
+                    self._catalog.put, key.version, key.size, key.uuid, nbytes, time.time()
+                )
+                try:
                     os.rename(tmp, final)
-                    if not existed:
-                        self._account(final, +1, len(payload) + TRAILER_SIZE)
+                except OSError:
+                    if new:
+                        self._catalog_call(self._catalog.remove, key.version, key.size, key.uuid)
+                    raise
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
         except OSError as exc:
             raise StoreWriteError(key, exc) from exc
+        if new:
+            with self._lock:
+                self._entries += 1
+                self._bytes += nbytes
 
     def remove(self, key: EntryKey) -> None:
-        self._discard(self.path(key))
+        """Delete an entry (a bad one); its catalog row goes after its file."""
+        assert self._catalog is not None
+        path = self.path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot remove bad entry %s: %s", path, exc)
+            return
+        self._forget(key)
+
+    def contains(self, key: EntryKey) -> bool:
+        """Whether the catalog lists an entry for ``key`` (cheap; not a verification)."""
+        assert self._catalog is not None
+        return self._catalog.contains(key.version, key.size, key.uuid)
+
+    def stored_uuids(self, version: str, size: int) -> set[str]:
+        assert self._catalog is not None
+        return self._catalog.uuids(version, size)
+
+    # -- pins, accesses and eviction -----------------------------------------
+
+    def pin(self, key: EntryKey) -> None:
+        """Keep ``key``'s file from eviction until unpin. Cheap: safe on the event loop."""
+        with self._lock:
+            self._pins[key] += 1
+
+    def unpin(self, key: EntryKey) -> None:
+        with self._lock:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+
+    def record_access(self, key: EntryKey) -> None:
+        """Note a hit for LRU; written to the catalog by flush_accesses. Cheap."""
+        now = time.time()
+        with self._access_lock:
+            self._accesses[key] = now
+
+    def flush_accesses(self) -> None:
+        with self._access_lock:
+            accesses, self._accesses = self._accesses, {}
+        if accesses and self._catalog is not None and self.writable:
+            try:
+                self._catalog.touch((k.version, k.size, k.uuid, t) for k, t in accesses.items())
+            except sqlite3.Error as exc:
+                log.warning("cannot record %d accesses in the catalog: %s", len(accesses), exc)
 
     def usage(self) -> StoreUsage:
-        # No lock: three int reads, each atomic; a momentary mismatch between
-        # them is harmless in a status file.
-        return StoreUsage(self._entries, self._bytes, self._scan_done)
+        # No lock: plain int reads; a momentary mismatch is harmless in a status file.
+        return StoreUsage(self._entries, self._bytes, self._filled, self.evictions)
 
     def fingerprint_description(self, version: str) -> Mapping[str, object]:
         return self._fingerprints[version].description
 
-    # -- internals ----------------------------------------------------------
+    def would_evict(self, incoming: int) -> bool:
+        """Whether writing ``incoming`` more bytes would evict something first."""
+        return self._over_limit(incoming)
 
-    def _check(self, key: EntryKey, data: bytes) -> str | None:
-        if len(data) < TRAILER_SIZE:
-            return f"truncated to {len(data)} bytes"
-        magic, fmt, digest, length, checksum = _TRAILER.unpack_from(data, len(data) - TRAILER_SIZE)
-        if magic != _MAGIC:
-            return "no integrity trailer (truncated or not written by decodefs)"
-        if fmt != STORE_FORMAT:
-            return f"store format {fmt}, expected {STORE_FORMAT}"
-        if digest != self._fingerprints[key.version].digest:
-            return "decoded with other settings or libraries"
-        if length != len(data) - TRAILER_SIZE:
-            return f"length {len(data) - TRAILER_SIZE}, trailer says {length}"
-        if key.checksum(memoryview(data)[:length]) != checksum:
-            return "checksum mismatch (damaged, or another entry's file)"
-        return None
+    def _over_limit(self, incoming: int) -> bool:
+        if self._max_bytes is not None and self._bytes + incoming > self._max_bytes:
+            return True
+        if self._min_free_fraction is not None:
+            vfs = os.statvfs(self.root)
+            free = vfs.f_bavail * vfs.f_frsize - incoming
+            return free < self._min_free_fraction * vfs.f_blocks * vfs.f_frsize
+        return False
 
-    def _discard(self, path: str) -> None:
-        try:
-            with self._lock:
-                size = os.stat(path).st_size
-                os.unlink(path)
-                self._account(path, -1, -size)
-        except FileNotFoundError:
+    def _make_room(self, key: EntryKey, incoming: int) -> None:
+        """Evict least-recently-used, unpinned entries until ``incoming`` bytes fit."""
+        if not self._over_limit(incoming):
             return
-        except OSError as exc:
-            log.warning("cannot remove bad entry %s: %s", path, exc)
+        assert self._catalog is not None
+        with self._evict_lock:
+            self.flush_accesses()  # so that recent hits are not the oldest
+            pinned_seen = 0
+            while self._over_limit(incoming):
+                rows = self._catalog_call(self._catalog.oldest, _EVICT_BATCH, pinned_seen)
+                if not rows:
+                    raise OSError(
+                        errno.ENOSPC,
+                        "the store is at its capacity limit and every entry left is in use",
+                    )
+                for row in rows:
+                    victim = EntryKey(row.version, row.size, row.uuid)
+                    if victim == key or not self._evict(victim):
+                        pinned_seen += 1
+                    if not self._over_limit(incoming):
+                        break
 
-    def _account(self, path: str, entries: int, nbytes: int) -> None:
-        # Caller holds _lock. The start-up scan counts whatever it finds in a
-        # directory it has yet to visit; every other change is ours to count.
-        if os.path.dirname(path) not in self._unscanned_dirs:
-            self._entries += entries
-            self._bytes += nbytes
+    def _evict(self, key: EntryKey) -> bool:
+        """Unlink ``key`` unless pinned; its row goes after its file."""
+        with self._lock:
+            if self._pins.get(key):
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(key))
+            self.evicted.append(key)
+        self._forget(key)
+        self.evictions += 1
+        return True
+
+    def _forget(self, key: EntryKey) -> None:
+        """Drop ``key``'s catalog row (after its file) and uncount it."""
+        assert self._catalog is not None
+        try:
+            nbytes = self._catalog.remove(key.version, key.size, key.uuid)
+        except sqlite3.Error as exc:
+            log.warning("cannot drop %s from the catalog: %s", key, exc)
+            return
+        if nbytes is not None:
+            with self._lock:
+                self._entries -= 1
+                self._bytes -= nbytes
+
+    def _catalog_call(self, fn: Callable[..., T], *args: object) -> T:
+        """A catalog call whose failure is an OSError, like any other storage failure."""
+        try:
+            return fn(*args)
+        except sqlite3.Error as exc:
+            raise OSError(errno.EIO, f"catalog: {exc}") from exc
 
     def _check_marker(self) -> None:
         marker = os.path.join(self.root, _MARKER)
@@ -411,9 +531,12 @@ class Store:
                 )
                 os.makedirs(self._trash, exist_ok=True)
                 os.rename(directory, os.path.join(self._trash, f"{version}.{time.time_ns()}"))
+                if self._catalog is not None:
+                    self._catalog.remove_version(version)
+                    self._entries, self._bytes = self._catalog.totals()
             os.makedirs(directory, exist_ok=True)
             _write_json(marker, {"digest": expected.hex, "description": dict(expected.description)})
-        except OSError as exc:
+        except (OSError, sqlite3.Error) as exc:
             # A full disk must not stop the daemon: stale entries still fail
             # their own fingerprint check and are rebuilt one by one.
             log.error(
@@ -431,22 +554,93 @@ class Store:
 
         threading.Thread(target=cleanup, name="store-trash", daemon=True).start()
 
-    def _scan_usage(self) -> None:
+    def _open_catalog(self) -> None:
+        path = os.path.join(self.root, CATALOG_FILE) if self.writable else ":memory:"
+        try:
+            catalog, empty = Catalog.open(path)
+        except (sqlite3.Error, OSError) as exc:
+            log.error("catalog %s cannot be opened (%s); keeping it in memory", path, exc)
+            catalog, empty = Catalog.open(":memory:")
+        self._catalog = catalog
+        self._entries, self._bytes = catalog.totals()
+        if empty:
+            # A new catalog on an existing store (or a read-only store): fill it
+            # from the files, in the background, while the daemon already serves.
+            self._filled = False
+            threading.Thread(target=self._fill, name="store-catalog-fill", daemon=True).start()
+
+    def _fill(self) -> None:
+        assert self._catalog is not None
         started = time.monotonic()
-        for shard_dir in sorted(self._unscanned_dirs):
+        batch: list[tuple[str, int, str, int, float]] = []
+        try:
+            for key, path in iter_entry_files(self.root, self._fingerprints):
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                batch.append((key.version, key.size, key.uuid, st.st_size, st.st_mtime))
+                if len(batch) >= _FILL_BATCH:
+                    self._catalog.fill(batch)
+                    batch.clear()
+            self._catalog.fill(batch)
+            if self.writable:
+                self._catalog.mark_filled()
+            # Writes went on meanwhile; the catalog is the truth, recount from it.
             with self._lock:
-                count, nbytes = _count_files(shard_dir)
-                self._entries += count
-                self._bytes += nbytes
-                self._unscanned_dirs.discard(shard_dir)
-        self._scan_done = True
+                self._entries, self._bytes = self._catalog.totals()
+        except sqlite3.Error as exc:
+            log.error("cannot fill the catalog of %s: %s; usage is undercounted", self.root, exc)
+        self._filled = True
         log.info(
-            "store %s holds %d entries, %.1f MiB (counted in %.1f s)",
+            "store %s holds %d entries, %.1f MiB (catalog filled from disk in %.1f s)",
             self.root,
             self._entries,
             self._bytes / 2**20,
             time.monotonic() - started,
         )
+
+
+def check_entry(key: EntryKey, data: bytes, digest: bytes) -> str | None:
+    """Why the entry file ``data`` must not be served for ``key``, or None if it may."""
+    if len(data) < TRAILER_SIZE:
+        return f"truncated to {len(data)} bytes"
+    magic, fmt, recorded, length, checksum = _TRAILER.unpack_from(data, len(data) - TRAILER_SIZE)
+    if magic != _MAGIC:
+        return "no integrity trailer (truncated or not written by decodefs)"
+    if fmt != STORE_FORMAT:
+        return f"store format {fmt}, expected {STORE_FORMAT}"
+    if recorded != digest:
+        return "decoded with other settings or libraries"
+    if length != len(data) - TRAILER_SIZE:
+        return f"length {len(data) - TRAILER_SIZE}, trailer says {length}"
+    if key.checksum(memoryview(data)[:length]) != checksum:
+        return "checksum mismatch (damaged, or another entry's file)"
+    return None
+
+
+def iter_entry_files(root: str, versions: Iterable[str]) -> Iterator[tuple[EntryKey, str]]:
+    """Every entry file under ``root`` for ``versions``, by walking the layout."""
+    for version in versions:
+        for size_dir in _subdirs(os.path.join(root, version)):
+            size_name = os.path.basename(size_dir)
+            if not size_name.isdigit():
+                continue
+            for shard_dir in _subdirs(size_dir):
+                try:
+                    with os.scandir(shard_dir) as it:
+                        names = [
+                            e.name
+                            for e in it
+                            if e.name.endswith(".npy") and e.is_file(follow_symlinks=False)
+                        ]
+                except OSError:
+                    continue
+                for name in names:
+                    yield (
+                        EntryKey(version, int(size_name), name[: -len(".npy")]),
+                        os.path.join(shard_dir, name),
+                    )
 
 
 def _subdirs(path: str) -> list[str]:
@@ -457,20 +651,6 @@ def _subdirs(path: str) -> list[str]:
             ]
     except OSError:
         return []
-
-
-def _count_files(path: str) -> tuple[int, int]:
-    count = nbytes = 0
-    try:
-        with os.scandir(path) as it:
-            for entry in it:
-                if entry.name.endswith(".npy") and entry.is_file(follow_symlinks=False):
-                    with contextlib.suppress(OSError):
-                        nbytes += entry.stat(follow_symlinks=False).st_size
-                        count += 1
-    except OSError:
-        pass
-    return count, nbytes
 
 
 def _write_json(path: str, value: object) -> None:

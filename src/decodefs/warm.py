@@ -1,0 +1,81 @@
+"""`decodefs warm`: fill the cache ahead of training, through the mount.
+
+Each entry is opened and closed without being read: the daemon decodes and
+stores it on open (single-flight and accounting hold, as for any reader) and
+no data lands in this process or the page cache. Entries already stored cost
+one open, so an interrupted warm simply resumes when run again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+__all__ = ["WarmReport", "read_uuid_list", "warm"]
+
+
+@dataclass
+class WarmReport:
+    total: int
+    done: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # uuid -> reason (EIO: bad original)
+    missing: list[str] = field(default_factory=list)  # uuids the version does not have
+    seconds: float = 0.0
+    interrupted: bool = False
+
+
+def read_uuid_list(path: Path) -> list[str]:
+    """One uuid per line; blank lines and '#' comments skipped; "<uuid>.npy" accepted."""
+    uuids = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            uuids.append(line[: -len(".npy")] if line.endswith(".npy") else line)
+    return uuids
+
+
+def warm(
+    directory: Path, uuids: Iterable[str] | None, jobs: int, progress: bool = True
+) -> WarmReport:
+    """Open every ``<directory>/<uuid>.npy`` (all listed there if ``uuids`` is None)."""
+    names = sorted(os.listdir(directory)) if uuids is None else [f"{u}.npy" for u in uuids]
+    names = [n for n in names if n.endswith(".npy")]
+    report = WarmReport(total=len(names))
+    started = time.monotonic()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="warm")
+    bar = tqdm(total=len(names), unit="img", disable=not progress, mininterval=0.5, smoothing=0.1)
+    try:
+        futures = {pool.submit(_touch, directory / name): name for name in names}
+        for future in concurrent.futures.as_completed(futures):
+            uuid = futures[future][: -len(".npy")]
+            error = future.result()
+            if error is None:
+                report.done += 1
+            elif error.errno == errno.ENOENT:
+                report.missing.append(uuid)
+            else:
+                report.failed[uuid] = error.strerror or str(error)
+            bar.update(1)
+    except KeyboardInterrupt:
+        report.interrupted = True
+        pool.shutdown(wait=True, cancel_futures=True)
+    finally:
+        pool.shutdown(wait=True)
+        bar.close()
+        report.seconds = time.monotonic() - started
+    return report
+
+
+def _touch(path: Path) -> OSError | None:
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError as exc:
+        return exc
+    return None
