@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what decodefs needs on a fresh Debian machine; quick when already done.
-#   apt: fuse3 (fusermount3), libfuse3-dev + pkg-config (to build pyfuse3)
+#   apt: see system-packages.sh (plus systemd-analyze for the tests)
 #   .venv/ with decodefs and its test tools
 # Sourced by test.sh and demo.sh; sets VENV.
 set -euo pipefail
@@ -8,22 +8,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DECODEFS_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
-
-missing=()
-command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
-command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
-pkg-config --exists fuse3 2>/dev/null || missing+=(libfuse3-dev)
-command -v gcc >/dev/null 2>&1 || missing+=(gcc)
-"$PYTHON" -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
-"$PYTHON" -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
-    >/dev/null 2>&1 || missing+=(python3-dev)
-if ((${#missing[@]})); then
-    echo "setup: installing ${missing[*]} (apt)" >&2
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+# The tests also run systemd-analyze (command:package) and prlimit.
+DECODEFS_EXTRA_PACKAGES="systemd-analyze:systemd prlimit:util-linux" \
+    source "$ROOT/scripts/system-packages.sh"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV" >&2

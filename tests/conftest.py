@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 
+from decodefs.sample import make_sample_corpus
 from tests.helpers import Mount, write_config, write_photos
 
 MountFactory = Callable[..., Mount]
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+LARGE_COUNT = 6
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +27,12 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def photos_dir(photos: dict[str, Path]) -> Path:
     return next(iter(photos.values())).parents[2]
+
+
+@pytest.fixture(scope="session")
+def large(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """~7 MP photo-like JPEGs: a decode takes long enough for readers to pile up."""
+    return make_sample_corpus(tmp_path_factory.mktemp("large"), LARGE_COUNT, 3072, 2304, seed=7)
 
 
 def _make_factory(base: Path, created: list[Mount]) -> MountFactory:

@@ -9,20 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
-from decodefs.sample import make_sample_corpus
-from tests.conftest import MountFactory
+from tests.conftest import LARGE_COUNT, MountFactory
 from tests.helpers import reference_npy
-
-LARGE_COUNT = 6
-
-
-@pytest.fixture(scope="session")
-def large(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """~7 MP photo-like JPEGs: a decode takes long enough for readers to pile up."""
-    return make_sample_corpus(tmp_path_factory.mktemp("large"), LARGE_COUNT, 3072, 2304, seed=7)
-
 
 _READER = """
 import hashlib, sys, time

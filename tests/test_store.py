@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -246,3 +247,72 @@ def test_a_store_full_at_start_opens_and_refuses_writes(tmp_path: Path) -> None:
         s.close()
     finally:
         subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def entry_bytes(size: int = 16) -> int:
+    return len(payload(size=size)) + TRAILER_SIZE
+
+
+def test_max_bytes_evicts_least_recently_used_first(tmp_path: Path) -> None:
+    s = Store(tmp_path / "store", {"v1": V1}, max_bytes=3 * entry_bytes())
+    s.open()
+    keys = [EntryKey("v1", 16, f"k{i}") for i in range(3)]
+    for i, key in enumerate(keys):
+        s.write(key, payload(i))
+        time.sleep(0.01)  # distinct access times
+    s.record_access(keys[0])  # k0 is now the most recently used
+    s.write(EntryKey("v1", 16, "k3"), payload(3))
+    assert not Path(s.path(keys[1])).exists()  # k1 was the least recently used
+    assert all(Path(s.path(k)).exists() for k in (keys[0], keys[2], EntryKey("v1", 16, "k3")))
+    usage = s.usage()
+    assert (usage.entries, usage.bytes, usage.evictions) == (3, 3 * entry_bytes(), 1)
+    assert list(s.evicted) == [keys[1]]
+    s.close()
+
+
+def test_pinned_entries_are_never_evicted(tmp_path: Path) -> None:
+    s = Store(tmp_path / "store", {"v1": V1}, max_bytes=2 * entry_bytes())
+    s.open()
+    a, b, c = (EntryKey("v1", 16, name) for name in "abc")
+    s.write(a, payload(1))
+    s.write(b, payload(2))
+    s.pin(a)
+    s.pin(b)
+    with pytest.raises(StoreWriteError, match=r"EDQUOT.*every entry left is in use"):
+        s.write(c, payload(3))
+    assert Path(s.path(a)).exists() and Path(s.path(b)).exists()
+    assert not Path(s.path(c)).exists() and os.listdir(tmp_path / "store" / ".tmp") == []
+    s.unpin(b)
+    s.write(c, payload(3))  # now b may go
+    assert Path(s.path(a)).exists() and not Path(s.path(b)).exists()
+    s.close()
+
+
+def test_usage_is_known_at_once_after_a_restart(tmp_path: Path) -> None:
+    first = Store(tmp_path / "store", {"v1": V1})
+    first.open()
+    for i in range(4):
+        first.write(EntryKey("v1", 16, f"k{i}"), payload(i))
+    first.close()
+    again = Store(tmp_path / "store", {"v1": V1})
+    again.open()
+    usage = again.usage()  # no waiting: read from the catalog
+    assert (usage.entries, usage.bytes, usage.complete) == (4, 4 * entry_bytes(), True)
+    again.close()
+
+
+def test_a_store_without_a_catalog_is_counted_by_a_scan(tmp_path: Path) -> None:
+    first = Store(tmp_path / "store", {"v1": V1})
+    first.open()
+    for i in range(4):
+        first.write(EntryKey("v1", 16, f"k{i}"), payload(i))
+    first.close()
+    for name in os.listdir(tmp_path / "store"):
+        if name.startswith(".catalog"):
+            os.unlink(tmp_path / "store" / name)
+    again = Store(tmp_path / "store", {"v1": V1}, max_bytes=4 * entry_bytes())
+    again.open()
+    assert again.wait_for_usage().entries == 4
+    again.write(EntryKey("v1", 16, "new"), payload(9))  # the scanned entries are evictable
+    assert again.usage().entries == 4 and again.usage().evictions == 1
+    again.close()

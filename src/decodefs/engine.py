@@ -43,6 +43,9 @@ _FAILURE_CACHE_MAX: Final = 100_000
 # leaves one decode slot free for readers.
 READER_QUIET_SECONDS: Final = 2.0
 ACCESS_FLUSH_SECONDS: Final = 30.0
+_WARM_STOPS: Final = (
+    "background warm of %s stops: the store takes no more without evicting what readers use"
+)
 
 
 class OriginalNotFound(Exception):
@@ -440,8 +443,11 @@ class Engine:
             )
         data = await self._decode(key, index, reader, slot_held)
         try:
-            await self._in_thread(self._write_limiter, self.store.write, key, data)
+            # The background warm never evicts what readers have stored.
+            await self._in_thread(self._write_limiter, self.store.write, key, data, reader)
         except StoreWriteError as exc:
+            if not reader and exc.kind == "EDQUOT":
+                return _Outcome(memoryview(data), decoded=True, stored=False)
             self.metrics.store_write_errors += 1
             self.metrics.memory_fallbacks += 1
             self.metrics.errors[f"store_{exc.kind}"] += 1
@@ -536,7 +542,7 @@ class Engine:
             if key in self._failures:
                 continue
             if await self._in_thread(self._read_limiter, self.store.would_evict, nbytes):
-                log.info("background warm: the store is at its limit; not evicting for a warm")
+                log.info(_WARM_STOPS, f"{version}/{size}")
                 cancel.cancel()
                 return
             await self._slots.acquire(reader=False)
@@ -551,7 +557,7 @@ class Engine:
             finally:
                 self._slots.release(reader=False)
             if flight.outcome is not None and not flight.outcome.stored:
-                log.warning("background warm: the store refused an entry; not warming")
+                log.info(_WARM_STOPS, f"{version}/{size}")
                 cancel.cancel()
                 return
 

@@ -179,10 +179,14 @@ class Store:
         self._bytes = 0
         self._filled = True
         self._pins: Counter[EntryKey] = Counter()
+        self._reservations: dict[EntryKey, int] = {}
+        self._reserved = 0
         self._accesses: dict[EntryKey, float] = {}
         self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
         self.evictions = 0
         self.writable = False
+        self._closing = threading.Event()
+        self._fill_thread: threading.Thread | None = None
 
     # -- life cycle ---------------------------------------------------------
 
@@ -212,6 +216,9 @@ class Store:
             )
 
     def close(self) -> None:
+        self._closing.set()
+        if self._fill_thread is not None:
+            self._fill_thread.join()
         if self._catalog is not None:
             with contextlib.suppress(Exception):
                 self.flush_accesses()
@@ -266,11 +273,11 @@ class Store:
         finally:
             os.close(fd)
 
-    def write(self, key: EntryKey, payload: bytes) -> None:
+    def write(self, key: EntryKey, payload: bytes, may_evict: bool = True) -> None:
         """Atomically store ``payload`` for ``key``, evicting first if over a limit.
 
-        Raises StoreWriteError: the store is full, read-only, unwritable, or at
-        its limit with everything left pinned.
+        Raises StoreWriteError: the store is full, read-only or unwritable, or
+        at its limit (EDQUOT) with everything left pinned or ``may_evict`` False.
         """
         assert self._catalog is not None
         digest = self._fingerprints[key.version].digest
@@ -279,7 +286,7 @@ class Store:
         final = self.path(key)
         tmp = os.path.join(self._tmp, secrets.token_hex(8) + ".npy")
         try:
-            self._make_room(key, nbytes)
+            self._make_room(key, nbytes, may_evict)  # reserves nbytes until counted
             try:
                 with open(tmp, "xb") as f:
                     f.write(payload)
@@ -298,12 +305,15 @@ class Store:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
+            if new:
+                with self._lock:
+                    self._entries += 1
+                    self._bytes += nbytes
         except OSError as exc:
             raise StoreWriteError(key, exc) from exc
-        if new:
+        finally:
             with self._lock:
-                self._entries += 1
-                self._bytes += nbytes
+                self._reserved -= self._reservations.pop(key, 0)
 
     def remove(self, key: EntryKey) -> None:
         """Delete an entry (a bad one); its catalog row goes after its file."""
@@ -367,35 +377,50 @@ class Store:
         return self._over_limit(incoming)
 
     def _over_limit(self, incoming: int) -> bool:
-        if self._max_bytes is not None and self._bytes + incoming > self._max_bytes:
+        # Room reserved by writes in progress counts as used: concurrent writers
+        # must not each find the same free space.
+        committed = self._bytes + self._reserved
+        if self._max_bytes is not None and committed + incoming > self._max_bytes:
             return True
         if self._min_free_fraction is not None:
             vfs = os.statvfs(self.root)
-            free = vfs.f_bavail * vfs.f_frsize - incoming
+            free = vfs.f_bavail * vfs.f_frsize - incoming - self._reserved
             return free < self._min_free_fraction * vfs.f_blocks * vfs.f_frsize
         return False
 
-    def _make_room(self, key: EntryKey, incoming: int) -> None:
-        """Evict least-recently-used, unpinned entries until ``incoming`` bytes fit."""
-        if not self._over_limit(incoming):
+    def _make_room(self, key: EntryKey, incoming: int, may_evict: bool) -> None:
+        """Evict least-recently-used, unpinned entries until ``incoming`` bytes fit,
+        and reserve them for ``key`` (write() releases the reservation)."""
+        if self._max_bytes is None and self._min_free_fraction is None:
             return
         assert self._catalog is not None
         with self._evict_lock:
-            self.flush_accesses()  # so that recent hits are not the oldest
-            pinned_seen = 0
-            while self._over_limit(incoming):
-                rows = self._catalog_call(self._catalog.oldest, _EVICT_BATCH, pinned_seen)
-                if not rows:
-                    raise OSError(
-                        errno.ENOSPC,
-                        "the store is at its capacity limit and every entry left is in use",
-                    )
-                for row in rows:
-                    victim = EntryKey(row.version, row.size, row.uuid)
-                    if victim == key or not self._evict(victim):
-                        pinned_seen += 1
-                    if not self._over_limit(incoming):
-                        break
+            if not may_evict and self._over_limit(incoming):
+                raise OSError(errno.EDQUOT, "the store is at its capacity limit")
+            self._evict_for(key, incoming)
+            with self._lock:
+                self._reservations[key] = incoming
+                self._reserved += incoming
+
+    def _evict_for(self, key: EntryKey, incoming: int) -> None:
+        assert self._catalog is not None
+        if not self._over_limit(incoming):
+            return
+        self.flush_accesses()  # so that recent hits are not the oldest
+        pinned_seen = 0
+        while self._over_limit(incoming):
+            rows = self._catalog_call(self._catalog.oldest, _EVICT_BATCH, pinned_seen)
+            if not rows:
+                raise OSError(
+                    errno.EDQUOT,
+                    "the store is at its capacity limit and every entry left is in use",
+                )
+            for row in rows:
+                victim = EntryKey(row.version, row.size, row.uuid)
+                if victim == key or not self._evict(victim):
+                    pinned_seen += 1
+                if not self._over_limit(incoming):
+                    break
 
     def _evict(self, key: EntryKey) -> bool:
         """Unlink ``key`` unless pinned; its row goes after its file."""
@@ -567,28 +592,32 @@ class Store:
             # A new catalog on an existing store (or a read-only store): fill it
             # from the files, in the background, while the daemon already serves.
             self._filled = False
-            threading.Thread(target=self._fill, name="store-catalog-fill", daemon=True).start()
+            self._fill_thread = threading.Thread(
+                target=self._fill, args=(catalog,), name="store-catalog-fill", daemon=True
+            )
+            self._fill_thread.start()
 
-    def _fill(self) -> None:
-        assert self._catalog is not None
+    def _fill(self, catalog: Catalog) -> None:
         started = time.monotonic()
         batch: list[tuple[str, int, str, int, float]] = []
         try:
             for key, path in iter_entry_files(self.root, self._fingerprints):
+                if self._closing.is_set():
+                    return  # the next start fills it again
                 try:
                     st = os.stat(path)
                 except OSError:
                     continue
                 batch.append((key.version, key.size, key.uuid, st.st_size, st.st_mtime))
                 if len(batch) >= _FILL_BATCH:
-                    self._catalog.fill(batch)
+                    catalog.fill(batch)
                     batch.clear()
-            self._catalog.fill(batch)
+            catalog.fill(batch)
             if self.writable:
-                self._catalog.mark_filled()
+                catalog.mark_filled()
             # Writes went on meanwhile; the catalog is the truth, recount from it.
             with self._lock:
-                self._entries, self._bytes = self._catalog.totals()
+                self._entries, self._bytes = catalog.totals()
         except sqlite3.Error as exc:
             log.error("cannot fill the catalog of %s: %s; usage is undercounted", self.root, exc)
         self._filled = True

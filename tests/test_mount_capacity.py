@@ -1,0 +1,149 @@
+"""Capacity: LRU eviction under max_store_bytes and min_free_fraction, pins, usage at restart."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from decodefs.decode import npy_file_size
+from decodefs.store import TRAILER_SIZE
+from tests.conftest import MountFactory, needs_root
+from tests.helpers import reference_npy
+
+ENTRY = npy_file_size(224) + TRAILER_SIZE  # one stored 224 array
+
+
+def stored(store: Path) -> dict[str, int]:
+    """uuid -> bytes of every entry file on disk (ones evicted while looking are skipped)."""
+    sizes = {}
+    for path in store.glob("v1/*/*/*.npy"):
+        try:
+            sizes[path.stem] = path.stat().st_size
+        except FileNotFoundError:
+            continue
+    return sizes
+
+
+def test_max_store_bytes_holds_under_a_stream_of_misses(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    cap = 4 * ENTRY + 1000
+    mount = mounts({"v1": photos_dir}, max_store_bytes=cap, decode_workers=8)
+    for uuid, path in sorted(photos.items()):
+        assert mount.path("v1", "224", f"{uuid}.npy").read_bytes() == reference_npy(path, 224)
+        assert sum(stored(store).values()) <= cap
+    stats = mount.stats()
+    assert stats["store_entries"] == len(stored(store)) == 4
+    assert stats["store_bytes"] == sum(stored(store).values())
+    assert stats["evictions"] == len(photos) - 4
+    assert stats["store_write_errors"] == 0  # eviction made room; nothing fell back to memory
+
+    # Concurrent misses: reservations keep them from overshooting together.
+    sizes = [str(s) for s in range(216, 232)]
+    stop = threading.Event()
+    peak = [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], sum(stored(store).values()))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        threads = [
+            threading.Thread(
+                target=lambda s=s: [mount.path("v1", s, f"{u}.npy").read_bytes() for u in photos]
+            )
+            for s in sizes
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        stop.set()
+        watcher.join()
+    assert peak[0] <= cap
+    assert sum(stored(store).values()) <= cap
+
+
+def test_least_recently_used_goes_first(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    uuids = sorted(photos)
+    mount = mounts({"v1": photos_dir}, max_store_bytes=3 * ENTRY)
+    for uuid in uuids[:3]:
+        mount.path("v1", "224", f"{uuid}.npy").read_bytes()
+    mount.path("v1", "224", f"{uuids[0]}.npy").read_bytes()  # a hit: uuids[0] is now recent
+    mount.path("v1", "224", f"{uuids[3]}.npy").read_bytes()
+    assert set(stored(store)) == {uuids[0], uuids[2], uuids[3]}  # uuids[1] was the oldest
+
+
+def test_an_open_file_is_never_evicted_from_under_its_reader(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    uuids = sorted(photos)
+    mount = mounts({"v1": photos_dir}, max_store_bytes=3 * ENTRY)
+    held = uuids[0]
+    mount.path("v1", "224", f"{held}.npy").read_bytes()
+    with open(mount.path("v1", "224", f"{held}.npy"), "rb", buffering=0) as reader:
+        head = reader.read(1000)
+        for uuid in uuids[1:6]:  # five misses, each evicting the oldest unpinned entry
+            mount.path("v1", "224", f"{uuid}.npy").read_bytes()
+            assert held in stored(store)
+        assert head + reader.read() == reference_npy(photos[held], 224)
+    for uuid in uuids[6:9]:
+        mount.path("v1", "224", f"{uuid}.npy").read_bytes()
+    assert held not in stored(store)  # unpinned once closed, and oldest
+
+
+def test_usage_is_known_right_after_a_restart(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    mount = mounts({"v1": photos_dir})
+    for uuid in photos:
+        mount.path("v1", "64", f"{uuid}.npy").read_bytes()
+    assert mount.stop() == 0
+    mount.start()
+    stats = mount.stats()  # the first thing asked: no scan to wait for
+    assert stats["store_usage_complete"] is True
+    assert stats["store_entries"] == len(photos)
+    assert stats["store_bytes"] == sum(stored(store).values())
+    after_restart = mount.log_text().split("unmounted", 1)[1]
+    assert "catalog filled from disk" not in after_restart  # no scan of the store
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    root = tmp_path / "tmpfs"
+    root.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "decodefs-test", str(root)], check=True
+    )
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+@needs_root
+def test_min_free_fraction_keeps_the_filesystem_free(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], small_tmpfs: Path
+) -> None:
+    mount = mounts({"v1": photos_dir}, store=small_tmpfs / "store", min_free_fraction=0.5)
+    for uuid, path in photos.items():
+        assert mount.path("v1", "224", f"{uuid}.npy").read_bytes() == reference_npy(path, 224)
+        vfs = os.statvfs(small_tmpfs)
+        # Entries never eat into the free half (the catalog's own pages may nibble at it).
+        assert vfs.f_bavail * vfs.f_frsize >= 0.5 * vfs.f_blocks * vfs.f_frsize - 64 * 1024
+    stats = mount.stats()
+    assert stats["evictions"] > 0 and stats["store_write_errors"] == 0

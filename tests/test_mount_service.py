@@ -1,0 +1,272 @@
+"""Running as a service: systemd notify and watchdog, units, allow_other, metrics."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tomllib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from decodefs.config import parse_config
+from tests.conftest import MountFactory, needs_root
+from tests.helpers import (
+    errno_of,
+    is_live_mount,
+    is_mounted,
+    reference_npy,
+    unmount_quietly,
+    write_config,
+)
+
+REPO = Path(__file__).parents[1]
+
+
+def decodefs(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "decodefs", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "notify.sock")
+    sock.bind(path)
+    sock.settimeout(60)
+    yield sock, path
+    sock.close()
+
+
+def receive_until(sock: socket.socket, wanted: str) -> list[str]:
+    """Messages received up to and including the first containing ``wanted``."""
+    messages = []
+    while True:
+        message = sock.recv(4096).decode()
+        messages.append(message)
+        if wanted in message.split("\n"):
+            return messages
+
+
+def test_notify_ready_watchdog_and_stopping(
+    tmp_path: Path, photos_dir: Path, notify_socket: tuple[socket.socket, str]
+) -> None:
+    sock, address = notify_socket
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    env = {**os.environ, "NOTIFY_SOCKET": address, "WATCHDOG_USEC": "200000"}
+    log = open(tmp_path / "daemon.log", "wb")  # noqa: SIM115
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "decodefs", "mount", str(mountpoint), "--config", str(config), "-f"],
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    try:
+        before_ready = receive_until(sock, "READY=1")
+        assert is_live_mount(mountpoint)  # READY=1 came only once the mount answers
+        assert any("STATUS=indexing originals" in m for m in before_ready)
+        assert f"STATUS=serving {mountpoint}" in before_ready[-1]
+
+        pings = [m for m in (sock.recv(4096).decode() for _ in range(5))]
+        assert pings == ["WATCHDOG=1"] * 5  # every 0.1 s: half of WATCHDOG_USEC
+
+        daemon.send_signal(signal.SIGTERM)
+        stopping = receive_until(sock, "STOPPING=1")
+        assert f"STATUS=unmounting {mountpoint}" in stopping[-1]
+        assert daemon.wait(timeout=30) == 0
+        assert not is_mounted(mountpoint)
+    finally:
+        daemon.kill()
+        daemon.wait()
+        log.close()
+        unmount_quietly(mountpoint)
+
+
+def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir: Path) -> None:
+    root = tmp_path / "root"
+    decodefs_command = Path(sys.executable).parent / "decodefs"
+    result = subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "install-service.sh"),
+            "--root",
+            str(root),
+            "--decodefs",
+            str(decodefs_command),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "units in" in result.stdout
+    units = root / "etc" / "systemd" / "system"
+    (units / "decodefs@demo.service").symlink_to("decodefs@.service")
+    for unit in ["decodefs.service", "decodefs@demo.service"]:
+        text = (units / unit).read_text()  # the instance is a link to the template
+        assert f"ExecStart={decodefs_command} mount --foreground" in text
+        assert "Type=notify" in text and "WatchdogSec=" in text and "Restart=on-failure" in text
+        for hides_the_mount in [
+            "ProtectSystem",
+            "ProtectHome",
+            "PrivateTmp",
+            "PrivateDevices",
+            "ProtectKernelTunables",
+            "ReadOnlyPaths",
+            "InaccessiblePaths",
+            "TemporaryFileSystem",
+            "PrivateMounts",
+            "MountFlags",
+        ]:
+            assert f"\n{hides_the_mount}=" not in text, hides_the_mount
+        checked = subprocess.run(
+            ["systemd-analyze", "verify", str(units / unit)], capture_output=True, text=True
+        )
+        assert checked.returncode == 0, checked.stderr
+        assert checked.stdout == checked.stderr == "", checked.stderr  # warnings too
+
+    # The example config is valid once its paths exist.
+    example = tomllib.loads((root / "etc" / "decodefs" / "config.toml").read_text())
+    example["store"] = str(tmp_path / "store")
+    example["versions"]["v1"]["source"] = str(photos_dir)
+    config = parse_config(example, base_dir=tmp_path)
+    assert config.allow_other and config.mountpoint == Path("/mnt/decoded")
+    # A second install keeps the edited config and puts the example beside it.
+    subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "install-service.sh"),
+            "--root",
+            str(root),
+            "--decodefs",
+            str(decodefs_command),
+        ],
+        capture_output=True,
+        check=True,
+    )
+    assert (root / "etc" / "decodefs" / "config.example.toml").exists()
+
+
+@pytest.fixture
+def shared_mountpoint() -> Iterator[Path]:
+    """A mount point every user can reach (pytest's tmp_path is root-only)."""
+    base = Path("/tmp") / f"decodefs-shared-{uuid.uuid4().hex[:8]}"
+    base.mkdir(mode=0o755)
+    os.chmod(base, 0o755)
+    (base / "mnt").mkdir(mode=0o755)
+    try:
+        yield base / "mnt"
+    finally:
+        unmount_quietly(base / "mnt")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
+@pytest.mark.parametrize("allow_other", [True, False])
+def test_allow_other_lets_other_users_read(
+    tmp_path: Path,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    shared_mountpoint: Path,
+    allow_other: bool,
+) -> None:
+    config = write_config(
+        tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir}, allow_other=allow_other
+    )
+    assert (
+        decodefs(
+            "mount", shared_mountpoint, "--config", config, "--log-file", tmp_path / "log"
+        ).returncode
+        == 0
+    )
+    try:
+        uuid_, original = next(iter(photos.items()))
+        entry = shared_mountpoint / "v1" / "224" / f"{uuid_}.npy"
+        as_nobody = [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "cat",
+            str(entry),
+        ]
+        result = subprocess.run(as_nobody, capture_output=True, timeout=60)
+        if allow_other:
+            assert result.returncode == 0, result.stderr
+            assert result.stdout == reference_npy(original, 224)
+        else:
+            assert result.returncode != 0 and b"Permission denied" in result.stderr
+        # Root reads either way, and writes stay refused for everyone.
+        assert entry.read_bytes() == reference_npy(original, 224)
+        assert errno_of(open, entry, "r+b") == errno.EROFS
+    finally:
+        assert decodefs("umount", shared_mountpoint).returncode == 0
+
+
+def test_mountpoint_from_the_config_and_umount_if_stale(
+    mounts: MountFactory, tmp_path: Path, photos_dir: Path
+) -> None:
+    mountpoint = tmp_path / "from-config"
+    mountpoint.mkdir()
+    config = write_config(
+        tmp_path / "c.toml", tmp_path / "store2", {"v1": photos_dir}, mountpoint=str(mountpoint)
+    )
+    try:
+        assert (
+            decodefs("umount", "--if-stale", "--config", config).returncode == 0
+        )  # nothing there: fine
+        assert decodefs("mount", "--config", config, "--log-file", tmp_path / "log").returncode == 0
+        assert is_live_mount(mountpoint)
+        assert decodefs("umount", "--if-stale", "--config", config).returncode == 0
+        assert is_live_mount(mountpoint)  # a live mount is never touched
+        assert decodefs("umount", "--config", config).returncode == 0
+        assert not is_mounted(mountpoint)
+    finally:
+        unmount_quietly(mountpoint)
+
+    mount = mounts({"v1": photos_dir})
+    mount.kill9()
+    result = decodefs("umount", "--if-stale", mount.mountpoint)
+    assert result.returncode == 0 and "clearing stale mount" in result.stderr
+    assert not is_mounted(mount.mountpoint)
+
+
+def test_metrics_file_is_prometheus_text_agreeing_with_stats(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    for uuid_ in photos:
+        mount.path("v1", "64", f"{uuid_}.npy").read_bytes()
+    stats = mount.stats()
+    text = mount.path(".decodefs", "metrics").read_text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    for name in ["hits", "misses", "decodes", "bytes_served", "evictions"]:
+        assert samples[(f"decodefs_{name}_total", ())] == stats[name], name
+    assert samples[("decodefs_decodes_total", ())] == len(photos)
+    assert samples[("decodefs_store_entries", ())] == stats["store_entries"] == len(photos)
+    assert samples[("decodefs_store_bytes", ())] == stats["store_bytes"]
+    assert samples[("decodefs_decode_seconds_count", ())] == len(photos)
+    assert ("decodefs_memory_cache_bytes", ()) in samples
+    assert ("decodefs_inflight_decodes", ()) in samples
+    assert json.loads(mount.path(".decodefs", "stats.json").read_bytes())["decodes"] == len(photos)

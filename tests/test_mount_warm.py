@@ -1,0 +1,150 @@
+"""Warming the cache: `decodefs warm` through the mount, and the daemon's background warm."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from decodefs.sample import make_sample_corpus
+from tests.conftest import LARGE_COUNT, MountFactory
+from tests.helpers import reference_npy, write_bad_originals
+
+
+def decodefs(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "decodefs", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_warm_fills_the_cache_and_a_second_run_costs_nothing(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    result = decodefs("warm", mount.mountpoint, "v1", "224", "--jobs", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"warmed {len(photos)} of {len(photos)} arrays of v1/224" in result.stdout
+    assert f"the daemon decoded {len(photos)} meanwhile" in result.stdout
+    stats = mount.stats()
+    assert stats["decodes"] == stats["store_entries"] == len(photos)
+    assert stats["bytes_served"] == 0  # opened, never read: nothing crossed into the client
+
+    again = decodefs("warm", mount.mountpoint, "v1", "224")
+    assert again.returncode == 0 and "the daemon decoded 0 meanwhile" in again.stdout
+    for uuid, path in photos.items():  # training then finds every array stored
+        assert mount.path("v1", "224", f"{uuid}.npy").read_bytes() == reference_npy(path, 224)
+    assert mount.stats()["decodes"] == len(photos)
+
+
+def test_warm_a_listed_subset_and_report_what_is_wrong(
+    mounts: MountFactory, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    source = tmp_path / "originals"
+    shutil.copytree(next(iter(photos.values())).parents[2], source)
+    bad = write_bad_originals(source / "bad", photos["astronaut-baseline"])
+    mount = mounts({"v1": source}, expect_errors=())
+    wanted = sorted(photos)[:3]
+    listing = tmp_path / "uuids.txt"
+    listing.write_text(
+        "# a subset\n" + "\n".join(wanted) + f"\n{wanted[0]}.npy\nno-such-uuid\nbad-truncated\n\n"
+    )
+    result = decodefs("warm", mount.mountpoint, "v1", "64", "--uuids", listing)
+    assert result.returncode == 1
+    assert "warmed 4 of 6 arrays" in result.stdout  # wanted[0] listed twice
+    assert "1 uuids are not in v1, e.g. 'no-such-uuid'" in result.stderr
+    assert "failed: bad-truncated: Input/output error" in result.stderr
+    stats = mount.stats()
+    assert stats["store_entries"] == 3 and stats["decode_errors"] == 1
+    assert str(bad["bad-truncated"]) in mount.log_text()
+
+
+def test_warm_is_interruptible_and_resumes(mounts: MountFactory, large: list[Path]) -> None:
+    mount = mounts({"v1": large[0].parents[1]}, decode_workers=1)
+    warm = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "decodefs",
+            "warm",
+            str(mount.mountpoint),
+            "v1",
+            "512",
+            "--jobs",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while mount.stats()["decodes"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    warm.send_signal(signal.SIGINT)
+    _, err = warm.communicate(timeout=60)
+    assert warm.returncode == 130, err
+    assert "interrupted; run the same command again to resume" in err
+    done_before = mount.stats()["store_entries"]
+    assert 1 <= done_before < LARGE_COUNT
+
+    result = decodefs("warm", mount.mountpoint, "v1", "512")
+    assert result.returncode == 0
+    assert f"warmed {LARGE_COUNT} of {LARGE_COUNT}" in result.stdout
+    stats = mount.stats()
+    assert stats["store_entries"] == LARGE_COUNT
+    assert stats["decodes"] == LARGE_COUNT  # nothing decoded twice
+
+
+def test_background_warm_fills_the_configured_sizes_while_idle(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir}, sizes=[64, 96], version_warm=True)
+    deadline = time.monotonic() + 120
+    while mount.stats()["background_decodes"] < 2 * len(photos) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = mount.stats()
+    assert stats["background_decodes"] == stats["store_entries"] == 2 * len(photos)
+    for uuid, path in photos.items():
+        assert mount.path("v1", "96", f"{uuid}.npy").read_bytes() == reference_npy(path, 96)
+    stats = mount.stats()
+    assert stats["misses"] == 0 and stats["hits"] == len(photos)
+    assert "background warm: v1/96 done" in mount.log_text()
+
+
+def test_readers_never_wait_behind_the_background_warm(
+    mounts: MountFactory, tmp_path: Path
+) -> None:
+    originals = tmp_path / "warm-queue"
+    make_sample_corpus(originals, 16, 2400, 1800, seed=11)
+    mount = mounts({"v1": originals}, sizes=[300], version_warm=True, decode_workers=2)
+    # The warm walks uuids in order; a reader asks for the last ones at once.
+    last = sorted(p.stem for p in originals.rglob("*.jpg"))[-3:]
+    for uuid in last:
+        data = mount.path("v1", "300", f"{uuid}.npy").read_bytes()
+        assert data == reference_npy(next(originals.rglob(f"{uuid}.jpg")), 300)
+        # Served while the warm still had work queued: it did not wait for it.
+        assert mount.stats()["background_decodes"] < 16 - len(last)
+    deadline = time.monotonic() + 120
+    while mount.stats()["store_entries"] < 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = mount.stats()
+    assert stats["store_entries"] == 16
+    assert stats["decodes"] == 16  # readers and the warm never decoded the same array twice
+    assert stats["misses"] + stats["hits"] == len(last)
+
+
+def test_background_warm_does_not_evict_to_warm(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    entry = 128 + 64 * 64 * 3 + 40
+    mount = mounts({"v1": photos_dir}, sizes=[64], version_warm=True, max_store_bytes=5 * entry)
+    deadline = time.monotonic() + 60
+    while "background warm of v1/64 stops" not in mount.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = mount.stats()
+    assert stats["store_entries"] == 5 and stats["evictions"] == 0
