@@ -298,7 +298,9 @@ class Engine:
                 )
                 started, before = time.monotonic(), self.metrics.background_decodes
                 async with trio.open_nursery() as nursery:
-                    for _ in range(self._slots.total):
+                    # Twice the slots: a slot never idles while its worker does store
+                    # I/O between decodes. The slots still bound decode concurrency.
+                    for _ in range(2 * self._slots.total):
                         nursery.start_soon(
                             self._warm_worker, version.name, size, todo, nursery.cancel_scope
                         )
