@@ -82,7 +82,7 @@ def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(
 
     table = decodefs("stats", mountpoint)
     assert table.returncode == 0
-    assert "misses" in table.stdout and "hit ratio" in table.stdout
+    assert "misses" in table.stdout and "hit ratio" in table.stdout and "evictions" in table.stdout
     assert json.loads(decodefs("stats", mountpoint, "--json").stdout)["decodes"] == 1
 
     result = decodefs("umount", mountpoint)

@@ -296,9 +296,12 @@ def format_stats(stats: dict[str, object]) -> str:
         (
             "store",
             f"{_human_bytes(n('store_bytes'))} in {n('store_entries'):,} entries"
+            + (f" of {_human_bytes(n('store_max_bytes'))}" if n("store_max_bytes") else "")
             + ("" if stats.get("store_usage_complete", True) else " (still counting)")
             + ("" if stats.get("store_writable", True) else ", NOT WRITABLE"),
         ),
+        ("evictions", f"{n('evictions'):,}"),
+        ("background warm decodes", f"{n('background_decodes'):,}"),
         (
             "memory fallbacks",
             f"{n('memory_fallbacks'):,} ({_human_bytes(n('memory_cache_bytes'))} held)",
