@@ -31,8 +31,13 @@ if [ -z "$decodefs" ]; then
     if [ ! -x "$prefix/bin/python" ]; then
         "${PYTHON:-python3}" -m venv "$prefix"
     fi
-    "$prefix/bin/pip" install --quiet --disable-pip-version-check "$REPO" 2>&1 \
-        | grep -v "^WARNING: Location .* is ignored" >&2 || true
+    log="$(mktemp)"
+    if ! "$prefix/bin/pip" install --quiet --disable-pip-version-check --upgrade "$REPO" >"$log" 2>&1; then
+        grep -v "^WARNING: Location .* is ignored" "$log" >&2
+        echo "install-service: pip install failed" >&2
+        exit 1
+    fi
+    rm -f "$log"
     decodefs="$prefix/bin/decodefs"
 fi
 decodefs="$(cd "$(dirname "$decodefs")" && pwd)/$(basename "$decodefs")"

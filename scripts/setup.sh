@@ -21,8 +21,13 @@ stamp="$VENV/.decodefs-installed"
 want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing decodefs and its test tools into $VENV" >&2
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[test]" 2>&1 \
-        | grep -v "^WARNING: Location .* is ignored" >&2 || true
+    log="$(mktemp)"
+    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[test]" >"$log" 2>&1; then
+        grep -v "^WARNING: Location .* is ignored" "$log" >&2
+        echo "setup: pip install failed" >&2
+        exit 1
+    fi
+    rm -f "$log"
     "$VENV/bin/python" -c 'import decodefs, pyfuse3, skimage' # fails loudly if the install did
     echo "$want" >"$stamp"
 fi

@@ -56,3 +56,25 @@ def test_a_damaged_catalog_is_moved_aside_and_rebuilt(tmp_path: Path) -> None:
     assert empty and catalog.totals() == (0, 0)
     assert (tmp_path / "catalog.sqlite3.damaged").exists()
     catalog.close()
+
+
+def test_damaged_pages_are_caught_by_quick_check(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.sqlite3"
+    catalog, _ = Catalog.open(str(path))
+    catalog.fill([("v1", 224, f"u{i:05d}", 150_000, float(i)) for i in range(3000)])
+    catalog.close()
+    data = bytearray(path.read_bytes())
+    for offset in range(3 * 4096, 3 * 4096 + 64):  # a b-tree page header and cell pointers
+        data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+    again, empty = Catalog.open(str(path))
+    assert empty and again.totals() == (0, 0)  # moved aside and started afresh
+    assert (tmp_path / "catalog.sqlite3.damaged").exists()
+    again.close()
+
+
+def test_rows_are_synced_before_files_are_renamed(tmp_path: Path) -> None:
+    catalog, _ = Catalog.open(str(tmp_path / "catalog.sqlite3"))
+    (mode,) = catalog._db.execute("PRAGMA synchronous").fetchone()
+    assert mode == 2  # FULL: the superset invariant survives a power cut
+    catalog.close()

@@ -177,3 +177,26 @@ def test_min_free_fraction_keeps_the_filesystem_free(
         assert vfs.f_bavail * vfs.f_frsize >= 0.5 * vfs.f_blocks * vfs.f_frsize - 64 * 1024
     stats = mount.stats()
     assert stats["evictions"] > 0 and stats["store_write_errors"] == 0
+
+
+def test_entries_of_a_version_no_longer_configured_are_evicted_quietly(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    mount = mounts({"v1": photos_dir, "old": photos_dir})
+    for uuid in photos:
+        mount.path("old", "224", f"{uuid}.npy").read_bytes()
+    assert mount.stop() == 0
+    # "old" leaves the config; the store is capped below what it holds.
+    text = mount.config.read_text().split("[versions.old]")[0] + f"max_store_bytes = {4 * ENTRY}\n"
+    text = text.replace("[versions.v1]", f"max_store_bytes = {4 * ENTRY}\n[versions.v1]").rsplit(
+        "max_store_bytes", 1
+    )[0]
+    mount.config.write_text(text)
+    mount.start()
+    for uuid, path in photos.items():
+        assert mount.path("v1", "224", f"{uuid}.npy").read_bytes() == reference_npy(path, 224)
+    stats = mount.stats()
+    assert stats["evictions"] >= len(photos)
+    assert not list(store.glob("old/*/*/*.npy"))
+    assert "unexpected" not in stats["errors"]

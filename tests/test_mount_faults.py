@@ -252,3 +252,26 @@ def test_a_store_full_at_start_still_mounts_and_serves(
     stats = mount.stats()
     assert stats["store_writable"] is False
     assert stats["memory_fallbacks"] == len(photos)
+
+
+def test_a_damaged_catalog_is_set_aside_and_the_store_recounted(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    mount = mounts({"v1": corpus})
+    for uuid in photos:
+        read(mount.path("v1", "64", f"{uuid}.npy"))
+    assert mount.stop() == 0
+    catalog = tmp_path / "store" / ".catalog.sqlite3"
+    data = bytearray(catalog.read_bytes())
+    data[4096 : 4096 + 64] = b"\xff" * 64  # a b-tree page header
+    catalog.write_bytes(bytes(data))
+    mount.start()
+    for uuid, path in photos.items():  # still served, without decoding again
+        assert read(mount.path("v1", "64", f"{uuid}.npy")) == reference_npy(path, 64)
+    assert (tmp_path / "store" / ".catalog.sqlite3.damaged").exists()
+    deadline = time.monotonic() + 30
+    while not mount.stats()["store_usage_complete"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = mount.stats()
+    assert stats["store_entries"] == len(photos) and stats["decodes"] == 0
+    assert "is damaged" in mount.log_text()

@@ -121,7 +121,8 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
     (units / "decodefs@demo.service").symlink_to("decodefs@.service")
     for unit in ["decodefs.service", "decodefs@demo.service"]:
         text = (units / unit).read_text()  # the instance is a link to the template
-        assert f"ExecStart={decodefs_command} mount --foreground" in text
+        assert f"ExecStart={decodefs_command} mount --mkdir --foreground" in text
+        assert "StartLimitBurst=" in text
         assert "Type=notify" in text and "WatchdogSec=" in text and "Restart=on-failure" in text
         for hides_the_mount in [
             "ProtectSystem",
@@ -240,6 +241,24 @@ def test_mountpoint_from_the_config_and_umount_if_stale(
         assert not is_mounted(mountpoint)
     finally:
         unmount_quietly(mountpoint)
+
+    created = tmp_path / "made" / "by" / "mount"
+    config = write_config(
+        tmp_path / "c3.toml", tmp_path / "store3", {"v1": photos_dir}, mountpoint=str(created)
+    )
+    try:
+        assert (
+            decodefs("mount", "--config", config, "--log-file", tmp_path / "log3").returncode == 1
+        )
+        assert (
+            decodefs(
+                "mount", "--mkdir", "--config", config, "--log-file", tmp_path / "log3"
+            ).returncode
+            == 0
+        )
+        assert is_live_mount(created)
+    finally:
+        unmount_quietly(created)
 
     mount = mounts({"v1": photos_dir})
     mount.kill9()

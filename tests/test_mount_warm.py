@@ -6,12 +6,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from decodefs.sample import make_sample_corpus
 from tests.conftest import LARGE_COUNT, MountFactory
-from tests.helpers import reference_npy, write_bad_originals
+from tests.helpers import Mount, reference_npy, write_bad_originals
 
 
 def decodefs(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -148,3 +149,72 @@ def test_background_warm_does_not_evict_to_warm(
         time.sleep(0.05)
     stats = mount.stats()
     assert stats["store_entries"] == 5 and stats["evictions"] == 0
+
+
+def test_with_one_core_and_one_worker_a_reader_still_goes_first(
+    mounts: MountFactory, large: list[Path]
+) -> None:
+    # The warm and the reader share one CPU; the warm's threads run at nice 19.
+    originals = large[0].parents[1]
+    mount = mounts(
+        {"v1": originals},
+        sizes=[512],
+        version_warm=True,
+        decode_workers=1,
+        wrapper=("taskset", "-c", "0"),
+    )
+    deadline = time.monotonic() + 60
+    while mount.stats()["background_decodes"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the warm is running
+    last = sorted(p.stem for p in large)[-1]  # the warm walks uuids in order: this one is last
+    before = mount.stats()["background_decodes"]
+    data = mount.path("v1", "512", f"{last}.npy").read_bytes()
+    after = mount.stats()
+    assert data == reference_npy(next(p for p in large if p.stem == last), 512)
+    # No warm decode finished while the reader waited: it neither queued behind
+    # the warm nor shared the core with it.
+    assert after["background_decodes"] == before
+    assert after["misses"] == 1
+
+
+def test_readers_joining_a_warm_that_stops_get_their_arrays(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    entry = 128 + 160 * 160 * 3 + 40
+    mount = mounts({"v1": photos_dir}, sizes=[160], version_warm=True, max_store_bytes=4 * entry)
+    # Read everything at once, in the warm's own order, while it fills and then stops.
+    uuids = sorted(photos)
+    threads = [
+        threading.Thread(target=lambda u=u: results.__setitem__(u, _read(mount, u))) for u in uuids
+    ]
+    results: dict[str, bytes | OSError] = {}
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for uuid in uuids:
+        assert results[uuid] == reference_npy(photos[uuid], 160), uuid
+    assert "unexpected" not in mount.stats()["errors"]
+
+
+def _read(mount: Mount, uuid: str) -> bytes | OSError:
+    try:
+        return mount.path("v1", "160", f"{uuid}.npy").read_bytes()
+    except OSError as exc:
+        return exc
+
+
+def test_cli_warm_stops_at_the_cap_without_evicting(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    entry = 128 + 64 * 64 * 3 + 40
+    mount = mounts({"v1": photos_dir}, max_store_bytes=3 * entry)
+    trained = sorted(photos)[:3]
+    for uuid in trained:  # training's entries fill the store
+        mount.path("v1", "64", f"{uuid}.npy").read_bytes()
+    result = decodefs("warm", mount.mountpoint, "v1", "64", "--jobs", "1")
+    assert result.returncode == 1
+    assert "the store takes no more (Disk quota exceeded); warming stopped" in result.stderr
+    stats = mount.stats()
+    assert stats["evictions"] == 0 and stats["store_entries"] == 3
+    assert {p.stem for p in (mount.config.parent / "store").glob("v1/64/*/*.npy")} == set(trained)

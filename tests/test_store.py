@@ -316,3 +316,66 @@ def test_a_store_without_a_catalog_is_counted_by_a_scan(tmp_path: Path) -> None:
     again.write(EntryKey("v1", 16, "new"), payload(9))  # the scanned entries are evictable
     assert again.usage().entries == 4 and again.usage().evictions == 1
     again.close()
+
+
+def test_a_failing_catalog_stops_eviction_instead_of_spinning(tmp_path: Path) -> None:
+    s = Store(tmp_path / "store", {"v1": V1}, max_bytes=2 * entry_bytes())
+    s.open()
+    s.write(EntryKey("v1", 16, "a"), payload(1))
+    s.write(EntryKey("v1", 16, "b"), payload(2))
+    catalog = s._catalog
+    assert catalog is not None
+    catalog.close()  # every further SQLite call fails, as on a broken disk
+    started = time.monotonic()
+    with pytest.raises(StoreWriteError, match=r"EIO.*catalog"):
+        s.write(EntryKey("v1", 16, "c"), payload(3))
+    assert time.monotonic() - started < 5
+    assert s.evictions <= 1
+
+
+@needs_root
+def test_min_free_fraction_never_wipes_the_store_for_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
+    try:
+        s = Store(root / "store", {"v1": V1}, min_free_fraction=0.5)
+        s.open()
+        for i in range(3):
+            s.write(EntryKey("v1", 16, f"k{i}"), payload(i))
+        # Another tenant fills the filesystem far past what evicting the store frees.
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={root}/other", "bs=4k", "count=200"], capture_output=True
+        )
+        with pytest.raises(StoreWriteError, match="no room even if every entry were evicted"):
+            s.write(EntryKey("v1", 16, "new"), payload(9))
+        assert s.evictions == 0 and s.usage().entries == 3
+        assert all(Path(s.path(EntryKey("v1", 16, f"k{i}"))).exists() for i in range(3))
+        s.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def test_usage_is_exact_after_a_fill_raced_by_writes_and_removals(tmp_path: Path) -> None:
+    # A store without a catalog: 20,000 entries in many shard directories (the
+    # fill only stats files, so their bytes need not be real entries).
+    root = tmp_path / "store"
+    rng = np.random.default_rng(5)
+    keys = [EntryKey("v1", 8, rng.bytes(6).hex()) for _ in range(20_000)]
+    for key in keys:
+        path = root / "v1" / "8" / key.uuid[:2] / f"{key.uuid}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 300)
+    s = Store(root, {"v1": V1})
+    s.open()  # the fill scan runs in the background ...
+    for i, key in enumerate(keys[::7]):  # ... while entries are removed and written
+        s.remove(key)
+        if i % 10 == 0:
+            s.write(EntryKey("v1", 8, f"new{i:05d}"), payload(i, size=8))
+    usage = s.wait_for_usage()
+    on_disk = list((root / "v1").glob("*/*/*.npy"))
+    assert s._catalog is not None
+    assert s._catalog.totals() == (usage.entries, usage.bytes)
+    assert usage.entries == len(on_disk)
+    assert usage.bytes == sum(p.stat().st_size for p in on_disk)
+    s.close()

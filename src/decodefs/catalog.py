@@ -2,9 +2,10 @@
 
 Not an integrity record (every entry file proves its own) and never the only
 copy of anything: if it is lost, a scan of the store rebuilds it. The store
-keeps it a superset of the files on disk: a row is committed before its file
-is renamed into place and deleted after its file is unlinked, so a crash at
-any instant leaves at worst a row without a file, which eviction tidies.
+keeps it a superset of the files on disk: a row is committed (and synced)
+before its file is renamed into place and deleted after its file is unlinked,
+so a crash or a power cut at any instant leaves at worst a row without a
+file, which eviction tidies.
 
 Thread-safe: one connection, serialized by a lock; callers run off the event loop.
 This module knows nothing of images, FUSE or the entry file format.
@@ -82,11 +83,14 @@ class Catalog:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         try:
             db.execute("PRAGMA journal_mode=WAL")
-            # A commit survives a daemon crash; a power cut may lose the last
-            # few, which only leaves entries uncounted until the next scan.
-            db.execute("PRAGMA synchronous=NORMAL")
+            # FULL: a row is on disk before its file is renamed into place, so the
+            # catalog stays a superset of the files even across a power cut.
+            db.execute("PRAGMA synchronous=FULL")
             db.executescript(_SCHEMA)
-            db.execute("PRAGMA quick_check").fetchone()
+            (verdict,) = db.execute("PRAGMA quick_check").fetchone()
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {verdict}")
+            db.execute("SELECT count(*), total(bytes) FROM entries").fetchone()
             row = db.execute("SELECT value FROM meta WHERE key = 'filled'").fetchone()
         except sqlite3.DatabaseError:
             db.close()

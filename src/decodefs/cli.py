@@ -7,6 +7,7 @@ non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -70,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="overrides log_level"
     )
+    mount.add_argument(
+        "--mkdir", action="store_true", help="create the mount point if it is missing (systemd)"
+    )
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     mount.set_defaults(run=_mount)
 
@@ -131,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
 def _mount(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     mountpoint = _mountpoint(args.mountpoint, config.mountpoint)
+    if args.mkdir:
+        with contextlib.suppress(OSError):  # a stale mount there is dealt with below
+            os.makedirs(mountpoint, exist_ok=True)
     from . import daemon
 
     if not args.foreground:
@@ -200,6 +207,13 @@ def _warm(args: argparse.Namespace) -> int:
             f"e.g. {report.missing[0]!r}",
             file=sys.stderr,
         )
+    if report.store_full:
+        print(
+            f"decodefs: the store takes no more ({report.store_full}); warming stopped "
+            "(a warm never evicts what training uses)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     if report.interrupted:
         print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
         return 130

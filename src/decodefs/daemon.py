@@ -211,6 +211,7 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
             trio.run(_serve, fuse, engine, mountpoint, on_ready, notifier)
         finally:
             fuse.close()
+            engine.close()
     finally:
         store.close()
     log.info("unmounted %s", mountpoint)

@@ -6,13 +6,15 @@ take them. All policy lives here; the fs layer only translates FUSE requests,
 and this module never imports pyfuse3.
 
 Concurrency: everything here runs on the trio thread, so the engine's own
-state needs no locks. Blocking work goes to worker threads: decodes through
-``_slots`` (sized to the cores; Pillow releases the GIL; readers before the
-background warm), store reads and writes through their own limiters, so a hit
-never queues behind decodes or slow writes. ``_flights`` is the single-flight
-map: one task per key does the work, every other opener of that key waits for
-its result. Every open handle and every flight pins its key in the store, so
-eviction never removes a file someone relies on.
+state needs no locks. Blocking work goes to worker threads: readers' decodes
+through ``_decode_limiter`` (sized to the cores; Pillow releases the GIL), the
+warm's decodes on their own low-priority threads (pools.py) so a reader never
+waits for a slot behind the warm and gets the CPU first, and store reads and
+writes through their own limiters, so a hit never queues behind decodes or
+slow writes. ``_flights`` is the single-flight map: one task per key does the
+work, every other opener of that key waits for its result (a reader waiting
+on a warm decode boosts it). Every open handle and every flight pins its key
+in the store, so eviction never removes a file someone relies on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
@@ -30,18 +32,16 @@ import trio
 from .config import Config
 from .decode import DecodeError, decode_image, npy_bytes, npy_file_size, npy_header
 from .metrics import LogThrottle, Metrics
+from .pools import Job, LowPriorityPool
 from .source import OriginalMissing, SourceIndex
 from .store import CorruptEntry, EntryKey, Store, StoreReadError, StoreWriteError
 
-__all__ = ["DecodeSlots", "Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
+__all__ = ["Engine", "Handle", "NotStored", "OriginalNotFound", "OriginalUndecodable"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _FAILURE_CACHE_MAX: Final = 100_000
-# While a reader has asked for a decode this recently, the background warm
-# leaves one decode slot free for readers.
-READER_QUIET_SECONDS: Final = 2.0
 ACCESS_FLUSH_SECONDS: Final = 30.0
 _WARM_STOPS: Final = (
     "background warm of %s stops: the store takes no more without evicting what readers use"
@@ -54,6 +54,14 @@ class OriginalNotFound(Exception):
 
 class OriginalUndecodable(Exception):
     """The original exists but cannot be decoded (EIO)."""
+
+
+class NotStored(Exception):
+    """A warm request decoded an array the store would not take (``kind``: an errno name)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
 
 
 @dataclass
@@ -72,6 +80,7 @@ class _Outcome:
     data: memoryview
     decoded: bool  # a decode ran for it (a miss), rather than a verified stored hit
     stored: bool  # it is on flash, so later opens may read the store file
+    refused: str | None = None  # why the store would not take it (an errno name)
 
 
 @dataclass
@@ -79,6 +88,7 @@ class _Flight:
     done: trio.Event = field(default_factory=trio.Event)
     outcome: _Outcome | None = None
     error: Exception | None = None
+    job: Job[tuple[bytes, float]] | None = None  # a warm decode, which a reader may boost
 
 
 class _Bitmap:
@@ -127,64 +137,6 @@ class _MemoryCache:
         return len(self._items)
 
 
-class DecodeSlots:
-    """The decode pool's slots: readers first, the background warm in the gaps.
-
-    A reader's decode takes a free slot at once, or the next one released.
-    Background work takes a slot only when no reader waits for one, and while
-    readers have asked for a decode in the last READER_QUIET_SECONDS it leaves
-    one slot free (with two or more), so a reader's miss starts at once.
-    Runs on the trio thread only.
-    """
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self._free = total
-        self._background = 0
-        self._readers: deque[trio.Event] = deque()
-        self._warmers: deque[trio.Event] = deque()
-        self._last_reader = -math.inf
-
-    async def acquire(self, reader: bool) -> None:
-        if reader:
-            self._last_reader = trio.current_time()
-        if self._may_take(reader):
-            self._free -= 1
-            self._background += not reader
-            return
-        handed = trio.Event()
-        (self._readers if reader else self._warmers).append(handed)
-        try:
-            await handed.wait()  # release() hands the slot over and does the counting
-        except BaseException:
-            if handed.is_set():
-                self.release(reader)
-            else:
-                (self._readers if reader else self._warmers).remove(handed)
-            raise
-
-    def release(self, reader: bool) -> None:
-        self._background -= not reader
-        if self._readers:
-            self._readers.popleft().set()
-        elif self._warmers and self._background < self._background_cap():
-            self._background += 1
-            self._warmers.popleft().set()
-        else:
-            self._free += 1
-
-    def _may_take(self, reader: bool) -> bool:
-        if self._free == 0:
-            return False
-        if reader:
-            return True
-        return not self._readers and self._background < self._background_cap()
-
-    def _background_cap(self) -> int:
-        readers_active = trio.current_time() - self._last_reader < READER_QUIET_SECONDS
-        return self.total - 1 if readers_active and self.total > 1 else self.total
-
-
 class Engine:
     def __init__(
         self,
@@ -198,9 +150,11 @@ class Engine:
         self.store = store
         self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
         self._sources = sources
-        self._slots = DecodeSlots(config.decode_workers)
-        # Decode threads are capped by _slots; their trio limiter must not cap them again.
+        self._decode_limiter = trio.CapacityLimiter(config.decode_workers)
+        # Decode threads are capped by _decode_limiter; their trio limiter must not cap them again.
         self._pool_threads = trio.CapacityLimiter(math.inf)
+        self._warm_pool = LowPriorityPool(config.decode_workers)
+        self._warm_stopped = False
         self._read_limiter = trio.CapacityLimiter(config.io_workers)
         self._write_limiter = trio.CapacityLimiter(config.io_workers)
         self._flights: dict[EntryKey, _Flight] = {}
@@ -239,19 +193,24 @@ class Engine:
 
     # -- arrays -------------------------------------------------------------
 
-    async def open(self, version: str, size: int, index: int) -> Handle:
+    async def open(self, version: str, size: int, index: int, warm: bool = False) -> Handle:
         """A handle for the array of original ``index``; decodes at most once per key.
 
         Raises OriginalNotFound or OriginalUndecodable; never a store problem.
-        The handle pins the entry until ``release``.
+        The handle pins the entry until ``release``. A ``warm`` request (a
+        client filling the cache, not reading) decodes at low priority, never
+        evicts, and raises NotStored if the store will not take the array.
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
         self.store.pin(key)
         try:
-            return await self._open_pinned(key, index)
+            return await self._open_pinned(key, index, warm)
         except BaseException:
             self.store.unpin(key)
             raise
+
+    def close(self) -> None:
+        self._warm_pool.shutdown()
 
     def release(self, handle: Handle) -> None:
         self.store.unpin(handle.key)
@@ -277,8 +236,8 @@ class Engine:
     async def warm_in_background(self) -> None:
         """Decode and store the configured sizes of versions with ``warm = true``.
 
-        Runs on the slots readers leave free (see DecodeSlots); stops for a
-        store that cannot take more without evicting what readers use.
+        Runs on the low-priority pool, so readers' decodes always come first;
+        stops for a store that cannot take more without evicting what readers use.
         """
         versions = [v for v in self.config.versions.values() if v.warm]
         if not versions:
@@ -298,12 +257,13 @@ class Engine:
                 )
                 started, before = time.monotonic(), self.metrics.background_decodes
                 async with trio.open_nursery() as nursery:
-                    # Twice the slots: a slot never idles while its worker does store
-                    # I/O between decodes. The slots still bound decode concurrency.
-                    for _ in range(2 * self._slots.total):
-                        nursery.start_soon(
-                            self._warm_worker, version.name, size, todo, nursery.cancel_scope
-                        )
+                    # Twice the pool's threads: a thread never idles while its
+                    # worker does store I/O between decodes.
+                    for _ in range(2 * self.config.decode_workers):
+                        nursery.start_soon(self._warm_worker, version.name, size, todo)
+                if self._warm_stopped:
+                    log.info(_WARM_STOPS, f"{version.name}/{size}")
+                    return
                 log.info(
                     "background warm: %s/%d done, %d decoded in %.0f s",
                     version.name,
@@ -352,44 +312,51 @@ class Engine:
 
     # -- internals ----------------------------------------------------------
 
-    async def _open_pinned(self, key: EntryKey, index: int) -> Handle:
+    async def _open_pinned(self, key: EntryKey, index: int, warm: bool = False) -> Handle:
         self._forget_evicted()
         length = npy_file_size(key.size)
         verified = self._verified_map(key.version, key.size)
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
-            self.metrics.hits += 1
+            self.metrics.hits += not warm
             self.store.record_access(key)
             return Handle(key, length)
         cached = self._memory.get(key)
-        if cached is not None:
+        if cached is not None and not warm:
             self.metrics.hits += 1
             return Handle(key, length, data=cached)
         self._check_recent_failure(key)
 
-        flight = self._flights.get(key)
-        if flight is None:
-            flight = await self._fly(key, index, reader=True)
-        else:
-            self.metrics.coalesced += 1
-            await flight.done.wait()
+        while True:
+            flight = self._flights.get(key)
+            if flight is None:
+                flight = await self._fly(key, index, reader=not warm)
+            else:
+                self.metrics.coalesced += not warm
+                if not warm and flight.job is not None:
+                    flight.job.boost()  # a reader now waits for this warm decode
+                await flight.done.wait()
+            if flight.outcome is not None or flight.error is not None:
+                break
+            # The flight was abandoned (its task cancelled, at shutdown): try again.
         if flight.error is not None:
             raise flight.error
         assert flight.outcome is not None
-        if flight.outcome.decoded:
+        if warm:
+            if not flight.outcome.stored:
+                raise NotStored(flight.outcome.refused or "ENOSPC")
+        elif flight.outcome.decoded:
             self.metrics.misses += 1
         else:
             self.metrics.hits += 1
             self.store.record_access(key)
         return Handle(key, length, data=flight.outcome.data)
 
-    async def _fly(
-        self, key: EntryKey, index: int, reader: bool, slot_held: bool = False
-    ) -> _Flight:
+    async def _fly(self, key: EntryKey, index: int, reader: bool) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""
         flight = self._flights[key] = _Flight()
         try:
-            flight.outcome = await self._acquire(key, index, reader, slot_held)
+            flight.outcome = await self._acquire(key, index, reader, flight)
             if flight.outcome.stored:
                 self._verified_map(key.version, key.size).set(index, True)
         except Exception as exc:
@@ -403,7 +370,10 @@ class Engine:
         # The store appends evicted keys from its threads; only we read them.
         while self.store.evicted:
             key = self.store.evicted.popleft()
-            index = self._sources[key.version].find(key.uuid)
+            source = self._sources.get(
+                key.version
+            )  # a version no longer configured: nothing to forget
+            index = source.find(key.uuid) if source is not None else None
             if index is not None:
                 self._verified_map(key.version, key.size).set(index, False)
 
@@ -423,7 +393,7 @@ class Engine:
             raise OriginalUndecodable(reason)
         del self._failures[key]
 
-    async def _acquire(self, key: EntryKey, index: int, reader: bool, slot_held: bool) -> _Outcome:
+    async def _acquire(self, key: EntryKey, index: int, reader: bool, flight: _Flight) -> _Outcome:
         """Verified stored bytes of ``key``, else freshly decoded ones (stored if possible)."""
         try:
             stored, problem = await self._in_thread(self._read_limiter, self._read_verified, key)
@@ -443,13 +413,13 @@ class Engine:
                 key,
                 problem,
             )
-        data = await self._decode(key, index, reader, slot_held)
+        data = await self._decode(key, index, reader, flight)
         try:
-            # The background warm never evicts what readers have stored.
+            # A warm never evicts what readers have stored.
             await self._in_thread(self._write_limiter, self.store.write, key, data, reader)
         except StoreWriteError as exc:
-            if not reader and exc.kind == "EDQUOT":
-                return _Outcome(memoryview(data), decoded=True, stored=False)
+            if not reader:  # nothing to keep in memory for: nobody is reading it
+                return _Outcome(memoryview(data), decoded=True, stored=False, refused=exc.kind)
             self.metrics.store_write_errors += 1
             self.metrics.memory_fallbacks += 1
             self.metrics.errors[f"store_{exc.kind}"] += 1
@@ -475,7 +445,7 @@ class Engine:
             return None, "payload is not the expected .npy layout"
         return payload, None
 
-    async def _decode(self, key: EntryKey, index: int, reader: bool, slot_held: bool) -> bytes:
+    async def _decode(self, key: EntryKey, index: int, reader: bool, flight: _Flight) -> bytes:
         source = self._sources[key.version]
         settings = self.config.versions[key.version].decode
         max_pixels = self.config.max_pixels
@@ -490,7 +460,11 @@ class Engine:
             return npy_bytes(array), time.perf_counter() - started
 
         try:
-            data, seconds = await self._run_decode(work, reader, slot_held)
+            if reader:
+                data, seconds = await self._run_decode(work)
+            else:
+                flight.job = self._warm_pool.submit(work)
+                data, seconds = await flight.job.wait()
         except OriginalMissing as exc:
             self.metrics.errors["ENOENT"] += 1
             log.warning("original of %s is gone: %s", key, exc)
@@ -515,52 +489,45 @@ class Engine:
         log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
         return data
 
-    async def _run_decode(self, work: Callable[[], T], reader: bool, slot_held: bool) -> T:
-        """Run ``work`` in the decode pool, counting it as queued, then running."""
-        if not slot_held:
-            self.metrics.queued_decodes += 1
-            try:
-                await self._slots.acquire(reader)
-            finally:
-                self.metrics.queued_decodes -= 1
-        self.metrics.inflight_decodes += 1
+    async def _run_decode(self, work: Callable[[], T]) -> T:
+        """Run a reader's ``work`` in the decode pool, counting it as queued, then running."""
+        self.metrics.queued_decodes += 1
+        queued = True
         try:
-            return await self._in_thread(self._pool_threads, work)
+            async with self._decode_limiter:
+                self.metrics.queued_decodes -= 1
+                queued = False
+                self.metrics.inflight_decodes += 1
+                try:
+                    return await self._in_thread(self._pool_threads, work)
+                finally:
+                    self.metrics.inflight_decodes -= 1
         finally:
-            self.metrics.inflight_decodes -= 1
-            if not slot_held:
-                self._slots.release(reader)
+            if queued:  # cancelled while waiting for a slot
+                self.metrics.queued_decodes -= 1
 
-    async def _warm_worker(
-        self, version: str, size: int, todo: Iterator[int], cancel: trio.CancelScope
-    ) -> None:
+    async def _warm_worker(self, version: str, size: int, todo: Iterator[int]) -> None:
         uuids = self._sources[version].uuids
         verified = self._verified_map(version, size)
         nbytes = npy_file_size(size)
         for index in todo:  # shared by the workers: each index is taken once
+            if self._warm_stopped:
+                return
             key = EntryKey(version, size, uuids[index])
-            if verified[index] or key in self._flights or self._memory.get(key) is not None:
-                continue
-            if key in self._failures:
+            if verified[index] or key in self._flights or key in self._failures:
                 continue
             if await self._in_thread(self._read_limiter, self.store.would_evict, nbytes):
-                log.info(_WARM_STOPS, f"{version}/{size}")
-                cancel.cancel()
+                self._warm_stopped = True  # the others finish what they started, then stop
                 return
-            await self._slots.acquire(reader=False)
+            if key in self._flights:  # a reader got there meanwhile
+                continue
+            self.store.pin(key)
             try:
-                if key in self._flights:  # a reader got there while we waited
-                    continue
-                self.store.pin(key)
-                try:
-                    flight = await self._fly(key, index, reader=False, slot_held=True)
-                finally:
-                    self.store.unpin(key)
+                flight = await self._fly(key, index, reader=False)
             finally:
-                self._slots.release(reader=False)
+                self.store.unpin(key)
             if flight.outcome is not None and not flight.outcome.stored:
-                log.info(_WARM_STOPS, f"{version}/{size}")
-                cancel.cancel()
+                self._warm_stopped = True
                 return
 
     def _remember_failure(self, key: EntryKey, reason: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import pyfuse3
 
-from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
+from .engine import Engine, Handle, NotStored, OriginalNotFound, OriginalUndecodable
 from .metrics import Metrics
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
 
@@ -56,6 +56,8 @@ def _errno_boundary(
             raise pyfuse3.FUSEError(errno.ENOENT) from None
         except OriginalUndecodable:
             raise pyfuse3.FUSEError(errno.EIO) from None
+        except NotStored as exc:
+            raise pyfuse3.FUSEError(getattr(errno, exc.kind, errno.ENOSPC)) from None
         except Exception:
             self._metrics.errors["unexpected"] += 1
             log.exception("unexpected error in %s%r; answering EIO", handler.__name__, args)
@@ -150,7 +152,9 @@ class DecodeFS(pyfuse3.Operations):
             version = self._tree.version_name(node)
             if self._failpoint and self._engine.uuid_at(version, node.index) == self._failpoint:
                 raise RuntimeError(f"failpoint {_FAILPOINT_ENV} hit")
-            self._handles[fh] = await self._engine.open(version, node.size, node.index)
+            # O_NONBLOCK on an array means "warm it": store it if it fits, at low priority.
+            warm = bool(flags & os.O_NONBLOCK)
+            self._handles[fh] = await self._engine.open(version, node.size, node.index, warm)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         status = self._tree.status_file_name(node)
         if status is None:

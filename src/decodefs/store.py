@@ -150,11 +150,14 @@ class Store:
     """Entries on flash. Methods block (call them off the event loop) and are thread-safe.
 
     Concurrency: callers guarantee at most one operation per key at a time (the
-    engine's single flight). ``_lock`` guards the usage counters and the pins,
-    and makes each rename, unlink and eviction decision atomic with them; it is
-    never held across catalog (SQLite) calls, so the event loop, which takes it
-    to pin, never waits for a commit. ``_evict_lock`` lets one thread evict at
-    a time. The catalog is kept a superset of the files (see catalog.py).
+    engine's single flight). Three locks, never one held while taking another
+    out of this order: ``_evict_lock`` (one evictor at a time) before
+    ``_pin_lock`` (pins, and the decision to unlink an unpinned entry; the
+    event loop takes it to pin, so it is never held across SQLite) and
+    ``_count_lock`` (the usage counters and reservations together with the
+    catalog rows they mirror; held across SQLite, never taken by the event
+    loop). ``usage()`` reads the counters without a lock. The catalog is kept
+    a superset of the files (see catalog.py).
     """
 
     def __init__(
@@ -171,16 +174,18 @@ class Store:
         self._tmp = os.path.join(self.root, ".tmp")
         self._trash = os.path.join(self.root, ".trash")
         self._lock_fd: int | None = None
-        self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
+        self._pin_lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._access_lock = threading.Lock()
         self._catalog: Catalog | None = None
         self._entries = 0
         self._bytes = 0
-        self._filled = True
-        self._pins: Counter[EntryKey] = Counter()
-        self._reservations: dict[EntryKey, int] = {}
         self._reserved = 0
+        self._reservations: dict[EntryKey, int] = {}
+        self._filled = True
+        self._removed_while_filling: set[EntryKey] = set()
+        self._pins: Counter[EntryKey] = Counter()
         self._accesses: dict[EntryKey, float] = {}
         self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
         self.evictions = 0
@@ -205,15 +210,23 @@ class Store:
         self._check_marker()
         self._take_lock()
         self.writable = self._prepare_tmp()
-        self._open_catalog()
+        empty = self._open_catalog()
         if self.writable:
             for version in self._fingerprints:
-                self._check_fingerprint(version)
+                self._check_fingerprint(version)  # before a fill scan can see what it discards
             self._start_trash_cleanup()
         else:
             log.error(
                 "store %s is not writable; hits are served from it, misses from memory", self.root
             )
+        if empty:
+            # A new catalog on an existing store (or a read-only store): fill it
+            # from the files, in the background, while the daemon already serves.
+            self._filled = False
+            self._fill_thread = threading.Thread(
+                target=self._fill, name="store-catalog-fill", daemon=True
+            )
+            self._fill_thread.start()
 
     def close(self) -> None:
         self._closing.set()
@@ -280,6 +293,7 @@ class Store:
         at its limit (EDQUOT) with everything left pinned or ``may_evict`` False.
         """
         assert self._catalog is not None
+        catalog = self._catalog
         digest = self._fingerprints[key.version].digest
         trailer = _TRAILER.pack(_MAGIC, STORE_FORMAT, digest, len(payload), key.checksum(payload))
         nbytes = len(payload) + TRAILER_SIZE
@@ -292,32 +306,32 @@ class Store:
                     f.write(payload)
                     f.write(trailer)
                 os.makedirs(os.path.dirname(final), exist_ok=True)
-                new = self._catalog_call(
-                    self._catalog.put, key.version, key.size, key.uuid, nbytes, time.time()
-                )
-                try:
-                    os.rename(tmp, final)
-                except OSError:
+                with self._count_lock:
+                    new = _catalog_call(
+                        catalog.put, key.version, key.size, key.uuid, nbytes, time.time()
+                    )
+                    try:
+                        os.rename(tmp, final)
+                    except OSError:
+                        if new:
+                            _catalog_call(catalog.remove, key.version, key.size, key.uuid)
+                        raise
                     if new:
-                        self._catalog_call(self._catalog.remove, key.version, key.size, key.uuid)
-                    raise
+                        self._entries += 1
+                        self._bytes += nbytes
+                    self._reserved -= self._reservations.pop(key, 0)  # with the count, at once
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            if new:
-                with self._lock:
-                    self._entries += 1
-                    self._bytes += nbytes
         except OSError as exc:
             raise StoreWriteError(key, exc) from exc
         finally:
-            with self._lock:
+            with self._count_lock:
                 self._reserved -= self._reservations.pop(key, 0)
 
     def remove(self, key: EntryKey) -> None:
         """Delete an entry (a bad one); its catalog row goes after its file."""
-        assert self._catalog is not None
         path = self.path(key)
         try:
             os.unlink(path)
@@ -326,12 +340,10 @@ class Store:
         except OSError as exc:
             log.warning("cannot remove bad entry %s: %s", path, exc)
             return
-        self._forget(key)
-
-    def contains(self, key: EntryKey) -> bool:
-        """Whether the catalog lists an entry for ``key`` (cheap; not a verification)."""
-        assert self._catalog is not None
-        return self._catalog.contains(key.version, key.size, key.uuid)
+        try:
+            self._forget(key)
+        except OSError as exc:
+            log.warning("%s; its row stays in the catalog until evicted", exc)
 
     def stored_uuids(self, version: str, size: int) -> set[str]:
         assert self._catalog is not None
@@ -341,11 +353,11 @@ class Store:
 
     def pin(self, key: EntryKey) -> None:
         """Keep ``key``'s file from eviction until unpin. Cheap: safe on the event loop."""
-        with self._lock:
+        with self._pin_lock:
             self._pins[key] += 1
 
     def unpin(self, key: EntryKey) -> None:
-        with self._lock:
+        with self._pin_lock:
             self._pins[key] -= 1
             if self._pins[key] <= 0:
                 del self._pins[key]
@@ -374,42 +386,51 @@ class Store:
 
     def would_evict(self, incoming: int) -> bool:
         """Whether writing ``incoming`` more bytes would evict something first."""
-        return self._over_limit(incoming)
+        return self._shortfall(incoming) > 0
 
-    def _over_limit(self, incoming: int) -> bool:
-        # Room reserved by writes in progress counts as used: concurrent writers
-        # must not each find the same free space.
-        committed = self._bytes + self._reserved
-        if self._max_bytes is not None and committed + incoming > self._max_bytes:
-            return True
+    def _shortfall(self, incoming: int) -> int:
+        """Bytes to free before ``incoming`` more fit within the limits (<= 0: none).
+
+        Room reserved by writes in progress counts as used, so concurrent
+        writers never each find the same free space.
+        """
+        need = 0
+        if self._max_bytes is not None:
+            need = self._bytes + self._reserved + incoming - self._max_bytes
         if self._min_free_fraction is not None:
             vfs = os.statvfs(self.root)
             free = vfs.f_bavail * vfs.f_frsize - incoming - self._reserved
-            return free < self._min_free_fraction * vfs.f_blocks * vfs.f_frsize
-        return False
+            need = max(need, int(self._min_free_fraction * vfs.f_blocks * vfs.f_frsize) - free)
+        return need
 
     def _make_room(self, key: EntryKey, incoming: int, may_evict: bool) -> None:
         """Evict least-recently-used, unpinned entries until ``incoming`` bytes fit,
         and reserve them for ``key`` (write() releases the reservation)."""
         if self._max_bytes is None and self._min_free_fraction is None:
             return
-        assert self._catalog is not None
         with self._evict_lock:
-            if not may_evict and self._over_limit(incoming):
-                raise OSError(errno.EDQUOT, "the store is at its capacity limit")
-            self._evict_for(key, incoming)
-            with self._lock:
+            need = self._shortfall(incoming)
+            if need > 0:
+                if not may_evict:
+                    raise OSError(errno.EDQUOT, "the store is at its capacity limit")
+                if need > self._bytes:
+                    # Other data filled the filesystem: evicting everything would
+                    # still not make room, so evict nothing.
+                    raise OSError(
+                        errno.ENOSPC,
+                        f"no room even if every entry were evicted ({need:,} bytes short)",
+                    )
+                self._evict_for(key, incoming)
+            with self._count_lock:
                 self._reservations[key] = incoming
                 self._reserved += incoming
 
     def _evict_for(self, key: EntryKey, incoming: int) -> None:
         assert self._catalog is not None
-        if not self._over_limit(incoming):
-            return
         self.flush_accesses()  # so that recent hits are not the oldest
-        pinned_seen = 0
-        while self._over_limit(incoming):
-            rows = self._catalog_call(self._catalog.oldest, _EVICT_BATCH, pinned_seen)
+        skipped = 0  # pinned rows stay at the front of the LRU order
+        while self._shortfall(incoming) > 0:
+            rows = _catalog_call(self._catalog.oldest, _EVICT_BATCH, skipped)
             if not rows:
                 raise OSError(
                     errno.EDQUOT,
@@ -418,13 +439,14 @@ class Store:
             for row in rows:
                 victim = EntryKey(row.version, row.size, row.uuid)
                 if victim == key or not self._evict(victim):
-                    pinned_seen += 1
-                if not self._over_limit(incoming):
+                    skipped += 1
+                if self._shortfall(incoming) <= 0:
                     break
 
     def _evict(self, key: EntryKey) -> bool:
-        """Unlink ``key`` unless pinned; its row goes after its file."""
-        with self._lock:
+        """Unlink ``key`` unless pinned, then drop its row; raises OSError if the
+        catalog fails (eviction must stop: it could not tell what it freed)."""
+        with self._pin_lock:
             if self._pins.get(key):
                 return False
             with contextlib.suppress(FileNotFoundError):
@@ -435,24 +457,15 @@ class Store:
         return True
 
     def _forget(self, key: EntryKey) -> None:
-        """Drop ``key``'s catalog row (after its file) and uncount it."""
+        """Drop ``key``'s catalog row (after its file) and uncount it; OSError on failure."""
         assert self._catalog is not None
-        try:
-            nbytes = self._catalog.remove(key.version, key.size, key.uuid)
-        except sqlite3.Error as exc:
-            log.warning("cannot drop %s from the catalog: %s", key, exc)
-            return
-        if nbytes is not None:
-            with self._lock:
+        with self._count_lock:
+            nbytes = _catalog_call(self._catalog.remove, key.version, key.size, key.uuid)
+            if not self._filled:
+                self._removed_while_filling.add(key)
+            if nbytes is not None:
                 self._entries -= 1
                 self._bytes -= nbytes
-
-    def _catalog_call(self, fn: Callable[..., T], *args: object) -> T:
-        """A catalog call whose failure is an OSError, like any other storage failure."""
-        try:
-            return fn(*args)
-        except sqlite3.Error as exc:
-            raise OSError(errno.EIO, f"catalog: {exc}") from exc
 
     def _check_marker(self) -> None:
         marker = os.path.join(self.root, _MARKER)
@@ -579,25 +592,23 @@ class Store:
 
         threading.Thread(target=cleanup, name="store-trash", daemon=True).start()
 
-    def _open_catalog(self) -> None:
+    def _open_catalog(self) -> bool:
+        """Open the catalog and count from it; True if a scan has to fill it."""
         path = os.path.join(self.root, CATALOG_FILE) if self.writable else ":memory:"
         try:
             catalog, empty = Catalog.open(path)
+            entries, nbytes = catalog.totals()
         except (sqlite3.Error, OSError) as exc:
-            log.error("catalog %s cannot be opened (%s); keeping it in memory", path, exc)
+            log.error("catalog %s cannot be used (%s); keeping one in memory", path, exc)
             catalog, empty = Catalog.open(":memory:")
+            entries, nbytes = 0, 0
         self._catalog = catalog
-        self._entries, self._bytes = catalog.totals()
-        if empty:
-            # A new catalog on an existing store (or a read-only store): fill it
-            # from the files, in the background, while the daemon already serves.
-            self._filled = False
-            self._fill_thread = threading.Thread(
-                target=self._fill, args=(catalog,), name="store-catalog-fill", daemon=True
-            )
-            self._fill_thread.start()
+        self._entries, self._bytes = entries, nbytes
+        return empty
 
-    def _fill(self, catalog: Catalog) -> None:
+    def _fill(self) -> None:
+        assert self._catalog is not None
+        catalog = self._catalog
         started = time.monotonic()
         batch: list[tuple[str, int, str, int, float]] = []
         try:
@@ -613,14 +624,21 @@ class Store:
                     catalog.fill(batch)
                     batch.clear()
             catalog.fill(batch)
-            if self.writable:
-                catalog.mark_filled()
-            # Writes went on meanwhile; the catalog is the truth, recount from it.
-            with self._lock:
+            with self._count_lock:
+                # Files the scan listed but that were evicted or removed before
+                # their row went in must not come back as rows.
+                for key in self._removed_while_filling:
+                    if not os.path.exists(self.path(key)):
+                        catalog.remove(key.version, key.size, key.uuid)
+                self._removed_while_filling.clear()
+                if self.writable:
+                    catalog.mark_filled()
+                # Writes and evictions went on meanwhile; the catalog is the truth.
                 self._entries, self._bytes = catalog.totals()
+                self._filled = True
         except sqlite3.Error as exc:
             log.error("cannot fill the catalog of %s: %s; usage is undercounted", self.root, exc)
-        self._filled = True
+            self._filled = True
         log.info(
             "store %s holds %d entries, %.1f MiB (catalog filled from disk in %.1f s)",
             self.root,
@@ -670,6 +688,14 @@ def iter_entry_files(root: str, versions: Iterable[str]) -> Iterator[tuple[Entry
                         EntryKey(version, int(size_name), name[: -len(".npy")]),
                         os.path.join(shard_dir, name),
                     )
+
+
+def _catalog_call(fn: Callable[..., T], *args: object) -> T:
+    """A catalog call whose failure is an OSError, like any other storage failure."""
+    try:
+        return fn(*args)
+    except sqlite3.Error as exc:
+        raise OSError(errno.EIO, f"catalog: {exc}") from exc
 
 
 def _subdirs(path: str) -> list[str]:

@@ -1,9 +1,12 @@
 """`decodefs warm`: fill the cache ahead of training, through the mount.
 
-Each entry is opened and closed without being read: the daemon decodes and
-stores it on open (single-flight and accounting hold, as for any reader) and
-no data lands in this process or the page cache. Entries already stored cost
-one open, so an interrupted warm simply resumes when run again.
+Each entry is opened with O_NONBLOCK and closed without being read. The
+daemon takes that as a warm request: it decodes and stores the array on open
+(single-flight and accounting hold) on its low-priority threads, so training
+readers go first, and it never evicts for it: a full store answers EDQUOT
+(or ENOSPC, EROFS) and the warm stops. No data lands in this process or the
+page cache. Entries already stored cost one open, so an interrupted warm
+resumes when run again.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class WarmReport:
     missing: list[str] = field(default_factory=list)  # uuids the version does not have
     seconds: float = 0.0
     interrupted: bool = False
+    store_full: str | None = None  # why the store stopped taking arrays, if it did
 
 
 def read_uuid_list(path: Path) -> list[str]:
@@ -60,6 +64,10 @@ def warm(
                 report.done += 1
             elif error.errno == errno.ENOENT:
                 report.missing.append(uuid)
+            elif error.errno in _STORE_FULL:
+                report.store_full = error.strerror or str(error)
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
             else:
                 report.failed[uuid] = error.strerror or str(error)
             bar.update(1)
@@ -73,9 +81,12 @@ def warm(
     return report
 
 
+_STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})
+
+
 def _touch(path: Path) -> OSError | None:
     try:
-        os.close(os.open(path, os.O_RDONLY))
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
     except OSError as exc:
         return exc
     return None

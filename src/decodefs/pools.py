@@ -1,0 +1,96 @@
+"""Worker threads at low CPU priority, for work that must yield to readers (the warm).
+
+Linux applies a nice value per thread, so threads of this pool run at nice 19
+while readers' decode threads stay at the daemon's own priority: when both
+want the CPU, the kernel gives it to the readers. A job that a reader comes
+to wait for can be boosted back (``Job.boost``), which needs CAP_SYS_NICE
+(root has it); without it the job finishes at low priority. This module
+knows nothing of images or FUSE.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Final, Generic, TypeVar
+
+import trio
+
+__all__ = ["Job", "LowPriorityPool"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LOW_PRIORITY: Final = 19
+
+
+class Job(Generic[T]):
+    """One function running (or queued) on a LowPriorityPool."""
+
+    def __init__(
+        self, executor: concurrent.futures.ThreadPoolExecutor, fn: Callable[[], T]
+    ) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._done = trio.Event()
+        self._lock = threading.Lock()
+        self._tid: int | None = None
+        self._boosted = False
+        self._future = executor.submit(self._call, fn)
+        self._future.add_done_callback(self._wake)
+
+    async def wait(self) -> T:
+        with trio.CancelScope(shield=True):  # a thread cannot be stopped: wait for it
+            await self._done.wait()
+        return self._future.result()
+
+    def boost(self) -> None:
+        """Compete with readers again: a reader waits for this job."""
+        with self._lock:
+            self._boosted = True
+            tid = self._tid
+        if tid is not None:
+            _set_nice(tid, 0)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        tid = threading.get_native_id()
+        with self._lock:
+            self._tid = tid
+            boosted = self._boosted
+        # Every job sets its thread's priority: a boost must not outlive its job.
+        _set_nice(tid, 0 if boosted else LOW_PRIORITY)
+        try:
+            return fn()
+        finally:
+            with self._lock:
+                self._tid = None
+
+    def _wake(self, _: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._done.set)
+
+
+class LowPriorityPool:
+    def __init__(self, workers: int) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="decodefs-warm"
+        )
+
+    def submit(self, fn: Callable[[], T]) -> Job[T]:
+        """Queue ``fn``; call from the trio thread."""
+        return Job(self._executor, fn)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _set_nice(tid: int, value: int) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, value)
+    except PermissionError:
+        log.debug("cannot set thread %d to nice %d (needs CAP_SYS_NICE)", tid, value)
+    except ProcessLookupError:
+        pass
