@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from decodefs.sample import make_sample_corpus
 from tests.helpers import Mount, write_config, write_photos
 
 MountFactory = Callable[..., Mount]
+Tmpfs = Callable[[str], Path]  # size ("1m") -> the root of a fresh tmpfs
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 LARGE_COUNT = 6
@@ -84,3 +87,37 @@ def module_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MountFac
         yield _make_factory(tmp_path_factory.mktemp("module-mount"), created)
     finally:
         _teardown(created)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
+    """Mount a tmpfs of a given size ("1m") under tmp_path; all are unmounted at the end."""
+    mounted: list[Path] = []
+
+    def make(size: str) -> Path:
+        root = tmp_path / f"tmpfs-{len(mounted)}"
+        root.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "decodefs-test", str(root)], check=True
+        )
+        mounted.append(root)
+        return root
+
+    try:
+        yield make
+    finally:
+        for root in mounted:
+            subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+@pytest.fixture
+def notify_listener(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    """A unix datagram socket standing in for systemd's NOTIFY_SOCKET: (socket, path)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "notify.sock")
+    sock.bind(path)
+    sock.settimeout(60)
+    try:
+        yield sock, path
+    finally:
+        sock.close()

@@ -245,6 +245,19 @@ def unmount_quietly(mountpoint: Path) -> None:
             subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
 
 
+def decodefs(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the decodefs command as a user would, capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "decodefs", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def errno_of(fn: Any, *args: Any) -> int:
     """The errno a call fails with (the test fails if it succeeds)."""
     try:

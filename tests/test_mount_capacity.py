@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from decodefs.decode import npy_file_size
 from decodefs.store import TRAILER_SIZE
-from tests.conftest import MountFactory, needs_root
+from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import reference_npy
 
 ENTRY = npy_file_size(224) + TRAILER_SIZE  # one stored 224 array
@@ -30,20 +26,6 @@ def stored(store: Path) -> dict[str, int]:
     return sizes
 
 
-@pytest.fixture
-def store_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A private filesystem for the store, so its usage can be read in one syscall."""
-    root = tmp_path / "store-fs"
-    root.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "decodefs-test", str(root)], check=True
-    )
-    try:
-        yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=False)
-
-
 def entries_on_disk(fs: Path, store: Path) -> int:
     """Bytes the entries occupy on ``fs`` right now: an atomic statvfs, less the catalog's
     files and temp files (which a glob of the entries could not give: it is not atomic)."""
@@ -57,8 +39,9 @@ def entries_on_disk(fs: Path, store: Path) -> int:
 
 @needs_root
 def test_max_store_bytes_holds_under_a_stream_of_misses(
-    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], store_tmpfs: Path
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmpfs: Tmpfs
 ) -> None:
+    store_tmpfs = tmpfs("64m")  # the store's own filesystem: its usage is one statvfs
     store = store_tmpfs / "store"
     cap = 4 * ENTRY + 1000
     # max_store_bytes counts file sizes; blocks round each entry up by < 1 page,
@@ -152,23 +135,11 @@ def test_usage_is_known_right_after_a_restart(
     assert "catalog filled from disk" not in after_restart  # no scan of the store
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    root = tmp_path / "tmpfs"
-    root.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "decodefs-test", str(root)], check=True
-    )
-    try:
-        yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=False)
-
-
 @needs_root
 def test_min_free_fraction_keeps_the_filesystem_free(
-    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], small_tmpfs: Path
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmpfs: Tmpfs
 ) -> None:
+    small_tmpfs = tmpfs("2m")
     mount = mounts({"v1": photos_dir}, store=small_tmpfs / "store", min_free_fraction=0.5)
     for uuid, path in photos.items():
         assert mount.path("v1", "224", f"{uuid}.npy").read_bytes() == reference_npy(path, 224)

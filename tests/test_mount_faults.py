@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 from PIL import Image
 
 from decodefs.store import TRAILER_SIZE
-from tests.conftest import MountFactory, needs_root
+from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import errno_of, reference_npy, write_bad_originals
 
 
@@ -126,23 +125,11 @@ def test_corrupt_entries_are_rebuilt_never_served(
     assert mount.log_text().count("failed verification") == len(damaged)
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    root = tmp_path / "tmpfs"
-    root.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "decodefs-test", str(root)], check=True
-    )
-    try:
-        yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=False)
-
-
 @needs_root
 def test_a_full_store_serves_from_memory(
-    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tiny_tmpfs: Path
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tmpfs: Tmpfs
 ) -> None:
+    tiny_tmpfs = tmpfs("1m")
     mount = mounts({"v1": corpus}, store=tiny_tmpfs / "store", memory_cache_bytes="400K")
     for _ in range(2):
         for uuid, path in photos.items():  # 11 x 147 KiB into 1 MiB
@@ -161,8 +148,9 @@ def test_a_full_store_serves_from_memory(
 
 @needs_root
 def test_a_read_only_store_serves_hits_from_flash_and_misses_from_memory(
-    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tiny_tmpfs: Path
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tmpfs: Tmpfs
 ) -> None:
+    tiny_tmpfs = tmpfs("1m")
     uuids = sorted(photos)
     mount = mounts({"v1": corpus}, store=tiny_tmpfs / "store", expect_errors=("is not writable",))
     for uuid in uuids[:3]:
@@ -241,8 +229,9 @@ def test_an_unreadable_entry_fails_open(
 
 @needs_root
 def test_a_store_full_at_start_still_mounts_and_serves(
-    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tiny_tmpfs: Path
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tmpfs: Tmpfs
 ) -> None:
+    tiny_tmpfs = tmpfs("1m")
     subprocess.run(
         ["dd", "if=/dev/zero", f"of={tiny_tmpfs}/filler", "bs=4k"], capture_output=True, check=False
     )

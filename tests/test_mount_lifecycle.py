@@ -6,8 +6,6 @@ import errno
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,16 +14,14 @@ import pytest
 from PIL import Image
 
 from tests.conftest import MountFactory
-from tests.helpers import errno_of, is_mounted, reference_npy, unmount_quietly, write_config
-
-
-def decodefs(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "decodefs", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+from tests.helpers import (
+    decodefs,
+    errno_of,
+    is_mounted,
+    reference_npy,
+    unmount_quietly,
+    write_config,
+)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from decodefs.config import parse_config
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
+    decodefs,
     errno_of,
     is_live_mount,
     is_mounted,
@@ -30,28 +31,6 @@ from tests.helpers import (
 )
 
 REPO = Path(__file__).parents[1]
-
-
-def decodefs(
-    *args: str | Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "decodefs", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
-
-
-@pytest.fixture
-def notify_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    path = str(tmp_path / "notify.sock")
-    sock.bind(path)
-    sock.settimeout(60)
-    yield sock, path
-    sock.close()
 
 
 def receive_until(sock: socket.socket, wanted: str) -> list[str]:
@@ -65,9 +44,9 @@ def receive_until(sock: socket.socket, wanted: str) -> list[str]:
 
 
 def test_notify_ready_watchdog_and_stopping(
-    tmp_path: Path, photos_dir: Path, notify_socket: tuple[socket.socket, str]
+    tmp_path: Path, photos_dir: Path, notify_listener: tuple[socket.socket, str]
 ) -> None:
-    sock, address = notify_socket
+    sock, address = notify_listener
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
@@ -103,20 +82,17 @@ def test_notify_ready_watchdog_and_stopping(
 def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir: Path) -> None:
     root = tmp_path / "root"
     decodefs_command = Path(sys.executable).parent / "decodefs"
-    result = subprocess.run(
-        [
-            "bash",
-            str(REPO / "scripts" / "install-service.sh"),
-            "--root",
-            str(root),
-            "--decodefs",
-            str(decodefs_command),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "units in" in result.stdout
+
+    def install() -> str:
+        script = str(REPO / "scripts" / "install-service.sh")
+        return subprocess.run(
+            ["bash", script, "--root", str(root), "--decodefs", str(decodefs_command)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    assert "units in" in install()
     units = root / "etc" / "systemd" / "system"
     (units / "decodefs@demo.service").symlink_to("decodefs@.service")
     for unit in ["decodefs.service", "decodefs@demo.service"]:
@@ -150,18 +126,7 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
     config = parse_config(example, base_dir=tmp_path)
     assert config.allow_other and config.mountpoint == Path("/mnt/decoded")
     # A second install keeps the edited config and puts the example beside it.
-    subprocess.run(
-        [
-            "bash",
-            str(REPO / "scripts" / "install-service.sh"),
-            "--root",
-            str(root),
-            "--decodefs",
-            str(decodefs_command),
-        ],
-        capture_output=True,
-        check=True,
-    )
+    install()
     assert (root / "etc" / "decodefs" / "config.example.toml").exists()
 
 

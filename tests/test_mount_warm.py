@@ -12,16 +12,7 @@ from pathlib import Path
 
 from decodefs.sample import make_sample_corpus
 from tests.conftest import LARGE_COUNT, MountFactory
-from tests.helpers import Mount, reference_npy, write_bad_originals
-
-
-def decodefs(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "decodefs", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from tests.helpers import Mount, decodefs, reference_npy, write_bad_originals
 
 
 def test_warm_fills_the_cache_and_a_second_run_costs_nothing(

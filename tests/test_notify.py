@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from decodefs.notify import ServiceNotifier
 
 
-@pytest.fixture
-def listener(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    path = str(tmp_path / "notify.sock")
-    sock.bind(path)
-    sock.settimeout(5)
-    yield sock, path
-    sock.close()
-
-
-def test_messages_reach_the_socket(listener: tuple[socket.socket, str]) -> None:
-    sock, path = listener
+def test_messages_reach_the_socket(notify_listener: tuple[socket.socket, str]) -> None:
+    sock, path = notify_listener
     notifier = ServiceNotifier.from_environment({"NOTIFY_SOCKET": path})
     notifier.notify("READY=1", "STATUS=serving /mnt/decoded")
     assert sock.recv(4096) == b"READY=1\nSTATUS=serving /mnt/decoded"

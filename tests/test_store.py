@@ -22,7 +22,7 @@ from decodefs.store import (
     StoreReadError,
     StoreWriteError,
 )
-from tests.conftest import needs_root
+from tests.conftest import Tmpfs, needs_root
 
 V1 = decoder_fingerprint(DecodeSettings())
 KEY = EntryKey("v1", 16, "abcdef")
@@ -170,34 +170,29 @@ def test_a_store_that_cannot_be_created_serves_nothing_and_raises_nothing(tmp_pa
 
 
 @needs_root
-def test_full_and_read_only_stores_raise_store_write_error(tmp_path: Path) -> None:
-    root = tmp_path / "tiny"
-    root.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], check=True)
-    try:
-        s = Store(root / "store", {"v1": V1})
-        s.open()
-        big = payload(size=96)  # ~27 KiB each
-        written = 0
-        with pytest.raises(StoreWriteError, match="ENOSPC"):
-            for i in range(100):
-                s.write(EntryKey("v1", 96, f"k{i:03d}"), big)
-                written += 1
-        assert 3 < written < 100
-        assert os.listdir(root / "store" / ".tmp") == []  # the failed temp file is gone
-        assert bytes(s.read(EntryKey("v1", 96, "k000")) or b"") == big
-        s.close()
+def test_full_and_read_only_stores_raise_store_write_error(tmpfs: Tmpfs) -> None:
+    root = tmpfs("256k")
+    s = Store(root / "store", {"v1": V1})
+    s.open()
+    big = payload(size=96)  # ~27 KiB each
+    written = 0
+    with pytest.raises(StoreWriteError, match="ENOSPC"):
+        for i in range(100):
+            s.write(EntryKey("v1", 96, f"k{i:03d}"), big)
+            written += 1
+    assert 3 < written < 100
+    assert os.listdir(root / "store" / ".tmp") == []  # the failed temp file is gone
+    assert bytes(s.read(EntryKey("v1", 96, "k000")) or b"") == big
+    s.close()
 
-        subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
-        ro = Store(root / "store", {"v1": V1})
-        ro.open()
-        assert not ro.writable
-        assert bytes(ro.read(EntryKey("v1", 96, "k000")) or b"") == big  # hits still work
-        with pytest.raises(StoreWriteError, match="EROFS"):
-            ro.write(EntryKey("v1", 96, "other"), big)
-        ro.close()
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=False)
+    subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+    ro = Store(root / "store", {"v1": V1})
+    ro.open()
+    assert not ro.writable
+    assert bytes(ro.read(EntryKey("v1", 96, "k000")) or b"") == big  # hits still work
+    with pytest.raises(StoreWriteError, match="EROFS"):
+        ro.write(EntryKey("v1", 96, "other"), big)
+    ro.close()
 
 
 def test_an_entry_moved_to_another_keys_path_fails(store: Store) -> None:
@@ -232,21 +227,16 @@ def test_odd_leftovers_do_not_make_the_store_read_only(tmp_path: Path) -> None:
 
 
 @needs_root
-def test_a_store_full_at_start_opens_and_refuses_writes(tmp_path: Path) -> None:
-    root = tmp_path / "tiny"
-    root.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(root)], check=True)
-    try:
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={root}/filler", "bs=4k"], capture_output=True, check=False
-        )
-        s = Store(root / "store", {"v1": V1})
-        s.open()  # no exception: the daemon must still start
-        with pytest.raises(StoreWriteError, match="ENOSPC"):
-            s.write(KEY, payload())
-        s.close()
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=False)
+def test_a_store_full_at_start_opens_and_refuses_writes(tmpfs: Tmpfs) -> None:
+    root = tmpfs("64k")
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={root}/filler", "bs=4k"], capture_output=True, check=False
+    )
+    s = Store(root / "store", {"v1": V1})
+    s.open()  # no exception: the daemon must still start
+    with pytest.raises(StoreWriteError, match="ENOSPC"):
+        s.write(KEY, payload())
+    s.close()
 
 
 def entry_bytes(size: int = 16) -> int:
@@ -334,26 +324,21 @@ def test_a_failing_catalog_stops_eviction_instead_of_spinning(tmp_path: Path) ->
 
 
 @needs_root
-def test_min_free_fraction_never_wipes_the_store_for_nothing(tmp_path: Path) -> None:
-    root = tmp_path / "fs"
-    root.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
-    try:
-        s = Store(root / "store", {"v1": V1}, min_free_fraction=0.5)
-        s.open()
-        for i in range(3):
-            s.write(EntryKey("v1", 16, f"k{i}"), payload(i))
-        # Another tenant fills the filesystem far past what evicting the store frees.
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={root}/other", "bs=4k", "count=200"], capture_output=True
-        )
-        with pytest.raises(StoreWriteError, match="no room even if every entry were evicted"):
-            s.write(EntryKey("v1", 16, "new"), payload(9))
-        assert s.evictions == 0 and s.usage().entries == 3
-        assert all(Path(s.path(EntryKey("v1", 16, f"k{i}"))).exists() for i in range(3))
-        s.close()
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=False)
+def test_min_free_fraction_never_wipes_the_store_for_nothing(tmpfs: Tmpfs) -> None:
+    root = tmpfs("1m")
+    s = Store(root / "store", {"v1": V1}, min_free_fraction=0.5)
+    s.open()
+    for i in range(3):
+        s.write(EntryKey("v1", 16, f"k{i}"), payload(i))
+    # Another tenant fills the filesystem far past what evicting the store frees.
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={root}/other", "bs=4k", "count=200"], capture_output=True
+    )
+    with pytest.raises(StoreWriteError, match="no room even if every entry were evicted"):
+        s.write(EntryKey("v1", 16, "new"), payload(9))
+    assert s.evictions == 0 and s.usage().entries == 3
+    assert all(Path(s.path(EntryKey("v1", 16, f"k{i}"))).exists() for i in range(3))
+    s.close()
 
 
 def test_usage_is_exact_after_a_fill_raced_by_writes_and_removals(tmp_path: Path) -> None:

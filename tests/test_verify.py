@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from decodefs.store import TRAILER_SIZE
 from tests.conftest import MountFactory
-
-
-def decodefs(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "decodefs", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from tests.helpers import decodefs
 
 
 def test_verify_reports_and_removes_corrupt_entries(
