@@ -23,7 +23,12 @@ def mount(module_mounts: MountFactory, photos_dir: Path) -> Mount:
 
 def test_root_lists_versions_and_status_dir(mount: Mount) -> None:
     assert sorted(os.listdir(mount.mountpoint)) == [".decodefs", "v1", "v2"]
-    assert sorted(os.listdir(mount.path(".decodefs"))) == ["config.json", "metrics", "stats.json"]
+    assert sorted(os.listdir(mount.path(".decodefs"))) == [
+        "config.json",
+        "metrics",
+        "stats.json",
+        "store.json",
+    ]
 
 
 def test_version_lists_configured_sizes_and_resolves_any_in_bounds(mount: Mount) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,62 @@ def test_prefix_ranges_are_the_sharded_layout(tmp_path: Path) -> None:
 def test_missing_source_is_a_source_error(tmp_path: Path) -> None:
     with pytest.raises(SourceError, match=r"versions\.v1\.source"):
         scan_source("v1", tmp_path / "absent", DEFAULT_EXTENSIONS)
+
+
+def test_the_index_is_cached_and_reused_while_the_tree_is_unchanged(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    for name in ["a/1.jpg", "a/2.jpg", "b/c/3.png", "4.jpg"]:
+        touch(root / name)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old = time.time() - 60  # trust these directories' mtimes (see _MTIME_SLACK_NS)
+    for directory in [root, root / "a", root / "b", root / "b" / "c"]:
+        os.utime(directory, (old, old))
+    first = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert not first.from_cache and (cache / "v1.json").exists()
+    again = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert again.from_cache
+    assert list(again.uuids) == list(first.uuids) == ["1", "2", "3", "4"]
+    assert again.original_path(again.find("3") or 0) == str(root / "b/c/3.png")
+    # Another key (extensions) never reuses it.
+    assert not scan_source("v1", root, ["jpg"], cache_dir=str(cache)).from_cache
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda root: touch(root / "b" / "c" / "new.jpg"),  # added deep down
+        lambda root: (root / "a" / "1.jpg").unlink(),  # removed
+        lambda root: (root / "a" / "2.jpg").rename(root / "a" / "renamed.jpg"),
+        lambda root: (root / "b" / "c").rename(root / "b" / "d"),  # a directory moved
+        lambda root: touch(root / "e" / "new-dir.jpg"),  # a new directory
+    ],
+)
+def test_any_change_to_the_tree_invalidates_the_cache(tmp_path: Path, change: object) -> None:
+    root = tmp_path / "src"
+    for name in ["a/1.jpg", "a/2.jpg", "b/c/3.png"]:
+        touch(root / name)
+    old = time.time() - 60
+    for directory in [root, root / "a", root / "b", root / "b" / "c"]:
+        os.utime(directory, (old, old))
+    cache = str(tmp_path)
+    before = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=cache)
+    change(root)  # type: ignore[operator]
+    after = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=cache)
+    assert not after.from_cache
+    assert list(after.uuids) != list(before.uuids) or list(after.relpaths) != list(before.relpaths)
+
+
+def test_a_tree_changed_just_before_the_scan_is_not_trusted(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch(root / "1.jpg")  # the directory's mtime is now: within the mtime slack
+    scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    assert not scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
+
+
+def test_a_damaged_cache_is_ignored(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch(root / "1.jpg")
+    (tmp_path / "v1.json").write_text('{"key": ')
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    assert list(index.uuids) == ["1"] and not index.from_cache

@@ -5,6 +5,12 @@ bytes the mount serves::
 
     from decodefs import decode_image
     array = decode_image("/data/v1/images/abc.jpg", 224)   # == np.load(mount/v1/224/abc.npy)
+
+and ``read_array`` reads a mounted array several times faster than np.load,
+straight from the verified store when it can::
+
+    from decodefs import read_array
+    array = read_array("/mnt/decoded/v1/224/abc.npy")
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -18,6 +24,7 @@ from .decode import (
     npy_file_size,
     npy_header,
 )
+from .reader import read_array
 
 try:
     __version__ = version("decodefs")
@@ -36,4 +43,5 @@ __all__ = [
     "npy_bytes",
     "npy_file_size",
     "npy_header",
+    "read_array",
 ]

@@ -7,6 +7,7 @@ live. This module wires the layers together; it holds no caching policy.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -14,6 +15,7 @@ import os
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -177,11 +179,6 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
     prepare_mountpoint(mountpoint)
     quiet_pillow_warnings()
     _raise_open_file_limit()
-    notifier.notify(f"STATUS=indexing originals for {mountpoint}")
-    sources = {
-        name: scan_source(name, v.source, v.extensions, v.duplicates)
-        for name, v in config.versions.items()
-    }
     store = Store(
         config.store,
         {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()},
@@ -190,13 +187,28 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
     )
     store.open()
     try:
+        notifier.notify(f"STATUS=indexing originals for {mountpoint}")
+        index_cache = store.cache_dir("index")
+        sources = {
+            name: scan_source(name, v.source, v.extensions, v.duplicates, index_cache)
+            for name, v in config.versions.items()
+        }
         engine = Engine(config, sources, store)
+        access_socket = store.access_socket_path()
         status_files: dict[str, Callable[[], bytes]] = {
             "stats.json": lambda: _json(
                 {**engine.stats(), "pid": os.getpid(), "mountpoint": mountpoint}
             ),
             "metrics": lambda: render_prometheus(engine.stats()),
             "config.json": lambda: _json(config.as_dict()),
+            # What read_array() needs to read the store directly (reader.py).
+            "store.json": lambda: _json(
+                {
+                    "store": store.root,
+                    "versions": store.digests(),
+                    "access_socket": access_socket,
+                }
+            ),
         }
         operations = DecodeFS(Tree(engine, list(status_files)), engine, status_files)
         fuse = FuseMount(operations, mountpoint, allow_other=config.allow_other)
@@ -208,7 +220,7 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
                 hint = "allow_other needs 'user_allow_other' in /etc/fuse.conf when not root"
             raise MountError(f"cannot mount {mountpoint}: {exc} ({hint})") from exc
         try:
-            trio.run(_serve, fuse, engine, mountpoint, on_ready, notifier)
+            trio.run(_serve, fuse, engine, mountpoint, on_ready, notifier, access_socket)
         finally:
             fuse.close()
             engine.close()
@@ -223,11 +235,14 @@ async def _serve(
     mountpoint: str,
     on_ready: Callable[[], None] | None,
     notifier: ServiceNotifier,
+    access_socket: str | None,
 ) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier)
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
+        if access_socket is not None:
+            nursery.start_soon(_receive_direct_hits, engine, access_socket)
         aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
     if not aborted:
@@ -237,6 +252,25 @@ async def _serve(
         # Fail, so that a service manager restarts the daemon.
         raise ConnectionAbortedError(errno.ECONNABORTED, "the kernel aborted the FUSE connection")
     log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing was lost")
+
+
+async def _receive_direct_hits(engine: Engine, path: str) -> None:
+    """Hits read_array() read straight from the store, reported by readers for LRU."""
+    with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # left by an earlier daemon
+            await sock.bind(path)
+            os.chmod(path, 0o666)  # any reader may report; reports only order the LRU
+        except OSError as exc:
+            log.warning("cannot listen for direct hits at %s: %s", path, exc)
+            return
+        try:
+            while True:
+                engine.note_direct_hits(await sock.recv(65536))
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNotifier) -> None:

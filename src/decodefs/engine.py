@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
@@ -181,6 +182,10 @@ class Engine:
     def uuid_at(self, version: str, index: int) -> str:
         return self._sources[version].uuids[index]
 
+    def uuids(self, version: str) -> Sequence[str]:
+        """All uuids of a version, in index order (read-only)."""
+        return self._sources[version].uuids
+
     def shard_range(self, version: str, shard: str) -> range:
         return self._sources[version].prefix_range(shard)
 
@@ -193,15 +198,21 @@ class Engine:
 
     # -- arrays -------------------------------------------------------------
 
-    async def open(self, version: str, size: int, index: int, warm: bool = False) -> Handle:
+    async def open(
+        self, version: str, size: int, index: int, warm: bool = False, recheck: bool = False
+    ) -> Handle:
         """A handle for the array of original ``index``; decodes at most once per key.
 
         Raises OriginalNotFound or OriginalUndecodable; never a store problem.
         The handle pins the entry until ``release``. A ``warm`` request (a
         client filling the cache, not reading) decodes at low priority, never
         evicts, and raises NotStored if the store will not take the array.
+        ``recheck`` verifies the stored entry again even if it was verified
+        earlier in this daemon's life (a reader found it damaged).
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
+        if recheck:
+            self._verified_map(version, size).set(index, False)
         self.store.pin(key)
         try:
             return await self._open_pinned(key, index, warm)
@@ -214,6 +225,17 @@ class Engine:
 
     def release(self, handle: Handle) -> None:
         self.store.unpin(handle.key)
+
+    def note_direct_hits(self, report: bytes) -> None:
+        """Hits that readers read straight from the store ("version\tsize\tuuid" lines)."""
+        for line in report.splitlines():
+            fields = line.split(b"\t")
+            if len(fields) != 3 or not fields[1].isdigit():
+                continue
+            version, uuid = os.fsdecode(fields[0]), os.fsdecode(fields[2])
+            if version in self._sources and self._sources[version].find(uuid) is not None:
+                self.store.record_access(EntryKey(version, int(fields[1]), uuid))
+                self.metrics.direct_hits += 1
 
     async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
         end = min(offset + size, handle.length)
@@ -296,6 +318,7 @@ class Engine:
             "inflight_decodes": m.inflight_decodes,
             "queued_decodes": m.queued_decodes,
             "background_decodes": m.background_decodes,
+            "direct_hits": m.direct_hits,
             "errors": dict(m.errors),
             "decode_seconds": m.decode_seconds.as_dict(),
             "uptime_seconds": round(time.time() - m.started, 3),

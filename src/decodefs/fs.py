@@ -133,7 +133,20 @@ class DecodeFS(pyfuse3.Operations):
 
     @_errno_boundary
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        for next_id, name, child in self._tree.children(Node.from_ino(fh), start_id):
+        node = Node.from_ino(fh)
+        arrays = self._tree.array_listing(node, start_id)
+        if arrays is not None:
+            # Every array of a directory has the same attributes but its inode;
+            # readdir_reply copies them, so one object serves the whole listing.
+            sample, listing = arrays
+            attributes = self._entry(sample)
+            reply = pyfuse3.readdir_reply
+            for next_id, name, ino in listing:
+                attributes.st_ino = ino
+                if not reply(token, name, attributes, next_id):
+                    return
+            return
+        for next_id, name, child in self._tree.children(node, start_id):
             if not pyfuse3.readdir_reply(token, name, self._entry(child), next_id):
                 return
 
@@ -153,8 +166,12 @@ class DecodeFS(pyfuse3.Operations):
             if self._failpoint and self._engine.uuid_at(version, node.index) == self._failpoint:
                 raise RuntimeError(f"failpoint {_FAILPOINT_ENV} hit")
             # O_NONBLOCK on an array means "warm it": store it if it fits, at low priority.
+            # O_SYNC means "check the stored entry again": a reader found it damaged.
             warm = bool(flags & os.O_NONBLOCK)
-            self._handles[fh] = await self._engine.open(version, node.size, node.index, warm)
+            recheck = flags & os.O_SYNC == os.O_SYNC
+            self._handles[fh] = await self._engine.open(
+                version, node.size, node.index, warm, recheck
+            )
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         status = self._tree.status_file_name(node)
         if status is None:

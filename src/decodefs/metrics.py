@@ -68,6 +68,7 @@ class Metrics:
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
     bytes_served: int = 0
     background_decodes: int = 0  # decodes the daemon's own background warm ran
+    direct_hits: int = 0  # arrays readers read straight from the store (read_array) and reported
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
     queued_decodes: int = 0  # decodes waiting for a pool slot
     errors: Counter[str] = field(default_factory=Counter)  # errno name -> count
@@ -117,6 +118,7 @@ _COUNTERS: Final = {
     "store_write_errors": "Arrays the store refused (full, read-only, at its limit)",
     "memory_fallbacks": "Arrays kept in memory because the store refused them",
     "background_decodes": "Decodes run by the background warm",
+    "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",
     "bytes_served": "Bytes answered to READ requests (page-cache hits never reach the daemon)",
 }
 _GAUGES: Final = {

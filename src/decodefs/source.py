@@ -4,13 +4,21 @@ Rules: a file counts when its extension (any case) is configured; the uuid is
 its stem; names starting with '.' are skipped (editor and macOS litter); a
 symlink is followed only when it resolves inside the source. This module knows
 nothing of decoding, the store or FUSE.
+
+An index can be cached as JSON in a directory the caller names. It is reused
+while every directory of the source has the mtime (and inode) it had when it
+was listed: adding, removing or renaming an entry changes its directory's
+mtime, so checking costs one stat per directory instead of listing every file.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import json
 import logging
 import os
+import secrets
 import stat
 import time
 from collections.abc import Iterable, Sequence
@@ -23,6 +31,10 @@ log = logging.getLogger(__name__)
 
 NAME_MAX: Final = 255
 _NPY_SUFFIX_LEN: Final = len(".npy")
+_CACHE_FORMAT: Final = 1
+# A directory changed this close to the scan may have changed again within
+# its filesystem's mtime granularity (seconds on some network filesystems).
+_MTIME_SLACK_NS: Final = 2_000_000_000
 
 
 class SourceError(Exception):
@@ -49,6 +61,7 @@ class SourceIndex:
     duplicates: dict[str, list[str]] = field(default_factory=dict)
     symlinks_outside: int = 0
     skipped_names: int = 0
+    from_cache: bool = False
     _positions: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -88,15 +101,43 @@ def scan_source(
     root: os.PathLike[str] | str,
     extensions: Iterable[str],
     duplicates: Literal["error", "skip"] = "error",
+    cache_dir: str | None = None,
 ) -> SourceIndex:
-    """Walk ``root`` recursively and index every original by its stem."""
+    """Index every original under ``root`` by its stem: from the cache in
+    ``cache_dir`` while the tree is unchanged, else by walking it (and caching)."""
     started = time.monotonic()
     root_real = os.path.realpath(root)
     if not os.path.isdir(root_real):
         raise SourceError(f"versions.{version}.source: {root} is not a directory")
-    walker = _Walker(root_real, frozenset(e.lower() for e in extensions))
-    walker.walk()
+    extension_set = frozenset(e.lower() for e in extensions)
+    key = {
+        "format": _CACHE_FORMAT,
+        "root": root_real,
+        "extensions": sorted(extension_set),
+        "duplicates": duplicates,
+    }
+    cache = os.path.join(cache_dir, f"{version}.json") if cache_dir else None
+    index = _load_cache(version, cache, key, root_real) if cache else None
+    if index is None:
+        index, dirs = _walk(version, root_real, extension_set, duplicates)
+        if cache:
+            _save_cache(cache, key, index, dirs)
+    log.info(
+        "version %s: %d originals under %s, %s in %.2f s",
+        version,
+        len(index),
+        root_real,
+        "from the cached index" if index.from_cache else "indexed",
+        time.monotonic() - started,
+    )
+    return index
 
+
+def _walk(
+    version: str, root: str, extensions: frozenset[str], duplicates: Literal["error", "skip"]
+) -> tuple[SourceIndex, dict[str, list[int]]]:
+    walker = _Walker(root, extensions)
+    walker.walk()
     walker.merge_aliases()
     clashes = {uuid: sorted(paths) for uuid, paths in walker.found.items() if len(paths) > 1}
     if clashes and duplicates == "error":
@@ -111,26 +152,76 @@ def scan_source(
         log.warning(
             "version %s: uuid %r has %d originals %s; left out", version, uuid, len(paths), paths
         )
-
     uuids = sorted(u for u, paths in walker.found.items() if len(paths) == 1)
-    relpaths = [walker.found[u][0] for u in uuids]
-    log.info(
-        "version %s: indexed %d originals under %s in %.2f s",
-        version,
-        len(uuids),
-        root_real,
-        time.monotonic() - started,
-    )
-    return SourceIndex(
+    index = SourceIndex(
         version=version,
-        root=root_real,
+        root=root,
         uuids=uuids,
-        relpaths=relpaths,
+        relpaths=[walker.found[u][0] for u in uuids],
         scanned_at_ns=time.time_ns(),
         duplicates=clashes,
         symlinks_outside=walker.symlinks_outside,
         skipped_names=walker.skipped_names,
     )
+    return index, walker.dirs
+
+
+def _load_cache(version: str, path: str, key: dict[str, object], root: str) -> SourceIndex | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            cached = json.load(f)
+        if not isinstance(cached, dict) or cached.get("key") != key:
+            return None
+        scanned_at = int(cached["scanned_at_ns"])
+        for relative, (mtime_ns, inode) in cached["dirs"].items():
+            st = os.stat(os.path.join(root, relative))
+            if (st.st_mtime_ns, st.st_ino) != (mtime_ns, inode):
+                log.info(
+                    "version %s: %s changed since the index was cached", version, relative or "."
+                )
+                return None
+            if mtime_ns >= scanned_at - _MTIME_SLACK_NS:
+                return None  # changed too near the scan to trust its mtime
+        return SourceIndex(
+            version=version,
+            root=root,
+            uuids=cached["uuids"],
+            relpaths=cached["relpaths"],
+            scanned_at_ns=scanned_at,
+            duplicates=cached["duplicates"],
+            symlinks_outside=int(cached["symlinks_outside"]),
+            skipped_names=int(cached["skipped_names"]),
+            from_cache=True,
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring the cached index %s: %s", path, exc)
+        return None
+
+
+def _save_cache(
+    path: str, key: dict[str, object], index: SourceIndex, dirs: dict[str, list[int]]
+) -> None:
+    value = {
+        "key": key,
+        "scanned_at_ns": index.scanned_at_ns,
+        "dirs": dirs,
+        "uuids": list(index.uuids),
+        "relpaths": list(index.relpaths),
+        "duplicates": index.duplicates,
+        "symlinks_outside": index.symlinks_outside,
+        "skipped_names": index.skipped_names,
+    }
+    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(value, f)  # ensure_ascii: non-UTF-8 names survive as \udcXX escapes
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        log.warning("cannot cache the index at %s: %s", path, exc)
 
 
 class _Walker:
@@ -140,7 +231,9 @@ class _Walker:
         self.found: dict[str, list[str]] = {}
         self.symlinks_outside = 0
         self.skipped_names = 0
+        self.dirs: dict[str, list[int]] = {}  # relative path -> [mtime_ns, inode] when listed
         self._seen_dirs: set[tuple[int, int]] = set()
+        self._prefix = len(root.rstrip(os.sep)) + 1
 
     def walk(self) -> None:
         root_stat = os.stat(self.root)
@@ -149,6 +242,10 @@ class _Walker:
         while pending:
             directory = pending.pop()
             try:
+                # Its mtime before listing: a change made during the walk then
+                # shows up as a mismatch when the cache is next checked.
+                st = os.stat(directory)
+                self.dirs[directory[self._prefix :]] = [st.st_mtime_ns, st.st_ino]
                 entries = list(os.scandir(directory))
             except OSError as exc:
                 log.warning("cannot list %s: %s; its originals are left out", directory, exc)
@@ -202,7 +299,7 @@ class _Walker:
             self.skipped_names += 1
             log.warning("skipping %s: its uuid is too long for a file name", path)
             return
-        self.found.setdefault(stem, []).append(os.path.relpath(path, self.root))
+        self.found.setdefault(stem, []).append(path[self._prefix :])
 
 
 def _inside(path: str, root: str) -> bool:

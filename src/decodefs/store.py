@@ -4,7 +4,9 @@ Layout::
 
     <store>/.decodefs-store           format marker
     <store>/.lock                     flock held by the one daemon using the store
+    <store>/.access.sock              readers report the hits they read directly
     <store>/.catalog.sqlite3          sizes and last access of entries (catalog.py)
+    <store>/.index/<version>.json     the cached source index (source.py)
     <store>/.tmp/                     temp files, emptied at start
     <store>/.trash/                   discarded versions, deleted in the background
     <store>/<version>/.fingerprint.json
@@ -49,7 +51,9 @@ import xxhash
 from .catalog import Catalog
 
 __all__ = [
+    "ACCESS_SOCKET",
     "CATALOG_FILE",
+    "STALE",
     "STORE_FORMAT",
     "TRAILER_SIZE",
     "CorruptEntry",
@@ -75,6 +79,8 @@ TRAILER_SIZE: Final = _TRAILER.size
 _MARKER: Final = ".decodefs-store"
 _FINGERPRINT_FILE: Final = ".fingerprint.json"
 CATALOG_FILE: Final = ".catalog.sqlite3"
+ACCESS_SOCKET: Final = ".access.sock"
+STALE: Final = "decoded with other settings or libraries"
 _EVICT_BATCH: Final = 64
 _FILL_BATCH: Final = 2000
 
@@ -344,6 +350,28 @@ class Store:
             self._forget(key)
         except OSError as exc:
             log.warning("%s; its row stays in the catalog until evicted", exc)
+
+    def cache_dir(self, name: str) -> str | None:
+        """A directory in the store for a derived cache (the source index), or None
+        if the store is not writable."""
+        if not self.writable:
+            return None
+        path = os.path.join(self.root, f".{name}")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            return None
+        return path
+
+    def access_socket_path(self) -> str | None:
+        """Where readers may report the hits they read directly (None: nowhere)."""
+        path = os.path.join(self.root, ACCESS_SOCKET)
+        # A unix socket's path must fit in sun_path (108 bytes with its NUL).
+        return path if self.writable and len(os.fsencode(path)) < 108 else None
+
+    def digests(self) -> dict[str, str]:
+        """version -> the fingerprint its entries must carry (hex)."""
+        return {version: fp.hex for version, fp in self._fingerprints.items()}
 
     def stored_uuids(self, version: str, size: int) -> set[str]:
         assert self._catalog is not None
@@ -648,7 +676,7 @@ class Store:
         )
 
 
-def check_entry(key: EntryKey, data: bytes, digest: bytes) -> str | None:
+def check_entry(key: EntryKey, data: bytes | bytearray, digest: bytes) -> str | None:
     """Why the entry file ``data`` must not be served for ``key``, or None if it may."""
     if len(data) < TRAILER_SIZE:
         return f"truncated to {len(data)} bytes"
@@ -658,7 +686,7 @@ def check_entry(key: EntryKey, data: bytes, digest: bytes) -> str | None:
     if fmt != STORE_FORMAT:
         return f"store format {fmt}, expected {STORE_FORMAT}"
     if recorded != digest:
-        return "decoded with other settings or libraries"
+        return STALE
     if length != len(data) - TRAILER_SIZE:
         return f"length {len(data) - TRAILER_SIZE}, trailer says {length}"
     if key.checksum(memoryview(data)[:length]) != checksum:

@@ -175,6 +175,27 @@ class Tree:
             name = os.fsencode(self._engine.uuid_at(version, i)) + _NPY
             yield i + 1, name, Node(Kind.ENTRY, parent.version, parent.size, i)
 
+    def array_listing(
+        self, node: Node, start: int
+    ) -> tuple[Node, Iterator[tuple[int, bytes, int]]] | None:
+        """For a size or shard directory: one entry node (its attributes stand for all)
+        and (next offset, name, inode) from ``start``. None for other directories.
+
+        The fast path for listing hundreds of thousands of arrays: no object per entry.
+        """
+        if node.kind == Kind.SIZE:
+            rows = range(start, self._engine.count(self._versions[node.version]))
+        elif node.kind == Kind.SHARD:
+            shard = self._shard_range(node)
+            rows = range(max(start, shard.start), shard.stop)
+        else:
+            return None
+        uuids = self._engine.uuids(self._versions[node.version])
+        base = Node(Kind.ENTRY, node.version, node.size, 0).ino  # the index is the low bits
+        fsencode = os.fsencode
+        listing = ((i + 1, fsencode(uuids[i]) + _NPY, base | i) for i in rows)
+        return Node(Kind.ENTRY, node.version, node.size, 0), listing
+
     # -- attributes ---------------------------------------------------------
 
     def attributes(self, node: Node, status_size: int = 0) -> Attributes:

@@ -19,11 +19,9 @@ from tqdm import tqdm
 
 from .catalog import Catalog
 from .decode import npy_file_size, npy_header
-from .store import CATALOG_FILE, TRAILER_SIZE, EntryKey, check_entry, iter_entry_files
+from .store import CATALOG_FILE, STALE, TRAILER_SIZE, EntryKey, check_entry, iter_entry_files
 
 __all__ = ["VerifyReport", "recorded_digests", "verify_store"]
-
-STALE = "decoded with other settings or libraries"
 
 
 @dataclass

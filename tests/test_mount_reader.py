@@ -1,0 +1,190 @@
+"""read_array(): direct, verified reads of stored arrays, and every way back to the mount."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid as uuidlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from decodefs import read_array
+from decodefs.store import TRAILER_SIZE
+from tests.conftest import MountFactory, needs_root
+from tests.helpers import Mount, decodefs, reference_npy, unmount_quietly, write_config
+
+
+def as_npy(array: npt.NDArray[np.uint8]) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def entry_file(store: Path, size: int, uuid: str) -> Path:
+    return store / "v1" / str(size) / uuid[:2] / f"{uuid}.npy"
+
+
+def test_same_arrays_as_np_load_and_hits_skip_the_daemon(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    for uuid, path in photos.items():  # misses: through the mount, which decodes and stores
+        array = read_array(mount.path("v1", "224", f"{uuid}.npy"))
+        assert as_npy(array) == reference_npy(path, 224)
+    after_misses = mount.stats()
+    assert after_misses["decodes"] == after_misses["misses"] == len(photos)
+
+    for uuid, path in photos.items():  # hits: straight from the store, both layouts
+        for flat in (True, False):
+            file = (
+                mount.path("v1", "224", f"{uuid}.npy")
+                if flat
+                else mount.path("v1", "224", uuid[:2], f"{uuid}.npy")
+            )
+            array = read_array(file)
+            assert array.dtype == np.uint8 and array.shape == (224, 224, 3)
+            assert array.flags.writeable and array.flags.c_contiguous
+            assert as_npy(array) == reference_npy(path, 224)
+            assert np.array_equal(array, np.load(file))
+    after_hits = mount.stats()
+    # np.load above went through the daemon; read_array's hits did not.
+    assert after_hits["hits"] - after_misses["hits"] == 2 * len(photos)
+    assert after_hits["decodes"] == len(photos)
+
+
+def test_direct_hits_are_reported_for_lru(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    entry = 128 + 64 * 64 * 3 + TRAILER_SIZE
+    mount = mounts({"v1": photos_dir}, max_store_bytes=3 * entry)
+    first, *others = sorted(photos)
+    for uuid in [first, others[0], others[1]]:
+        read_array(mount.path("v1", "64", f"{uuid}.npy"))
+    time.sleep(1.1)
+    read_array(
+        mount.path("v1", "64", f"{first}.npy")
+    )  # a direct hit, reported (a second has passed)
+    deadline = time.monotonic() + 10
+    while mount.stats()["direct_hits"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert mount.stats()["direct_hits"] >= 1
+    read_array(mount.path("v1", "64", f"{others[2]}.npy"))  # a miss that evicts the oldest
+    store = mount.config.parent / "store"
+    assert entry_file(store, 64, first).exists()  # recently read directly: kept
+    assert not entry_file(store, 64, others[0]).exists()
+
+
+def test_a_damaged_entry_is_never_returned_and_gets_repaired(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    uuid, original = next(iter(photos.items()))
+    target = mount.path("v1", "224", f"{uuid}.npy")
+    read_array(target)  # stored, and verified by the daemon in its life
+    stored = entry_file(mount.config.parent / "store", 224, uuid)
+    data = bytearray(stored.read_bytes())
+    data[1000] ^= 0x01
+    stored.write_bytes(bytes(data))
+    subprocess.run(
+        ["sh", "-c", "echo 1 > /proc/sys/vm/drop_caches"], check=False
+    )  # no page-cache rescue
+    assert as_npy(read_array(target)) == reference_npy(original, 224)
+    assert mount.stats()["corrupt_entries"] == 1  # the daemon checked again (O_SYNC) and rebuilt
+    assert stored.read_bytes()[:-TRAILER_SIZE] == reference_npy(original, 224)
+
+
+def test_an_evicted_or_missing_entry_falls_back_to_the_mount(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    uuid, original = next(iter(photos.items()))
+    read_array(mount.path("v1", "96", f"{uuid}.npy"))
+    entry_file(mount.config.parent / "store", 96, uuid).unlink()  # as an eviction would
+    assert as_npy(read_array(mount.path("v1", "96", f"{uuid}.npy"))) == reference_npy(original, 96)
+
+
+def test_worker_processes_read_too(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    paths = [str(mount.path("v1", "128", f"{uuid}.npy")) for uuid in sorted(photos)]
+    read_array(paths[0])  # the parent has a mount context and a report socket before forking
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        sums = pool.map(_checksum, paths * 2)
+    for uuid, total in zip(sorted(photos) * 2, sums, strict=True):
+        assert total == int(
+            np.load(io.BytesIO(reference_npy(photos[uuid], 128))).astype(np.int64).sum()
+        )
+
+
+def _checksum(path: str) -> int:
+    return int(read_array(path).astype(np.int64).sum())
+
+
+def test_paths_outside_decodefs_are_np_load(tmp_path: Path) -> None:
+    array = np.arange(60, dtype=np.uint8).reshape(2, 10, 3)
+    np.save(tmp_path / "plain.npy", array)
+    assert np.array_equal(read_array(tmp_path / "plain.npy"), array)
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user can reach (pytest's tmp_path is root-only)."""
+    base = Path("/tmp") / f"decodefs-reader-{uuidlib.uuid4().hex[:8]}"
+    base.mkdir()
+    os.chmod(base, 0o755)
+    try:
+        yield base
+    finally:
+        unmount_quietly(base / "mnt")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
+def test_a_user_who_may_not_read_the_store_reads_through_the_mount(
+    photos_dir: Path, photos: dict[str, Path], shared_dir: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"  # under root-only tmp_path: other users cannot read it
+    config = write_config(tmp_path / "c.toml", store, {"v1": photos_dir}, allow_other=True)
+    (shared_dir / "mnt").mkdir(mode=0o755)
+    assert (
+        decodefs(
+            "mount", shared_dir / "mnt", "--config", config, "--log-file", tmp_path / "log"
+        ).returncode
+        == 0
+    )
+    mount = Mount(shared_dir / "mnt", config, tmp_path / "log")
+    uuid, original = next(iter(photos.items()))
+    target = mount.path("v1", "64", f"{uuid}.npy")
+    read_array(target)  # stored
+    script = (
+        "import sys; from decodefs import read_array; "
+        "sys.stdout.buffer.write(read_array(sys.argv[1]).tobytes())"
+    )
+    result = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            script,
+            str(target),
+        ],
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == np.load(io.BytesIO(reference_npy(original, 64))).tobytes()
+    assert decodefs("umount", shared_dir / "mnt").returncode == 0
