@@ -48,8 +48,9 @@ def main() -> None:
     mountpoint = run_dir / "mnt"
     mountpoint.mkdir()
     config = run_dir / "config.toml"
+    store = run_dir / "store"
     config.write_text(
-        f'store = "{run_dir / "store"}"\nsizes = [224, 128, 64]\n[versions.big]\nsource = "{source}"\n'
+        f'store = "{store}"\nsizes = [224, 128, 64]\n[versions.big]\nsource = "{source}"\n'
     )
     rows = [
         (
