@@ -167,7 +167,9 @@ def test_status_files(mount: Mount) -> None:
     assert config["versions"]["v1"]["sizes"] == [64, 224]
     # Live: a read changes what the next cat shows.
     before = mount.stats()["bytes_served"]
-    mount.path("v1", "64", os.listdir(mount.path("v1", "64"))[0]).read_bytes()
+    mount.path(
+        "v1", "97", os.listdir(mount.path("v1", "97"))[0]
+    ).read_bytes()  # a size no test reads
     assert mount.stats()["bytes_served"] > before
 
 

@@ -173,6 +173,7 @@ def npy_header(size: int) -> bytes:
     return buffer.getvalue()
 
 
+@functools.cache
 def npy_file_size(size: int) -> int:
     """Length of the .npy file for a (size, size, 3) uint8 array, without decoding."""
     return len(npy_header(size)) + size * size * 3

@@ -74,6 +74,7 @@ class Handle:
     key: EntryKey
     length: int
     data: memoryview | None = None
+    fresh: bool = False  # data was just decoded or verified: not yet in the kernel's page cache
 
 
 @dataclass(frozen=True)
@@ -373,7 +374,7 @@ class Engine:
         else:
             self.metrics.hits += 1
             self.store.record_access(key)
-        return Handle(key, length, data=flight.outcome.data)
+        return Handle(key, length, data=flight.outcome.data, fresh=True)
 
     async def _fly(self, key: EntryKey, index: int, reader: bool) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""

@@ -119,7 +119,7 @@ _COUNTERS: Final = {
     "memory_fallbacks": "Arrays kept in memory because the store refused them",
     "background_decodes": "Decodes run by the background warm",
     "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",
-    "bytes_served": "Bytes answered to READ requests (page-cache hits never reach the daemon)",
+    "bytes_served": "Bytes delivered: READ replies and arrays pushed into the page cache",
 }
 _GAUGES: Final = {
     "store_bytes": "Bytes of stored entries",

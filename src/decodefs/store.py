@@ -41,10 +41,10 @@ import sqlite3
 import struct
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol, TypeVar
+from typing import Final, NamedTuple, Protocol, TypeVar
 
 import xxhash
 
@@ -129,8 +129,9 @@ class Fingerprint(Protocol):
     def description(self) -> Mapping[str, object]: ...
 
 
-@dataclass(frozen=True, order=True)
-class EntryKey:
+class EntryKey(NamedTuple):
+    """One array: a tuple, so hashing it (pins, accesses, flights) is cheap."""
+
     version: str
     size: int
     uuid: str
@@ -191,7 +192,7 @@ class Store:
         self._reservations: dict[EntryKey, int] = {}
         self._filled = True
         self._removed_while_filling: set[EntryKey] = set()
-        self._pins: Counter[EntryKey] = Counter()
+        self._pins: dict[EntryKey, int] = {}
         self._accesses: dict[EntryKey, float] = {}
         self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
         self.evictions = 0
@@ -381,14 +382,16 @@ class Store:
 
     def pin(self, key: EntryKey) -> None:
         """Keep ``key``'s file from eviction until unpin. Cheap: safe on the event loop."""
+        pins = self._pins
         with self._pin_lock:
-            self._pins[key] += 1
+            pins[key] = pins.get(key, 0) + 1
 
     def unpin(self, key: EntryKey) -> None:
+        pins = self._pins
         with self._pin_lock:
-            self._pins[key] -= 1
-            if self._pins[key] <= 0:
-                del self._pins[key]
+            count = pins.pop(key, 1) - 1
+            if count > 0:
+                pins[key] = count
 
     def record_access(self, key: EntryKey) -> None:
         """Note a hit for LRU; written to the catalog by flush_accesses. Cheap."""

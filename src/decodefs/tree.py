@@ -6,7 +6,7 @@ no bookkeeping, and an entry has the same inode under ``<size>/`` and under
 ``<size>/<uu>/`` (one page cache for both paths)::
 
     bits 60-63  kind      bits 48-59  version index
-    bits 35-47  size      bits  0-34  original index (or shard start index)
+    bits 35-47  size      bits  0-34  number: original index (or shard start index)
 
 This module is filesystem logic only: it does not import pyfuse3.
 """
@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Final
+from typing import Final, NamedTuple
 
 from .engine import Engine
 
@@ -40,29 +40,33 @@ class Kind(IntEnum):
     ENTRY = 4
 
 
-@dataclass(frozen=True)
-class Node:
+_KINDS: Final = tuple(Kind)  # Kind(n) without the enum lookup, per request
+
+
+class Node(NamedTuple):
+    """A name in the mount, decoded from its inode number (a tuple: cheap per request)."""
+
     kind: Kind
     version: int = 0
     size: int = 0
-    index: int = 0
+    number: int = 0  # an original's index, a shard's first index, a status file's number
 
     @property
     def ino(self) -> int:
-        return (self.kind << 60) | (self.version << 48) | (self.size << 35) | self.index
+        return (self.kind << 60) | (self.version << 48) | (self.size << 35) | self.number
 
     @classmethod
     def from_ino(cls, ino: int) -> Node:
         return cls(
-            Kind(ino >> 60),
+            _KINDS[ino >> 60],
             (ino >> 48) & 0xFFF,
             (ino >> 35) & 0x1FFF,
             ino & ((1 << 35) - 1),
         )
 
 
-ROOT: Final = Node(Kind.SPECIAL, index=1)  # pyfuse3.ROOT_INODE == 1
-STATUS_DIR: Final = Node(Kind.SPECIAL, index=2)
+ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1
+STATUS_DIR: Final = Node(Kind.SPECIAL, number=2)
 _FIRST_STATUS_FILE: Final = 3
 
 
@@ -96,7 +100,9 @@ class Tree:
             return Node(Kind.VERSION, version=index) if index is not None else None
         if parent == STATUS_DIR:
             if name in self._status_files:
-                return Node(Kind.SPECIAL, index=_FIRST_STATUS_FILE + self._status_files.index(name))
+                return Node(
+                    Kind.SPECIAL, number=_FIRST_STATUS_FILE + self._status_files.index(name)
+                )
             return None
         if parent.kind == Kind.VERSION:
             size = self._parse_size(name)
@@ -126,7 +132,7 @@ class Tree:
         return node.kind in (Kind.VERSION, Kind.SIZE, Kind.SHARD) or node in (ROOT, STATUS_DIR)
 
     def status_file_name(self, node: Node) -> str | None:
-        position = node.index - _FIRST_STATUS_FILE
+        position = node.number - _FIRST_STATUS_FILE
         if node.kind == Kind.SPECIAL and 0 <= position < len(self._status_files):
             return self._status_files[position].decode()
         return None
@@ -143,7 +149,7 @@ class Tree:
             return False
         if node.kind == Kind.SIZE:
             return True
-        return node.index < self._engine.count(self._versions[node.version])
+        return node.number < self._engine.count(self._versions[node.version])
 
     # -- listings -----------------------------------------------------------
 
@@ -157,7 +163,11 @@ class Tree:
                 yield i + 1, names[i], child
         elif node == STATUS_DIR:
             for i in range(start, len(self._status_files)):
-                yield i + 1, self._status_files[i], Node(Kind.SPECIAL, index=_FIRST_STATUS_FILE + i)
+                yield (
+                    i + 1,
+                    self._status_files[i],
+                    Node(Kind.SPECIAL, number=_FIRST_STATUS_FILE + i),
+                )
         elif node.kind == Kind.VERSION:
             sizes = self._engine.sizes(self._versions[node.version])
             for i in range(start, len(sizes)):
@@ -218,7 +228,7 @@ class Tree:
         return self._versions[node.version]
 
     def _uuid(self, entry: Node) -> str:
-        return self._engine.uuid_at(self._versions[entry.version], entry.index)
+        return self._engine.uuid_at(self._versions[entry.version], entry.number)
 
     def _parse_size(self, name: bytes) -> int | None:
         if not _SIZE_NAME.fullmatch(name):
@@ -243,7 +253,7 @@ class Tree:
         return Node(Kind.SHARD, parent.version, parent.size, rows.start) if rows else None
 
     def _shard_name(self, shard: Node) -> str:
-        return self._uuid(Node(Kind.ENTRY, shard.version, shard.size, shard.index))[:2]
+        return self._uuid(Node(Kind.ENTRY, shard.version, shard.size, shard.number))[:2]
 
     def _shard_range(self, shard: Node) -> range:
         return self._engine.shard_range(self._versions[shard.version], self._shard_name(shard))
