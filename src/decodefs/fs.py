@@ -13,6 +13,7 @@ import functools
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
@@ -35,6 +36,7 @@ MAX_REQUEST_TASKS: Final = 512
 CACHE_TIMEOUT: Final = 86400.0
 _BLOCK_SIZE: Final = 128 * 1024
 _WRITE_FLAGS: Final = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+_FS_ENCODING: Final = sys.getfilesystemencoding()
 # Testing aid: a uuid named here makes `open` raise an unexpected exception,
 # so the suite can show the errno boundary holds on a real mount.
 _FAILPOINT_ENV: Final = "DECODEFS_FAILPOINT_OPEN"
@@ -134,16 +136,17 @@ class DecodeFS(pyfuse3.Operations):
     @_errno_boundary
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         node = Node.from_ino(fh)
-        arrays = self._tree.array_listing(node, start_id)
+        arrays = self._tree.array_rows(node, start_id)
         if arrays is not None:
             # Every array of a directory has the same attributes but its inode;
             # readdir_reply copies them, so one object serves the whole listing.
-            sample, listing = arrays
-            attributes = self._entry(sample)
-            reply = pyfuse3.readdir_reply
-            for next_id, name, ino in listing:
-                attributes.st_ino = ino
-                if not reply(token, name, attributes, next_id):
+            attributes = self._entry(arrays.sample)
+            reply, uuids, base = pyfuse3.readdir_reply, arrays.uuids, arrays.base_ino
+            encoding = _FS_ENCODING  # as os.fsencode, without its per-call overhead
+            for i in arrays.rows:
+                attributes.st_ino = base | i
+                name = uuids[i].encode(encoding, "surrogateescape") + b".npy"
+                if not reply(token, name, attributes, i + 1):
                     return
             return
         for next_id, name, child in self._tree.children(node, start_id):

@@ -24,7 +24,7 @@ from typing import Final, NamedTuple
 
 from .engine import Engine
 
-__all__ = ["ROOT", "STATUS_DIR", "Attributes", "Kind", "Node", "Tree"]
+__all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
 
 STATUS_DIR_NAME: Final = ".decodefs"
 NAME_MAX: Final = 255
@@ -68,6 +68,16 @@ class Node(NamedTuple):
 ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1
 STATUS_DIR: Final = Node(Kind.SPECIAL, number=2)
 _FIRST_STATUS_FILE: Final = 3
+
+
+class ArrayRows(NamedTuple):
+    """Entry ``i`` of ``rows`` is named uuids[i] + ".npy", has inode ``base_ino | i``
+    and the attributes of ``sample``; the listing resumes at offset i + 1."""
+
+    sample: Node
+    rows: range
+    uuids: Sequence[str]
+    base_ino: int
 
 
 @dataclass(frozen=True)
@@ -185,14 +195,10 @@ class Tree:
             name = os.fsencode(self._engine.uuid_at(version, i)) + _NPY
             yield i + 1, name, Node(Kind.ENTRY, parent.version, parent.size, i)
 
-    def array_listing(
-        self, node: Node, start: int
-    ) -> tuple[Node, Iterator[tuple[int, bytes, int]]] | None:
-        """For a size or shard directory: one entry node (its attributes stand for all)
-        and (next offset, name, inode) from ``start``. None for other directories.
-
-        The fast path for listing hundreds of thousands of arrays: no object per entry.
-        """
+    def array_rows(self, node: Node, start: int) -> ArrayRows | None:
+        """For a size or shard directory, what its listing needs from ``start``;
+        None for other directories. The fast path for hundreds of thousands of
+        arrays: the caller loops over ``rows`` with no object per entry."""
         if node.kind == Kind.SIZE:
             rows = range(start, self._engine.count(self._versions[node.version]))
         elif node.kind == Kind.SHARD:
@@ -200,11 +206,9 @@ class Tree:
             rows = range(max(start, shard.start), shard.stop)
         else:
             return None
+        sample = Node(Kind.ENTRY, node.version, node.size, 0)
         uuids = self._engine.uuids(self._versions[node.version])
-        base = Node(Kind.ENTRY, node.version, node.size, 0).ino  # the index is the low bits
-        fsencode = os.fsencode
-        listing = ((i + 1, fsencode(uuids[i]) + _NPY, base | i) for i in rows)
-        return Node(Kind.ENTRY, node.version, node.size, 0), listing
+        return ArrayRows(sample, rows, uuids, sample.ino)
 
     # -- attributes ---------------------------------------------------------
 
