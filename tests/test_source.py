@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -199,3 +200,95 @@ def test_a_damaged_cache_is_ignored(tmp_path: Path) -> None:
     (tmp_path / "v1.json").write_text('{"key": ')
     index = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
     assert list(index.uuids) == ["1"] and not index.from_cache
+
+
+def make_old(*directories: Path) -> None:
+    """Give directories an mtime the cache trusts (see _MTIME_SLACK_NS)."""
+    old = time.time() - 60
+    for directory in directories:
+        os.utime(directory, (old, old))
+
+
+def test_a_walk_that_could_not_list_a_directory_is_not_cached(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch(root / "1.jpg")
+    # A directory whose path is longer than PATH_MAX: listing it fails, even for root.
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        for _ in range(24):
+            os.mkdir("d" * 200, dir_fd=fd)
+            inner = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+    make_old(root)
+    first = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    assert list(first.uuids) == ["1"]
+    assert not (tmp_path / "v1.json").exists()
+    assert not scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlinks_target_directory_is_watched_too(tmp_path: Path, dangling: bool) -> None:
+    root = tmp_path / "src"
+    target = root / ".originals" / "target.jpg"  # a hidden directory: never listed itself
+    touch(target)
+    (root / "a").mkdir()
+    (root / "a" / "alias.jpg").symlink_to(target)
+    if dangling:
+        target.unlink()
+    make_old(root, root / "a", root / ".originals")
+    first = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    assert list(first.uuids) == ([] if dangling else ["alias"])
+    assert scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
+    if dangling:
+        touch(target)  # the link now leads somewhere
+    else:
+        target.unlink()
+    again = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    assert not again.from_cache
+    assert list(again.uuids) == (["alias"] if dangling else [])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("relpaths", ["../../outside.jpg", "b.jpg"]),
+        ("relpaths", ["/etc/passwd", "b.jpg"]),
+        ("uuids", ["../a", "b"]),
+        ("uuids", [".hidden", "b"]),
+        ("uuids", ["b", "a"]),
+        ("uuids", ["a", "a"]),
+        ("uuids", ["a"]),
+        ("uuids", ["a" * 252, "b"]),
+        ("dirs", {"../..": [1, 2]}),
+        ("dirs", {"": ["1", 2]}),
+    ],
+)
+def test_a_cache_that_this_code_could_not_have_written_is_ignored(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    root = tmp_path / "src"
+    touch(root / "a.jpg")
+    touch(root / "b.jpg")
+    make_old(root)
+    scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    cache = tmp_path / "v1.json"
+    cached = json.loads(cache.read_text())
+    cached[field] = value
+    cache.write_text(json.dumps(cached))
+    index = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    assert not index.from_cache
+    assert list(index.uuids) == ["a", "b"] and list(index.relpaths) == ["a.jpg", "b.jpg"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_cache_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    touch(root / "a.jpg")
+    make_old(root)
+    scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
+    assert scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
+    os.chown(tmp_path / "v1.json", 65534, 65534)
+    assert not scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache

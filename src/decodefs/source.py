@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -119,8 +120,8 @@ def scan_source(
     cache = os.path.join(cache_dir, f"{version}.json") if cache_dir else None
     index = _load_cache(version, cache, key, root_real) if cache else None
     if index is None:
-        index, dirs = _walk(version, root_real, extension_set, duplicates)
-        if cache:
+        index, dirs, complete = _walk(version, root_real, extension_set, duplicates)
+        if cache and complete:  # a listing that failed may succeed next time: walk again
             _save_cache(cache, key, index, dirs)
     log.info(
         "version %s: %d originals under %s, %s in %.2f s",
@@ -135,7 +136,8 @@ def scan_source(
 
 def _walk(
     version: str, root: str, extensions: frozenset[str], duplicates: Literal["error", "skip"]
-) -> tuple[SourceIndex, dict[str, list[int]]]:
+) -> tuple[SourceIndex, dict[str, list[int]], bool]:
+    """The index, the directories it depends on, and whether every listing succeeded."""
     walker = _Walker(root, extensions)
     walker.walk()
     walker.merge_aliases()
@@ -163,15 +165,18 @@ def _walk(
         symlinks_outside=walker.symlinks_outside,
         skipped_names=walker.skipped_names,
     )
-    return index, walker.dirs
+    return index, walker.dirs, walker.listing_errors == 0
 
 
 def _load_cache(version: str, path: str, key: dict[str, object], root: str) -> SourceIndex | None:
     try:
-        with open(path, encoding="utf-8") as f:
-            cached = json.load(f)
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_uid != os.getuid():
+                raise ValueError("it belongs to another user")
+            cached = json.loads(f.read())
         if not isinstance(cached, dict) or cached.get("key") != key:
             return None
+        _check_cached(cached)
         scanned_at = int(cached["scanned_at_ns"])
         for relative, (mtime_ns, inode) in cached["dirs"].items():
             st = os.stat(os.path.join(root, relative))
@@ -198,6 +203,48 @@ def _load_cache(version: str, path: str, key: dict[str, object], root: str) -> S
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring the cached index %s: %s", path, exc)
         return None
+
+
+def _check_cached(cached: dict[str, object]) -> None:
+    """Raise ValueError unless ``cached`` is an index this module could have written."""
+    uuids, relpaths, dirs = cached["uuids"], cached["relpaths"], cached["dirs"]
+    duplicates = cached["duplicates"]
+    if not (isinstance(uuids, list) and isinstance(relpaths, list) and len(uuids) == len(relpaths)):
+        raise ValueError("uuids and relpaths are not two lists of one length")
+    if not all(_valid_uuid(u) for u in uuids):
+        raise ValueError("a uuid is not a valid file name")
+    if any(a >= b for a, b in itertools.pairwise(uuids)):
+        raise ValueError("uuids are not sorted and unique")
+    if not all(_valid_relative(p) for p in relpaths):
+        raise ValueError("a path leads outside the source")
+    if not (isinstance(dirs, dict) and all(_valid_relative(d, allow_root=True) for d in dirs)):
+        raise ValueError("a directory leads outside the source")
+    if not all(
+        isinstance(v, list) and len(v) == 2 and all(type(n) is int for n in v)
+        for v in dirs.values()
+    ):
+        raise ValueError("a directory's mtime and inode are not two integers")
+    if not isinstance(duplicates, dict):
+        raise ValueError("duplicates is not a mapping")
+
+
+def _valid_uuid(uuid: object) -> bool:
+    return (
+        isinstance(uuid, str)
+        and bool(uuid)
+        and not uuid.startswith(".")
+        and "/" not in uuid
+        and "\0" not in uuid
+        and len(os.fsencode(uuid)) + _NPY_SUFFIX_LEN <= NAME_MAX
+    )
+
+
+def _valid_relative(path: object, allow_root: bool = False) -> bool:
+    if not isinstance(path, str) or "\0" in path:
+        return False
+    if path == "":
+        return allow_root
+    return not os.path.isabs(path) and ".." not in path.split(os.sep)
 
 
 def _save_cache(
@@ -231,7 +278,10 @@ class _Walker:
         self.found: dict[str, list[str]] = {}
         self.symlinks_outside = 0
         self.skipped_names = 0
-        self.dirs: dict[str, list[int]] = {}  # relative path -> [mtime_ns, inode] when listed
+        # Relative path -> [mtime_ns, inode] when listed: the directories the index
+        # depends on (also those holding a symlink's target, so a change there counts).
+        self.dirs: dict[str, list[int]] = {}
+        self.listing_errors = 0
         self._seen_dirs: set[tuple[int, int]] = set()
         self._prefix = len(root.rstrip(os.sep)) + 1
 
@@ -248,20 +298,28 @@ class _Walker:
                 self.dirs[directory[self._prefix :]] = [st.st_mtime_ns, st.st_ino]
                 entries = list(os.scandir(directory))
             except OSError as exc:
+                self.listing_errors += 1
                 log.warning("cannot list %s: %s; its originals are left out", directory, exc)
                 continue
             for entry in entries:
                 if entry.name.startswith("."):
                     continue
-                if entry.is_symlink():
-                    self._symlink(entry, pending)
-                elif entry.is_dir(follow_symlinks=False):
-                    st = entry.stat(follow_symlinks=False)
-                    if (st.st_dev, st.st_ino) not in self._seen_dirs:
-                        self._seen_dirs.add((st.st_dev, st.st_ino))
-                        pending.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    self._file(entry.path, entry.name)
+                try:
+                    self._entry(entry, pending)
+                except OSError as exc:
+                    self.listing_errors += 1
+                    log.warning("cannot index %s: %s; left out", entry.path, exc)
+
+    def _entry(self, entry: os.DirEntry[str], pending: list[str]) -> None:
+        if entry.is_symlink():
+            self._symlink(entry, pending)
+        elif entry.is_dir(follow_symlinks=False):
+            st = entry.stat(follow_symlinks=False)
+            if (st.st_dev, st.st_ino) not in self._seen_dirs:
+                self._seen_dirs.add((st.st_dev, st.st_ino))
+                pending.append(entry.path)
+        elif entry.is_file(follow_symlinks=False):
+            self._file(entry.path, entry.name)
 
     def merge_aliases(self) -> None:
         """A symlink and its target with one stem are one original, not a clash."""
@@ -280,6 +338,7 @@ class _Walker:
             self.symlinks_outside += 1
             log.debug("not following %s: it leads outside the source (%s)", entry.path, target)
             return
+        self._depend_on(os.path.dirname(target))  # where it may appear or go
         try:
             st = os.stat(target)
         except OSError:
@@ -290,6 +349,21 @@ class _Walker:
                 pending.append(entry.path)
         elif stat.S_ISREG(st.st_mode):
             self._file(entry.path, entry.name)
+
+    def _depend_on(self, directory: str) -> None:
+        """Record ``directory`` (real, inside the source), or its nearest existing
+        ancestor, as one the index depends on."""
+        while _inside(directory, self.root):
+            relative = directory[self._prefix :] if directory != self.root else ""
+            if relative in self.dirs:
+                return
+            try:
+                st = os.stat(directory)
+            except OSError:
+                directory = os.path.dirname(directory)  # its creation changes the parent
+                continue
+            self.dirs[relative] = [st.st_mtime_ns, st.st_ino]
+            return
 
     def _file(self, path: str, name: str) -> None:
         stem, dot, extension = name.rpartition(".")
