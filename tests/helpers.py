@@ -269,3 +269,12 @@ def errno_of(fn: Any, *args: Any) -> int:
 
 
 ERRNO_NAMES = errno.errorcode
+
+
+def abort_fuse_connection(mountpoint: Path) -> None:
+    """Abort a hung mount's FUSE connection, so that readers blocked on it return."""
+    connections = Path("/sys/fs/fuse/connections")
+    if not any(connections.iterdir()):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(connections)], check=False)
+    with contextlib.suppress(OSError):
+        (connections / str(os.minor(os.stat(mountpoint).st_dev)) / "abort").write_text("1")

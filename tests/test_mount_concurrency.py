@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import LARGE_COUNT, MountFactory
-from tests.helpers import reference_npy
+from tests.helpers import abort_fuse_connection, reference_npy
 
 _READER = """
 import hashlib, sys, time
@@ -97,3 +97,54 @@ def test_decodes_run_in_a_bounded_pool_while_hits_keep_flowing(
     stats = mount.stats()
     assert stats["decodes"] == LARGE_COUNT + 1
     assert stats["inflight_decodes"] == stats["queued_decodes"] == 0
+
+
+_STREAM_AND_RECHECK = """
+import os, sys, threading, time
+root, seconds = sys.argv[1], float(sys.argv[2])
+files = [os.path.join(root, n) for n in sorted(os.listdir(root))]
+stop = time.monotonic() + seconds
+def stream():
+    while time.monotonic() < stop:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # every read reaches the daemon
+            while os.read(fd, 4096):
+                pass
+            os.close(fd)
+def recheck():
+    while time.monotonic() < stop:
+        for path in files:
+            os.close(os.open(path, os.O_RDONLY | os.O_SYNC))
+threads = [threading.Thread(target=f) for f in (stream, stream, stream, recheck, recheck)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("done")
+"""
+
+
+def test_rechecks_while_others_stream_the_same_files_never_hang(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    """An O_SYNC open verifies the entry again while other readers wait on READ
+    replies for the same pages: the daemon must keep answering them."""
+    mount = mounts({"v1": photos_dir})
+    directory = mount.path("v1", "512")
+    for uuid in photos:
+        (directory / f"{uuid}.npy").read_bytes()  # stored
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STREAM_AND_RECHECK, str(directory), "5"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, _ = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        abort_fuse_connection(mount.mountpoint)  # so that the readers and the daemon return
+        process.kill()
+        process.communicate()
+        raise AssertionError("readers hung: the daemon stopped answering") from None
+    assert process.returncode == 0 and out.strip() == "done"
+    assert mount.stats()["errors"] == {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -364,3 +365,17 @@ def test_usage_is_exact_after_a_fill_raced_by_writes_and_removals(tmp_path: Path
     assert usage.entries == len(on_disk)
     assert usage.bytes == sum(p.stat().st_size for p in on_disk)
     s.close()
+
+
+def test_pending_accesses_stay_bounded(store: Store) -> None:
+    keys = [EntryKey("v1", 16, f"k{i}") for i in range(3)]
+    assert store.record_access(keys[0], limit=2) and store.record_access(keys[1], limit=2)
+    assert not store.record_access(keys[2], limit=2)  # a new key over the limit: not noted
+    assert store.record_access(keys[0], limit=2)  # a pending one is refreshed
+    store.flush_accesses()
+    assert store.record_access(keys[2], limit=2)  # room again after a flush
+
+
+def test_derived_caches_are_the_daemons_alone(store: Store) -> None:
+    path = store.cache_dir("index")
+    assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o700

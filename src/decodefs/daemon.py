@@ -31,7 +31,7 @@ from .config import Config
 from .decode import decoder_fingerprint, quiet_pillow_warnings
 from .engine import Engine
 from .fs import FS_NAME, DecodeFS, FuseMount, MountFailed
-from .metrics import render_prometheus
+from .metrics import LogThrottle, render_prometheus
 from .notify import ServiceNotifier
 from .source import scan_source
 from .store import Store
@@ -206,6 +206,7 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
                 {
                     "store": store.root,
                     "versions": store.digests(),
+                    "sizes": {"min": config.min_size, "max": config.max_size},
                     "access_socket": access_socket,
                 }
             ),
@@ -265,9 +266,14 @@ async def _receive_direct_hits(engine: Engine, path: str) -> None:
         except OSError as exc:
             log.warning("cannot listen for direct hits at %s: %s", path, exc)
             return
+        throttle = LogThrottle(log)
         try:
             while True:
-                engine.note_direct_hits(await sock.recv(65536))
+                report = await sock.recv(65536)
+                try:
+                    engine.note_direct_hits(report)
+                except Exception as exc:  # a report orders the LRU: never worth the daemon
+                    throttle.log(logging.ERROR, "direct-hits", "bad direct-hit report: %r", exc)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)

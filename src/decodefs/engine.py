@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _FAILURE_CACHE_MAX: Final = 100_000
 ACCESS_FLUSH_SECONDS: Final = 30.0
+_MAX_PENDING_ACCESSES: Final = 1_000_000  # ~200 MB at most between two flushes
+_CANONICAL_SIZE: Final = re.compile(rb"[1-9][0-9]{0,4}")
 _WARM_STOPS: Final = (
     "background warm of %s stops: the store takes no more without evicting what readers use"
 )
@@ -209,7 +212,10 @@ class Engine:
         client filling the cache, not reading) decodes at low priority, never
         evicts, and raises NotStored if the store will not take the array.
         ``recheck`` verifies the stored entry again even if it was verified
-        earlier in this daemon's life (a reader found it damaged).
+        earlier in this daemon's life (a reader found it damaged). Any user
+        may ask: a recheck reads and hashes the file once, as reading it
+        would, joins one already running for the key, and waits for a store
+        read slot, so a flood of them costs no more than a flood of reads.
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:
@@ -228,15 +234,25 @@ class Engine:
         self.store.unpin(handle.key)
 
     def note_direct_hits(self, report: bytes) -> None:
-        """Hits that readers read straight from the store ("version\tsize\tuuid" lines)."""
+        """Hits that readers read straight from the store ("version\tsize\tuuid" lines).
+
+        Any local user may send these (the socket is world-writable), so a line
+        counts only if it names a configured version, a canonical allowed size
+        and a known original; anything else is ignored, and the pending
+        accesses stay bounded. A report orders the LRU and nothing more.
+        """
         for line in report.splitlines():
             fields = line.split(b"\t")
-            if len(fields) != 3 or not fields[1].isdigit():
+            if len(fields) != 3 or _CANONICAL_SIZE.fullmatch(fields[1]) is None:
                 continue
+            size = int(fields[1])
             version, uuid = os.fsdecode(fields[0]), os.fsdecode(fields[2])
-            if version in self._sources and self._sources[version].find(uuid) is not None:
-                self.store.record_access(EntryKey(version, int(fields[1]), uuid))
-                self.metrics.direct_hits += 1
+            source = self._sources.get(version)
+            if source is None or not self.size_allowed(size) or source.find(uuid) is None:
+                continue
+            if not self.store.record_access(EntryKey(version, size, uuid), _MAX_PENDING_ACCESSES):
+                return  # until the next flush: the LRU order of the rest can wait
+            self.metrics.direct_hits += 1
 
     async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
         end = min(offset + size, handle.length)
@@ -254,7 +270,12 @@ class Engine:
         """Write hits' access times to the catalog now and then, for LRU eviction."""
         while True:
             await trio.sleep(ACCESS_FLUSH_SECONDS)
-            await self._in_thread(self._write_limiter, self.store.flush_accesses)
+            try:
+                await self._in_thread(self._write_limiter, self.store.flush_accesses)
+            except Exception as exc:  # LRU order is not worth stopping the daemon for
+                self._throttle.log(
+                    logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
+                )
 
     async def warm_in_background(self) -> None:
         """Decode and store the configured sizes of versions with ``warm = true``.
@@ -315,7 +336,7 @@ class Engine:
             "memory_fallbacks": m.memory_fallbacks,
             "memory_cache_bytes": self._memory.bytes,
             "memory_cache_entries": len(self._memory),
-            "bytes_served": m.bytes_served,
+            "bytes_served": m.bytes_served + m.seeded_bytes,
             "inflight_decodes": m.inflight_decodes,
             "queued_decodes": m.queued_decodes,
             "background_decodes": m.background_decodes,
@@ -353,6 +374,7 @@ class Engine:
 
         while True:
             flight = self._flights.get(key)
+            led = flight is None
             if flight is None:
                 flight = await self._fly(key, index, reader=not warm)
             else:
@@ -374,7 +396,8 @@ class Engine:
         else:
             self.metrics.hits += 1
             self.store.record_access(key)
-        return Handle(key, length, data=flight.outcome.data, fresh=True)
+        # Only the task that fetched the bytes offers them to the page cache: once.
+        return Handle(key, length, data=flight.outcome.data, fresh=led)
 
     async def _fly(self, key: EntryKey, index: int, reader: bool) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""

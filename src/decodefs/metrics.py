@@ -1,6 +1,7 @@
 """Counters and the decode-latency histogram; rendered as JSON and Prometheus text.
 
-Updated only from the trio thread (the engine and fs layers), so no locks.
+Updated from the trio thread (the engine and fs layers), so no locks; the one
+exception, ``seeded_bytes``, is written only by the page-cache seeder's thread.
 This module knows nothing of FUSE, the store layout or images.
 """
 
@@ -66,7 +67,8 @@ class Metrics:
     corrupt_entries: int = 0  # stored entries that failed verification and were rebuilt
     store_write_errors: int = 0
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
-    bytes_served: int = 0
+    bytes_served: int = 0  # READ replies
+    seeded_bytes: int = 0  # arrays pushed into the page cache (written by the seeder thread)
     background_decodes: int = 0  # decodes the daemon's own background warm ran
     direct_hits: int = 0  # arrays readers read straight from the store (read_array) and reported
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)

@@ -359,7 +359,8 @@ class Store:
             return None
         path = os.path.join(self.root, f".{name}")
         try:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            os.chmod(path, 0o700)  # the daemon's alone, however it was created
         except OSError:
             return None
         return path
@@ -393,11 +394,18 @@ class Store:
             if count > 0:
                 pins[key] = count
 
-    def record_access(self, key: EntryKey) -> None:
-        """Note a hit for LRU; written to the catalog by flush_accesses. Cheap."""
+    def record_access(self, key: EntryKey, limit: int | None = None) -> bool:
+        """Note a hit for LRU; written to the catalog by flush_accesses. Cheap.
+
+        With ``limit``, a new key is noted only while fewer than ``limit`` are
+        pending; returns whether it was noted.
+        """
         now = time.time()
         with self._access_lock:
+            if limit is not None and len(self._accesses) >= limit and key not in self._accesses:
+                return False
             self._accesses[key] = now
+        return True
 
     def flush_accesses(self) -> None:
         with self._access_lock:
