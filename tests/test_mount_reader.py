@@ -6,6 +6,7 @@ import io
 import multiprocessing
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from decodefs import read_array
+from decodefs import read_array, reader
 from decodefs.store import TRAILER_SIZE
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import Mount, decodefs, reference_npy, unmount_quietly, write_config
@@ -188,3 +189,119 @@ def test_a_user_who_may_not_read_the_store_reads_through_the_mount(
     assert result.returncode == 0, result.stderr
     assert result.stdout == np.load(io.BytesIO(reference_npy(original, 64))).tobytes()
     assert decodefs("umount", shared_dir / "mnt").returncode == 0
+
+
+def test_garbage_on_the_report_socket_changes_nothing(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    uuid, original = next(iter(photos.items()))
+    read_array(mount.path("v1", "64", f"{uuid}.npy"))  # stored
+    address = str(mount.config.parent / "store" / ".access.sock")
+    garbage = [
+        b"v1\t" + b"9" * 5000 + b"\t" + uuid.encode(),  # int() refuses that many digits
+        b"v1\t0064\t" + uuid.encode(),  # not the canonical name of a size
+        b"v1\t4097\t" + uuid.encode(),  # above max_size
+        b"v1\t64\tno-such-uuid\nnope\t64\t" + uuid.encode(),
+        b"\xff\xfe\t\x00\t\x80\n" * 100,
+        os.urandom(60000),
+        b"",
+    ]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        for datagram in garbage:
+            sock.sendto(datagram, address)
+        sock.sendto(f"v1\t64\t{uuid}\n".encode(), address)  # the one real report
+    deadline = time.monotonic() + 10
+    while mount.stats()["direct_hits"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert mount.stats()["direct_hits"] == 1
+    assert np.array_equal(
+        np.load(mount.path("v1", "96", f"{uuid}.npy")),
+        np.load(io.BytesIO(reference_npy(original, 96))),
+    )
+
+
+def test_only_names_the_mount_has_are_read(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    uuid = next(iter(photos))
+    read_array(mount.path("v1", "224", f"{uuid}.npy"))  # stored as 224
+    for name in (("0224", f"{uuid}.npy"), ("224", "xx", f"{uuid}.npy"), ("224", "absent.npy")):
+        with pytest.raises(FileNotFoundError):
+            read_array(mount.path("v1", *name))
+
+
+def test_an_original_gone_at_a_remount_is_gone_for_read_array(
+    mounts: MountFactory, tmp_path: Path, photos: dict[str, Path]
+) -> None:
+    source = tmp_path / "originals"
+    source.mkdir()
+    uuid, original = next(iter(photos.items()))
+    shutil.copy(original, source / original.name)
+    mount = mounts({"v1": source})
+    target = mount.path("v1", "64", f"{uuid}.npy")
+    read_array(target)
+    read_array(target)  # a direct hit: the mount is known to this process
+    mount.stop()
+    (source / original.name).unlink()
+    mounts({"v1": source})  # the same mount point and store: the entry is still stored
+    assert entry_file(mount.config.parent / "store", 64, uuid).exists()
+    with pytest.raises(FileNotFoundError):
+        read_array(target)
+
+
+def test_a_store_json_outside_a_decodefs_mount_is_not_trusted(
+    mounts: MountFactory, tmp_path: Path, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    """A directory laid out like a mount, with a store.json pointing at a real
+    store whose entry differs from the file there: read_array reads the file."""
+    mount = mounts({"v1": photos_dir})
+    uuid = next(iter(photos))
+    read_array(mount.path("v1", "64", f"{uuid}.npy"))  # a genuine stored entry
+    status = mount.path(".decodefs", "store.json").read_bytes()
+    fake = tmp_path / "fake"
+    (fake / ".decodefs").mkdir(parents=True)
+    (fake / ".decodefs" / "store.json").write_bytes(status)
+    (fake / "v1" / "64").mkdir(parents=True)
+    decoy = np.zeros((64, 64, 3), dtype=np.uint8)
+    np.save(fake / "v1" / "64" / f"{uuid}.npy", decoy)
+    assert np.array_equal(read_array(fake / "v1" / "64" / f"{uuid}.npy"), decoy)
+
+
+def test_symlinked_roots_and_uuids_like_size_names_read_directly(
+    mounts: MountFactory, tmp_path: Path, photos: dict[str, Path]
+) -> None:
+    source = tmp_path / "originals"
+    source.mkdir()
+    original = next(iter(photos.values()))
+    uuid = "64" + original.stem  # starts with the name of the size it is read at
+    shutil.copy(original, source / f"{uuid}{original.suffix}")
+    mount = mounts({"v1": source})
+    link = tmp_path / "dataset"
+    link.symlink_to(mount.path("v1"))
+    want = np.load(io.BytesIO(reference_npy(original, 64)))
+    read_array(mount.path("v1", "64", f"{uuid}.npy"))  # a miss: stored
+    hits = mount.stats()["hits"]
+    for path in (
+        mount.path("v1", "64", f"{uuid}.npy"),
+        mount.path("v1", "64", "64", f"{uuid}.npy"),
+        link / "64" / f"{uuid}.npy",
+    ):
+        assert np.array_equal(read_array(path), want)
+    assert mount.stats()["hits"] == hits  # all three straight from the store
+
+
+@needs_root
+def test_a_store_others_may_write_to_is_not_read_directly(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    uuid, original = next(iter(photos.items()))
+    target = mount.path("v1", "64", f"{uuid}.npy")
+    read_array(target)  # stored
+    os.chmod(mount.config.parent / "store", 0o777)
+    reader._forget_mounts()  # as a new process would: read store.json again
+    hits = mount.stats()["hits"]
+    assert as_npy(read_array(target)) == reference_npy(original, 64)
+    assert mount.stats()["hits"] == hits + 1  # through the daemon

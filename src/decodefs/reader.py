@@ -5,10 +5,16 @@ checked exactly as the daemon checks it before serving (integrity trailer,
 decoder fingerprint, length, key-seeded checksum, .npy header). An open
 descriptor survives eviction, and a rebuild replaces the file by rename, so
 the bytes read are one whole entry or the read falls back. Anything else (a
-miss, a bad entry, a store this user may not read, a path outside decodefs)
-reads through the mount, unbuffered, so Python's open() sends no isatty()
-ioctl. Hits are reported to the daemon in batches over a datagram socket, so
-its LRU order sees them. Knows the store's file format; not the daemon.
+miss, a bad entry, a store this user may not read) reads through the mount,
+unbuffered, so Python's open() sends no isatty() ioctl. Hits are reported to
+the daemon in batches over a datagram socket, so its LRU order sees them.
+
+The path is always looked up through the mount first (the kernel answers
+from its caches), so a name the daemon does not serve fails as it would with
+``open``. Its store is trusted only when the file's device is a
+``fuse.decodefs`` mount in this process's mount table, the store directory
+belongs to the mount's owner and nobody else may write to it. Knows the
+store's file format; not the daemon.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -34,33 +42,48 @@ __all__ = ["read_array"]
 
 log = logging.getLogger(__name__)
 
+FS_TYPE: Final = "fuse.decodefs"  # as /proc/self/mountinfo names a decodefs mount
 STATUS_FILE: Final = os.path.join(".decodefs", "store.json")
 _REPORT_BYTES: Final = 8192  # one datagram of access reports
 _REPORT_SECONDS: Final = 1.0
+_CACHE_MAX: Final = 100_000  # directories and problems remembered per process
+_CANONICAL_SIZE: Final = re.compile(r"[1-9][0-9]{0,4}")
+_MOUNTINFO_ESCAPE: Final = re.compile(r"\\([0-7]{3})")
 
 
 @dataclass(frozen=True)
 class _Mount:
     """What a process needs to read a mount's store directly (from its store.json)."""
 
-    root: str
+    root: str  # the mount point, as this process's mount table names it
     store: str
     digests: dict[str, bytes]
+    root_mtime_ns: int  # when its daemon mounted it: tells this mount from a later one
+    min_size: int
+    max_size: int
     access_socket: str | None
 
 
 def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     """The array of a ``<mount>/<version>/<size>/[<uu>/]<uuid>.npy`` file.
 
-    Identical to ``np.load(path)`` (a writable uint8 array), usually several
-    times faster on a hit. Any .npy path works; non-decodefs paths are read
-    with np.load.
+    The same dtype, shape and values as ``np.load(path)``, as a writable,
+    C-contiguous uint8 array; usually several times faster on a hit. Raises
+    what ``open(path)`` would for a name the mount does not have. A path on
+    any other filesystem is read with ``np.load``.
     """
-    path = os.fspath(path)
-    located = _locate(path)
-    if located is None:
+    path = os.path.abspath(os.fspath(path))
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        path = os.path.realpath(path)
+        st = os.stat(path)
+    mount = _mount_of(st.st_dev)
+    if mount is not None and not _current(mount, st.st_dev):
+        # Another mount since: the kernel reuses a device number after an unmount.
+        mount = _mount_of(st.st_dev, again=True)
+    key = _key_of(mount, path) if mount is not None else None
+    if mount is None or key is None or not _is_array(key, st):
         return _load_any(path)
-    mount, key = located
     array = _read_stored(mount, key)
     if array is not None:
         _reporter.report(mount, key)
@@ -68,44 +91,115 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     return _read_through_mount(path, key, verify_again=_last_problem.get(key) is not None)
 
 
-# -- where a path's array is stored ----------------------------------------------
+# -- which mount and key a path names ------------------------------------------------
 
-_mounts: dict[str, _Mount | None] = {}  # directory of a read file -> its mount (or not one)
+_lock = threading.Lock()
+_mounts: dict[int, _Mount | None] = {}  # st_dev -> its decodefs mount (None: not one)
+# (mount point, a directory) -> the components of the directory's real path under it
+_directories: dict[tuple[str, str], tuple[str, ...]] = {}
 _last_problem: dict[EntryKey, str] = {}
 
 
-def _locate(path: str) -> tuple[_Mount, EntryKey] | None:
-    directory, name = os.path.split(os.path.abspath(path))
-    if not name.endswith(".npy"):
+def _mount_of(device: int, again: bool = False) -> _Mount | None:
+    with _lock:
+        if device in _mounts and not again:
+            return _mounts[device]
+    mount = _find_mount(device)
+    with _lock:
+        if len(_mounts) >= _CACHE_MAX:
+            _mounts.clear()
+        _mounts[device] = mount
+    return mount
+
+
+def _current(mount: _Mount, device: int) -> bool:
+    """Whether ``mount`` still describes the mount on ``device`` (a cached stat)."""
+    try:
+        st = os.stat(mount.root)
+    except OSError:
+        return False
+    return st.st_dev == device and st.st_mtime_ns == mount.root_mtime_ns
+
+
+def _is_array(key: EntryKey, st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_size == npy_file_size(key.size)
+
+
+def _forget_mounts() -> None:
+    """Read every mount's store.json again (a daemon restarted with other settings)."""
+    with _lock:
+        _mounts.clear()
+
+
+def _find_mount(device: int) -> _Mount | None:
+    """The decodefs mount of ``device`` whose store this process may trust, if any."""
+    for root in _decodefs_mount_points(device):
+        try:
+            root_st = os.stat(root)
+            if root_st.st_dev != device:
+                continue  # hidden by a later mount on the same path
+            with open(os.path.join(root, STATUS_FILE), "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_dev != device:
+                    continue
+                status = json.loads(f.read())
+            mount = _Mount(
+                root=root,
+                store=str(status["store"]),
+                digests={str(v): bytes.fromhex(d) for v, d in status["versions"].items()},
+                root_mtime_ns=root_st.st_mtime_ns,
+                min_size=int(status["sizes"]["min"]),
+                max_size=int(status["sizes"]["max"]),
+                access_socket=status.get("access_socket"),
+            )
+            store_st = os.stat(mount.store)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if store_st.st_uid != root_st.st_uid or store_st.st_mode & 0o022:
+            log.debug("not reading the store %s directly: not the mount owner's alone", mount.store)
+            return None
+        return mount
+    return None
+
+
+def _decodefs_mount_points(device: int) -> list[str]:
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    points = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields, _, tail = line.partition(" - ")
+                parts, fstype = fields.split(), tail.split(" ", 1)[0]
+                if len(parts) >= 5 and parts[2] == wanted and parts[3] == "/" and fstype == FS_TYPE:
+                    points.append(_MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m[1], 8)), parts[4]))
+    except OSError:
+        pass
+    return points
+
+
+def _key_of(mount: _Mount, path: str) -> EntryKey | None:
+    """The key of ``path`` (real, on ``mount``), or None if it names no array."""
+    directory, name = os.path.split(path)
+    with _lock:
+        parts = _directories.get((mount.root, directory))
+    if parts is None:
+        relative = os.path.relpath(os.path.realpath(directory), mount.root)
+        parts = tuple(relative.split(os.sep)) if not relative.startswith("..") else ()
+        with _lock:
+            if len(_directories) >= _CACHE_MAX:
+                _directories.clear()
+            _directories[mount.root, directory] = parts
+    if not name.endswith(".npy") or len(parts) not in (2, 3):
         return None
     uuid = name[: -len(".npy")]
-    parts = directory.split(os.sep)
-    sharded = len(parts) >= 3 and 1 <= len(parts[-1]) <= 2 and uuid[:2] == parts[-1]
-    size_dir = os.sep.join(parts[:-1]) if sharded else directory
-    if size_dir not in _mounts:
-        _mounts[size_dir] = _find_mount(os.path.dirname(os.path.dirname(size_dir)))
-    mount = _mounts[size_dir]
-    if mount is None:
+    version, size_name = parts[0], parts[1]
+    if len(parts) == 3 and parts[2] != uuid[:2]:
         return None
-    version = os.path.basename(os.path.dirname(size_dir))
-    size_name = os.path.basename(size_dir)
-    if version not in mount.digests or not size_name.isdigit():
+    if version not in mount.digests or _CANONICAL_SIZE.fullmatch(size_name) is None:
         return None
-    return mount, EntryKey(version, int(size_name), uuid)
-
-
-def _find_mount(root: str) -> _Mount | None:
-    try:
-        with open(os.path.join(root, STATUS_FILE), "rb", buffering=0) as f:
-            status = json.loads(f.read())
-        return _Mount(
-            root=root,
-            store=status["store"],
-            digests={v: bytes.fromhex(d) for v, d in status["versions"].items()},
-            access_socket=status.get("access_socket"),
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    size = int(size_name)
+    if not mount.min_size <= size <= mount.max_size:
         return None
+    return EntryKey(version, size, uuid)
 
 
 # -- reading ------------------------------------------------------------------------
@@ -113,28 +207,49 @@ def _find_mount(root: str) -> _Mount | None:
 
 def _read_stored(mount: _Mount, key: EntryKey) -> npt.NDArray[np.uint8] | None:
     path = os.path.join(mount.store, key.version, str(key.size), key.uuid[:2], key.uuid + ".npy")
-    length = npy_file_size(key.size) + TRAILER_SIZE
-    buffer = bytearray(length)
     try:
-        with open(path, "rb", buffering=0) as f:
-            got = f.readinto(buffer)
-            extra = f.read(1)  # a longer file is not this entry either
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None  # a miss, or a store this user may not read
-    if got != length or extra:
-        problem: str | None = f"length {got}"
-    else:
-        problem = check_entry(key, buffer, mount.digests[key.version])
-    header = npy_header(key.size)
-    if problem is None and buffer[: len(header)] != header:
-        problem = "payload is not the expected .npy layout"
+    try:
+        buffer, problem = _read_entry(fd, key, mount.digests[key.version])
+    finally:
+        os.close(fd)
     if problem is not None:
-        _last_problem[key] = problem
+        _note_problem(key, problem)
         if problem == STALE:  # the daemon may have restarted with other settings
-            _mounts.clear()
+            _forget_mounts()
         return None
     _last_problem.pop(key, None)
     return _array(buffer, key.size)
+
+
+def _read_entry(fd: int, key: EntryKey, digest: bytes) -> tuple[bytearray, str | None]:
+    """The entry file open at ``fd``, and why it must not be served (None: it may)."""
+    length = npy_file_size(key.size) + TRAILER_SIZE
+    try:
+        found = os.fstat(fd).st_size
+        if found != length:  # checked before allocating: the file decides nothing
+            return bytearray(), f"length {found}"
+        buffer = bytearray(length)
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            got = f.readinto(buffer)
+    except OSError as exc:
+        return bytearray(), str(exc)
+    if got != length:
+        return buffer, f"length {got}"
+    problem = check_entry(key, buffer, digest)
+    header = npy_header(key.size)
+    if problem is None and buffer[: len(header)] != header:
+        problem = "payload is not the expected .npy layout"
+    return buffer, problem
+
+
+def _note_problem(key: EntryKey, problem: str) -> None:
+    with _lock:
+        if len(_last_problem) >= _CACHE_MAX:
+            _last_problem.clear()
+        _last_problem[key] = problem
 
 
 def _read_through_mount(path: str, key: EntryKey, verify_again: bool) -> npt.NDArray[np.uint8]:
@@ -178,7 +293,6 @@ class _Reporter:
         self._sizes: dict[str, int] = {}
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
-        self._pid = os.getpid()
 
     def report(self, mount: _Mount, key: EntryKey) -> None:
         if mount.access_socket is None:
@@ -204,12 +318,25 @@ class _Reporter:
             with contextlib.suppress(OSError):  # no daemon listening, or its queue is full
                 sock.sendto(b"".join(lines), address)
 
+    def after_fork(self) -> None:
+        """In a forked child (a DataLoader worker): start afresh, sharing nothing."""
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._pending, self._sizes = {}, {}
+        self._last_flush = time.monotonic()
+        self._socket = None
+
     def _sock(self) -> socket.socket:
-        if self._socket is None or self._pid != os.getpid():  # a fork (DataLoader worker)
+        if self._socket is None:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-            self._pid = os.getpid()
         return self._socket
+
+
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
+    _reporter.after_fork()
 
 
 _reporter = _Reporter()
 atexit.register(_reporter.flush)
+os.register_at_fork(after_in_child=_after_fork)
