@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -292,16 +293,75 @@ def test_symlinked_roots_and_uuids_like_size_names_read_directly(
     assert mount.stats()["hits"] == hits  # all three straight from the store
 
 
-@needs_root
-def test_a_store_others_may_write_to_is_not_read_directly(
+def test_a_store_or_entry_others_may_write_to_is_not_read_directly(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
     mount = mounts({"v1": photos_dir})
-    uuid, original = next(iter(photos.items()))
-    target = mount.path("v1", "64", f"{uuid}.npy")
-    read_array(target)  # stored
-    os.chmod(mount.config.parent / "store", 0o777)
-    reader._forget_mounts()  # as a new process would: read store.json again
+    (first, original), (second, _) = list(photos.items())[:2]
+    for uuid in (first, second):
+        read_array(mount.path("v1", "64", f"{uuid}.npy"))  # stored
+    store = mount.config.parent / "store"
+    assert stat.S_IMODE(os.stat(entry_file(store, 64, first)).st_mode) == 0o644
+
+    os.chmod(entry_file(store, 64, first), 0o664)  # a group may rewrite it
     hits = mount.stats()["hits"]
-    assert as_npy(read_array(target)) == reference_npy(original, 64)
-    assert mount.stats()["hits"] == hits + 1  # through the daemon
+    assert as_npy(read_array(mount.path("v1", "64", f"{first}.npy"))) == reference_npy(original, 64)
+    read_array(mount.path("v1", "64", f"{second}.npy"))  # still direct
+    assert mount.stats()["hits"] == hits + 1  # the first went through the daemon
+
+    os.chmod(store, 0o777)
+    reader._forget_mounts()  # as a new process would: read store.json again
+    read_array(mount.path("v1", "64", f"{second}.npy"))
+    assert mount.stats()["hits"] == hits + 2
+
+
+def test_the_kernels_answer_decides_the_version_not_the_paths_text(
+    mounts: MountFactory, tmp_path: Path, photos: dict[str, Path]
+) -> None:
+    """A symlink retargeted from one version to another, and ``..`` after a
+    symlink: read_array reads what open() would."""
+    (uuid, first), (_, second) = list(photos.items())[:2]
+    sources = {}
+    for version, original in (("v1", first), ("v2", second)):  # one uuid, other pixels
+        sources[version] = tmp_path / version
+        sources[version].mkdir()
+        shutil.copy(original, sources[version] / f"{uuid}{original.suffix}")
+    mount = mounts(sources)
+    want = {
+        v: np.load(io.BytesIO(reference_npy(o, 64))) for v, o in (("v1", first), ("v2", second))
+    }
+    link = tmp_path / "current"
+    link.symlink_to(mount.path("v1", "64"))
+    assert np.array_equal(read_array(link / f"{uuid}.npy"), want["v1"])
+    assert np.array_equal(read_array(link / f"{uuid}.npy"), want["v1"])  # a direct hit
+    link.unlink()
+    link.symlink_to(mount.path("v2", "64"))
+    assert np.array_equal(read_array(link / f"{uuid}.npy"), want["v2"])
+    assert np.array_equal(read_array(link / f"{uuid}.npy"), want["v2"])
+
+    # <mount>/v2/64/../64 by the kernel's rules, not <tmp>/64 by the text's.
+    dotdot = f"{link}/../64/{uuid}.npy"
+    assert np.array_equal(read_array(dotdot), np.load(dotdot))
+
+
+def test_a_new_mount_on_a_reused_device_number_is_noticed(
+    mounts: MountFactory, tmp_path: Path, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    """Same mount point, another store: direct hits read, and report to, the new one."""
+    uuid = next(iter(photos))
+    first = mounts({"v1": photos_dir}, store=tmp_path / "store-1")
+    target = first.path("v1", "64", f"{uuid}.npy")
+    read_array(target)
+    read_array(target)  # this process now knows the first mount and its store
+    device = os.stat(first.mountpoint).st_dev
+    first.stop()
+    second = mounts({"v1": photos_dir}, store=tmp_path / "store-2")
+    read_array(target)  # a miss in the new store: decoded and stored there
+    read_array(target)  # a direct hit in store-2
+    reader._reporter.flush()
+    deadline = time.monotonic() + 10
+    while second.stats()["direct_hits"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert second.stats()["direct_hits"] == 1
+    if os.stat(second.mountpoint).st_dev != device:
+        pytest.skip("the kernel gave the new mount another device number this time")

@@ -12,7 +12,6 @@ import errno
 import json
 import logging
 import os
-import re
 import resource
 import signal
 import socket
@@ -21,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -31,7 +29,9 @@ from .config import Config
 from .decode import decoder_fingerprint, quiet_pillow_warnings
 from .engine import Engine
 from .fs import FS_NAME, DecodeFS, FuseMount, MountFailed
+from .inodes import INODE_LAYOUT
 from .metrics import LogThrottle, render_prometheus
+from .mountinfo import MountInfo, mounts
 from .notify import ServiceNotifier
 from .source import scan_source
 from .store import Store
@@ -59,13 +59,6 @@ class MountError(Exception):
     """A mount point problem the user must resolve (already mounted, not a directory)."""
 
 
-@dataclass(frozen=True)
-class MountInfo:
-    mountpoint: str
-    fstype: str
-    source: str
-
-
 def find_mount(mountpoint: str | os.PathLike[str]) -> MountInfo | None:
     """The mount at exactly ``mountpoint``, from /proc/self/mountinfo.
 
@@ -73,15 +66,8 @@ def find_mount(mountpoint: str | os.PathLike[str]) -> MountInfo | None:
     with ENOTCONN and it answers False.
     """
     target = os.path.abspath(mountpoint)
-    found = None
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            separator = fields.index("-")
-            point = _unescape(fields[4])
-            if point == target:
-                found = MountInfo(point, fields[separator + 1], _unescape(fields[separator + 2]))
-    return found  # the last one listed is the one on top
+    found = [m for m in mounts() if m.mountpoint == target]
+    return found[-1] if found else None  # the last one listed is the one on top
 
 
 def probe(mountpoint: str) -> str:
@@ -206,6 +192,8 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
                 {
                     "store": store.root,
                     "versions": store.digests(),
+                    "version_order": list(engine.version_names),  # as inode numbers index them
+                    "inode_layout": INODE_LAYOUT,
                     "sizes": {"min": config.min_size, "max": config.max_size},
                     "access_socket": access_socket,
                 }
@@ -269,11 +257,11 @@ async def _receive_direct_hits(engine: Engine, path: str) -> None:
         throttle = LogThrottle(log)
         try:
             while True:
-                report = await sock.recv(65536)
                 try:
-                    engine.note_direct_hits(report)
+                    engine.note_direct_hits(await sock.recv(65536))
                 except Exception as exc:  # a report orders the LRU: never worth the daemon
-                    throttle.log(logging.ERROR, "direct-hits", "bad direct-hit report: %r", exc)
+                    throttle.log(logging.ERROR, "direct-hits", "direct-hit report: %r", exc)
+                    await trio.sleep(0.1)  # a socket that keeps failing must not spin
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -298,6 +286,8 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNot
     else:
         await trio.sleep(SHUTDOWN_GRACE)
         log.warning("files still open after %.0f s; stopping anyway", SHUTDOWN_GRACE)
+    # While this loop still answers READs: a seed in flight may be waiting for one.
+    await trio.to_thread.run_sync(fuse.stop_seeding)
     fuse.stop()
 
 
@@ -416,11 +406,6 @@ def _lazy_unmount(mountpoint: str) -> None:
 
 def _json(value: object) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

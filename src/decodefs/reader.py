@@ -9,12 +9,14 @@ miss, a bad entry, a store this user may not read) reads through the mount,
 unbuffered, so Python's open() sends no isatty() ioctl. Hits are reported to
 the daemon in batches over a datagram socket, so its LRU order sees them.
 
-The path is always looked up through the mount first (the kernel answers
-from its caches), so a name the daemon does not serve fails as it would with
-``open``. Its store is trusted only when the file's device is a
-``fuse.decodefs`` mount in this process's mount table, the store directory
-belongs to the mount's owner and nobody else may write to it. Knows the
-store's file format; not the daemon.
+The path is looked up through the mount as given (the kernel answers from
+its caches), so a name the daemon does not serve fails as ``open`` would, and
+the array's version and size come from the inode the kernel reports
+(inodes.py), never from the path's text: symlinks and ``..`` mean what they
+mean to ``open``. A store is trusted only when the file's device is a
+``fuse.decodefs`` mount in this process's mount table, and its directory and
+the entry file belong to the mount's owner and nobody else may write to them.
+Knows the store's file format and the inode layout; not the daemon.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import stat
 import threading
@@ -36,6 +37,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .decode import npy_file_size, npy_header
+from .inodes import INODE_LAYOUT, Kind, Node
+from .mountinfo import mounts
 from .store import STALE, TRAILER_SIZE, EntryKey, check_entry
 
 __all__ = ["read_array"]
@@ -46,9 +49,17 @@ FS_TYPE: Final = "fuse.decodefs"  # as /proc/self/mountinfo names a decodefs mou
 STATUS_FILE: Final = os.path.join(".decodefs", "store.json")
 _REPORT_BYTES: Final = 8192  # one datagram of access reports
 _REPORT_SECONDS: Final = 1.0
-_CACHE_MAX: Final = 100_000  # directories and problems remembered per process
-_CANONICAL_SIZE: Final = re.compile(r"[1-9][0-9]{0,4}")
-_MOUNTINFO_ESCAPE: Final = re.compile(r"\\([0-7]{3})")
+_NOT_A_MOUNT_SECONDS: Final = 10.0  # how long "this device is no decodefs mount" is believed
+_PROBLEMS_MAX: Final = 100_000
+_STATUS_ERRORS: Final = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    ArithmeticError,
+    RecursionError,
+)
 
 
 @dataclass(frozen=True)
@@ -56,12 +67,22 @@ class _Mount:
     """What a process needs to read a mount's store directly (from its store.json)."""
 
     root: str  # the mount point, as this process's mount table names it
-    store: str
-    digests: dict[str, bytes]
     root_mtime_ns: int  # when its daemon mounted it: tells this mount from a later one
+    owner: int  # the uid the daemon runs as (the mount root's owner)
+    store: str
+    versions: tuple[str, ...]  # by the version index in inode numbers
+    digests: dict[str, bytes]
     min_size: int
     max_size: int
     access_socket: str | None
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A decodefs mount whose store this process must not read directly."""
+
+    root: str
+    root_mtime_ns: int
 
 
 def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
@@ -72,17 +93,18 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     what ``open(path)`` would for a name the mount does not have. A path on
     any other filesystem is read with ``np.load``.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.fspath(path)
     st = os.lstat(path)
+    name = os.path.basename(path)
     if stat.S_ISLNK(st.st_mode):
-        path = os.path.realpath(path)
-        st = os.stat(path)
+        real = os.path.realpath(path)
+        st, name = os.stat(real), os.path.basename(real)
     mount = _mount_of(st.st_dev)
     if mount is not None and not _current(mount, st.st_dev):
         # Another mount since: the kernel reuses a device number after an unmount.
         mount = _mount_of(st.st_dev, again=True)
-    key = _key_of(mount, path) if mount is not None else None
-    if mount is None or key is None or not _is_array(key, st):
+    key = _key_of(mount, st, name) if isinstance(mount, _Mount) else None
+    if not isinstance(mount, _Mount) or key is None:
         return _load_any(path)
     array = _read_stored(mount, key)
     if array is not None:
@@ -91,28 +113,30 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     return _read_through_mount(path, key, verify_again=_last_problem.get(key) is not None)
 
 
-# -- which mount and key a path names ------------------------------------------------
+# -- which mount and key a file is -------------------------------------------------
 
 _lock = threading.Lock()
-_mounts: dict[int, _Mount | None] = {}  # st_dev -> its decodefs mount (None: not one)
-# (mount point, a directory) -> the components of the directory's real path under it
-_directories: dict[tuple[str, str], tuple[str, ...]] = {}
+# st_dev -> its decodefs mount, or when it was found to be none (time.monotonic).
+_mounts: dict[int, _Mount | _Refused | float] = {}
 _last_problem: dict[EntryKey, str] = {}
 
 
-def _mount_of(device: int, again: bool = False) -> _Mount | None:
+def _mount_of(device: int, again: bool = False) -> _Mount | _Refused | None:
+    """The mount of ``device``: one whose store may be read, one whose store may
+    not (its identity only), or None (no decodefs mount, believed for a while)."""
     with _lock:
-        if device in _mounts and not again:
-            return _mounts[device]
+        known = _mounts.get(device)
+    if isinstance(known, (_Mount, _Refused)) and not again:
+        return known
+    if isinstance(known, float) and time.monotonic() - known < _NOT_A_MOUNT_SECONDS:
+        return None
     mount = _find_mount(device)
     with _lock:
-        if len(_mounts) >= _CACHE_MAX:
-            _mounts.clear()
-        _mounts[device] = mount
+        _mounts[device] = mount if mount is not None else time.monotonic()
     return mount
 
 
-def _current(mount: _Mount, device: int) -> bool:
+def _current(mount: _Mount | _Refused, device: int) -> bool:
     """Whether ``mount`` still describes the mount on ``device`` (a cached stat)."""
     try:
         st = os.stat(mount.root)
@@ -121,18 +145,14 @@ def _current(mount: _Mount, device: int) -> bool:
     return st.st_dev == device and st.st_mtime_ns == mount.root_mtime_ns
 
 
-def _is_array(key: EntryKey, st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_size == npy_file_size(key.size)
-
-
 def _forget_mounts() -> None:
     """Read every mount's store.json again (a daemon restarted with other settings)."""
     with _lock:
         _mounts.clear()
 
 
-def _find_mount(device: int) -> _Mount | None:
-    """The decodefs mount of ``device`` whose store this process may trust, if any."""
+def _find_mount(device: int) -> _Mount | _Refused | None:
+    """The decodefs mount of ``device``, and whether this process may trust its store."""
     for root in _decodefs_mount_points(device):
         try:
             root_st = os.stat(root)
@@ -142,77 +162,74 @@ def _find_mount(device: int) -> _Mount | None:
                 if os.fstat(f.fileno()).st_dev != device:
                     continue
                 status = json.loads(f.read())
+            refused = _Refused(root, root_st.st_mtime_ns)
+            if status["inode_layout"] != INODE_LAYOUT:
+                return refused  # another decodefs release: read through the mount
             mount = _Mount(
                 root=root,
-                store=str(status["store"]),
-                digests={str(v): bytes.fromhex(d) for v, d in status["versions"].items()},
                 root_mtime_ns=root_st.st_mtime_ns,
+                owner=root_st.st_uid,
+                store=str(status["store"]),
+                versions=tuple(str(v) for v in status["version_order"]),
+                digests={str(v): bytes.fromhex(d) for v, d in status["versions"].items()},
                 min_size=int(status["sizes"]["min"]),
                 max_size=int(status["sizes"]["max"]),
                 access_socket=status.get("access_socket"),
             )
             store_st = os.stat(mount.store)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except _STATUS_ERRORS:
             continue
-        if store_st.st_uid != root_st.st_uid or store_st.st_mode & 0o022:
+        if not _owned_alone(store_st, mount.owner):
             log.debug("not reading the store %s directly: not the mount owner's alone", mount.store)
-            return None
+            return refused
         return mount
     return None
 
 
+def _owned_alone(st: os.stat_result, owner: int) -> bool:
+    return st.st_uid == owner and not st.st_mode & 0o022
+
+
 def _decodefs_mount_points(device: int) -> list[str]:
-    wanted = f"{os.major(device)}:{os.minor(device)}"
-    points = []
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                fields, _, tail = line.partition(" - ")
-                parts, fstype = fields.split(), tail.split(" ", 1)[0]
-                if len(parts) >= 5 and parts[2] == wanted and parts[3] == "/" and fstype == FS_TYPE:
-                    points.append(_MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m[1], 8)), parts[4]))
-    except OSError:
-        pass
-    return points
+        table = mounts()
+    except (OSError, ValueError):
+        return []
+    wanted = (os.major(device), os.minor(device))
+    return [
+        m.mountpoint for m in table if m.device == wanted and m.root == "/" and m.fstype == FS_TYPE
+    ]
 
 
-def _key_of(mount: _Mount, path: str) -> EntryKey | None:
-    """The key of ``path`` (real, on ``mount``), or None if it names no array."""
-    directory, name = os.path.split(path)
-    with _lock:
-        parts = _directories.get((mount.root, directory))
-    if parts is None:
-        relative = os.path.relpath(os.path.realpath(directory), mount.root)
-        parts = tuple(relative.split(os.sep)) if not relative.startswith("..") else ()
-        with _lock:
-            if len(_directories) >= _CACHE_MAX:
-                _directories.clear()
-            _directories[mount.root, directory] = parts
-    if not name.endswith(".npy") or len(parts) not in (2, 3):
+def _key_of(mount: _Mount, st: os.stat_result, name: str) -> EntryKey | None:
+    """The key of the file ``st`` named ``name`` on ``mount``, or None if it is no array."""
+    try:
+        node = Node.from_ino(st.st_ino)
+    except IndexError:
         return None
-    uuid = name[: -len(".npy")]
-    version, size_name = parts[0], parts[1]
-    if len(parts) == 3 and parts[2] != uuid[:2]:
+    if node.kind != Kind.ENTRY or node.version >= len(mount.versions):
         return None
-    if version not in mount.digests or _CANONICAL_SIZE.fullmatch(size_name) is None:
+    if not (mount.min_size <= node.size <= mount.max_size and name.endswith(".npy")):
         return None
-    size = int(size_name)
-    if not mount.min_size <= size <= mount.max_size:
+    if not stat.S_ISREG(st.st_mode) or st.st_size != npy_file_size(node.size):
         return None
-    return EntryKey(version, size, uuid)
+    return EntryKey(mount.versions[node.version], node.size, name[: -len(".npy")])
 
 
 # -- reading ------------------------------------------------------------------------
 
 
 def _read_stored(mount: _Mount, key: EntryKey) -> npt.NDArray[np.uint8] | None:
+    digest = mount.digests.get(key.version)
+    if digest is None:
+        return None
     path = os.path.join(mount.store, key.version, str(key.size), key.uuid[:2], key.uuid + ".npy")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None  # a miss, or a store this user may not read
     try:
-        buffer, problem = _read_entry(fd, key, mount.digests[key.version])
+        buffer, problem = _read_entry(fd, key, digest, mount.owner)
     finally:
         os.close(fd)
     if problem is not None:
@@ -224,13 +241,15 @@ def _read_stored(mount: _Mount, key: EntryKey) -> npt.NDArray[np.uint8] | None:
     return _array(buffer, key.size)
 
 
-def _read_entry(fd: int, key: EntryKey, digest: bytes) -> tuple[bytearray, str | None]:
+def _read_entry(fd: int, key: EntryKey, digest: bytes, owner: int) -> tuple[bytearray, str | None]:
     """The entry file open at ``fd``, and why it must not be served (None: it may)."""
     length = npy_file_size(key.size) + TRAILER_SIZE
     try:
-        found = os.fstat(fd).st_size
-        if found != length:  # checked before allocating: the file decides nothing
-            return bytearray(), f"length {found}"
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) and _owned_alone(st, owner)):
+            return bytearray(), "not a file of the daemon's alone"
+        if st.st_size != length:  # checked before allocating: the file decides nothing
+            return bytearray(), f"length {st.st_size}"
         buffer = bytearray(length)
         with open(fd, "rb", buffering=0, closefd=False) as f:
             got = f.readinto(buffer)
@@ -247,7 +266,7 @@ def _read_entry(fd: int, key: EntryKey, digest: bytes) -> tuple[bytearray, str |
 
 def _note_problem(key: EntryKey, problem: str) -> None:
     with _lock:
-        if len(_last_problem) >= _CACHE_MAX:
+        if len(_last_problem) >= _PROBLEMS_MAX:
             _last_problem.clear()
         _last_problem[key] = problem
 
@@ -326,9 +345,12 @@ class _Reporter:
         self._socket = None
 
     def _sock(self) -> socket.socket:
-        if self._socket is None:
-            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-        return self._socket
+        with self._lock:
+            if self._socket is None:
+                self._socket = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
+                )
+            return self._socket
 
 
 def _after_fork() -> None:

@@ -209,7 +209,7 @@ class Store:
         the daemon then serves from memory and says so in the log.
         """
         try:
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(self.root, mode=0o755, exist_ok=True)
         except OSError as exc:
             log.error("store %s cannot be created (%s); serving from memory only", self.root, exc)
             self._catalog, _ = Catalog.open(":memory:")
@@ -309,10 +309,12 @@ class Store:
         try:
             self._make_room(key, nbytes, may_evict)  # reserves nbytes until counted
             try:
-                with open(tmp, "xb") as f:
+                # 0644 whatever the umask: read_array trusts only files no one else may write.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                with open(fd, "wb") as f:
                     f.write(payload)
                     f.write(trailer)
-                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.makedirs(os.path.dirname(final), mode=0o755, exist_ok=True)
                 with self._count_lock:
                     new = _catalog_call(
                         catalog.put, key.version, key.size, key.uuid, nbytes, time.time()

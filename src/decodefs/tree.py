@@ -1,12 +1,9 @@
 """The mount's namespace: which names exist, their inodes, listings and attributes.
 
-Inode numbers are computed, not allocated: a node packs into 64 bits, so the
-kernel can hold millions of entries without a table here, lookup counts need
-no bookkeeping, and an entry has the same inode under ``<size>/`` and under
-``<size>/<uu>/`` (one page cache for both paths)::
-
-    bits 60-63  kind      bits 48-59  version index
-    bits 35-47  size      bits  0-34  number: original index (or shard start index)
+Inode numbers are computed, not allocated (inodes.py): the kernel can hold
+millions of entries without a table here, lookup counts need no bookkeeping,
+and an entry has the same inode under ``<size>/`` and under ``<size>/<uu>/``
+(one page cache for both paths).
 
 This module is filesystem logic only: it does not import pyfuse3.
 """
@@ -19,10 +16,10 @@ import stat
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Final, NamedTuple
 
 from .engine import Engine
+from .inodes import Kind, Node
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
 
@@ -30,39 +27,6 @@ STATUS_DIR_NAME: Final = ".decodefs"
 NAME_MAX: Final = 255
 _SIZE_NAME = re.compile(rb"[1-9][0-9]{0,4}")
 _NPY: Final = b".npy"
-
-
-class Kind(IntEnum):
-    SPECIAL = 0  # root, the status directory and its files
-    VERSION = 1
-    SIZE = 2
-    SHARD = 3
-    ENTRY = 4
-
-
-_KINDS: Final = tuple(Kind)  # Kind(n) without the enum lookup, per request
-
-
-class Node(NamedTuple):
-    """A name in the mount, decoded from its inode number (a tuple: cheap per request)."""
-
-    kind: Kind
-    version: int = 0
-    size: int = 0
-    number: int = 0  # an original's index, a shard's first index, a status file's number
-
-    @property
-    def ino(self) -> int:
-        return (self.kind << 60) | (self.version << 48) | (self.size << 35) | self.number
-
-    @classmethod
-    def from_ino(cls, ino: int) -> Node:
-        return cls(
-            _KINDS[ino >> 60],
-            (ino >> 48) & 0xFFF,
-            (ino >> 35) & 0x1FFF,
-            ino & ((1 << 35) - 1),
-        )
 
 
 ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1

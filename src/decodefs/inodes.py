@@ -1,0 +1,53 @@
+"""Inode numbers of the mount: a node packs into 64 bits, computed, never allocated.
+
+    bits 60-63  kind      bits 48-59  version index (in sorted version order)
+    bits 35-47  size      bits  0-34  number: original index (or shard start index)
+
+Shared by the daemon's namespace (tree.py) and the client reader (reader.py),
+which learns an array's version and size from the inode the kernel reports.
+A change to the layout must change INODE_LAYOUT, which the daemon publishes
+in store.json: a reader of another layout then reads through the mount.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final, NamedTuple
+
+__all__ = ["INODE_LAYOUT", "Kind", "Node"]
+
+INODE_LAYOUT: Final = 1
+
+
+class Kind(IntEnum):
+    SPECIAL = 0  # root, the status directory and its files
+    VERSION = 1
+    SIZE = 2
+    SHARD = 3
+    ENTRY = 4
+
+
+_KINDS: Final = tuple(Kind)  # Kind(n) without the enum lookup, per request
+
+
+class Node(NamedTuple):
+    """A name in the mount, decoded from its inode number (a tuple: cheap per request)."""
+
+    kind: Kind
+    version: int = 0
+    size: int = 0
+    number: int = 0  # an original's index, a shard's first index, a status file's number
+
+    @property
+    def ino(self) -> int:
+        return (self.kind << 60) | (self.version << 48) | (self.size << 35) | self.number
+
+    @classmethod
+    def from_ino(cls, ino: int) -> Node:
+        """The node of ``ino``; raises IndexError for a kind no node has."""
+        return cls(
+            _KINDS[ino >> 60],
+            (ino >> 48) & 0xFFF,
+            (ino >> 35) & 0x1FFF,
+            ino & ((1 << 35) - 1),
+        )
