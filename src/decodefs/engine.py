@@ -94,6 +94,7 @@ class _Flight:
     outcome: _Outcome | None = None
     error: Exception | None = None
     job: Job[tuple[bytes, float]] | None = None  # a warm decode, which a reader may boost
+    offered: bool = False  # its bytes went to a reader's open for the page cache
 
 
 class _Bitmap:
@@ -241,6 +242,8 @@ class Engine:
         and a known original; anything else is ignored, and the pending
         accesses stay bounded. A report orders the LRU and nothing more.
         """
+        # Only stored arrays are read directly, so no honest reports name more keys.
+        limit = min(_MAX_PENDING_ACCESSES, max(1024, self.store.usage().entries))
         for line in report.splitlines():
             fields = line.split(b"\t")
             if len(fields) != 3 or _CANONICAL_SIZE.fullmatch(fields[1]) is None:
@@ -250,7 +253,7 @@ class Engine:
             source = self._sources.get(version)
             if source is None or not self.size_allowed(size) or source.find(uuid) is None:
                 continue
-            if not self.store.record_access(EntryKey(version, size, uuid), _MAX_PENDING_ACCESSES):
+            if not self.store.record_access(EntryKey(version, size, uuid), limit):
                 return  # until the next flush: the LRU order of the rest can wait
             self.metrics.direct_hits += 1
 
@@ -374,7 +377,6 @@ class Engine:
 
         while True:
             flight = self._flights.get(key)
-            led = flight is None
             if flight is None:
                 flight = await self._fly(key, index, reader=not warm)
             else:
@@ -396,8 +398,10 @@ class Engine:
         else:
             self.metrics.hits += 1
             self.store.record_access(key)
-        # Only the task that fetched the bytes offers them to the page cache: once.
-        return Handle(key, length, data=flight.outcome.data, fresh=led)
+        # The first reader to get the bytes offers them to the page cache: once.
+        fresh = not warm and not flight.offered
+        flight.offered |= fresh
+        return Handle(key, length, data=flight.outcome.data, fresh=fresh)
 
     async def _fly(self, key: EntryKey, index: int, reader: bool) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""

@@ -23,6 +23,7 @@ import pyfuse3
 
 from .engine import Engine, Handle, NotStored, OriginalNotFound, OriginalUndecodable
 from .metrics import Metrics
+from .mountinfo import mounts
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
 
 __all__ = ["FS_NAME", "DecodeFS", "FuseMount", "MountFailed"]
@@ -213,9 +214,11 @@ class DecodeFS(pyfuse3.Operations):
         if isinstance(handle, Handle):
             self._engine.release(handle)
 
-    def close(self) -> None:
-        """Stop the page-cache seeder (before the session is destroyed)."""
-        self._seeder.close()
+    def close(self) -> bool:
+        """Stop the page-cache seeder; whether it stopped. Call it while the
+        session still answers READs (a seed may wait for one), and before the
+        session is destroyed."""
+        return self._seeder.close()
 
     # -- the mount is read-only (the kernel already refuses most of these: "ro") --
 
@@ -361,15 +364,16 @@ class PageCacheSeeder:
             self._ready.notify()
         return True
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop seeding; whether the thread has stopped (idempotent)."""
         with self._ready:
             self._stopping = True
             self._queue.clear()
             self._ready.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("the page-cache seeder did not stop within %.0f s", timeout)
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
@@ -392,6 +396,16 @@ class PageCacheSeeder:
                     self._queued_bytes -= len(data)
 
 
+def _abort_connection(connection: int | None) -> None:
+    try:
+        if connection is None:
+            raise OSError("the connection is unknown")
+        with open(f"/sys/fs/fuse/connections/{connection}/abort", "w") as f:
+            f.write("1")
+    except OSError as exc:  # fusectl not mounted, or the connection already gone
+        log.warning("cannot abort FUSE connection %s: %s", connection, exc)
+
+
 class MountFailed(Exception):
     """The kernel refused the mount (libfuse has printed its reason on stderr)."""
 
@@ -403,6 +417,7 @@ class FuseMount:
         self._operations = operations
         self._mountpoint = mountpoint
         self._allow_other = allow_other
+        self._connection: int | None = None
 
     def mount(self) -> None:
         pyfuse3_log = logging.getLogger("pyfuse3")
@@ -416,6 +431,11 @@ class FuseMount:
             pyfuse3.init(self._operations, self._mountpoint, options)
         except RuntimeError as exc:
             raise MountFailed(str(exc)) from exc
+        # Its FUSE connection (fusectl's name for it), from the table: a stat
+        # of the mount point would wait for this very process to answer.
+        target = os.path.abspath(self._mountpoint)
+        ours = [m for m in mounts() if m.mountpoint == target and m.fstype == f"fuse.{FS_NAME}"]
+        self._connection = ours[-1].device[1] if ours else None
 
     async def serve(self) -> bool:
         """Answer requests until the kernel ends the session: an unmount, and
@@ -433,11 +453,20 @@ class FuseMount:
             aborted = True
         return aborted
 
+    def stop_seeding(self) -> None:
+        """Stop pushing arrays into the page cache (from a worker thread, while
+        the trio thread still answers the READs a seed may be waiting for)."""
+        self._operations.close()
+
     def stop(self) -> None:
         """Make ``serve`` return (call from the trio thread)."""
         pyfuse3.terminate()
 
     def close(self) -> None:
         """Unmount if still mounted, and free the session."""
-        self._operations.close()
+        if not self._operations.close():
+            # A seed still waits on a page whose READ nobody will answer now:
+            # abort the connection, which fails both, before freeing the session.
+            log.warning("the page-cache seeder is stuck; aborting the FUSE connection")
+            _abort_connection(self._connection)
         pyfuse3.close(unmount=True)

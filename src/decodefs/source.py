@@ -217,6 +217,10 @@ def _check_cached(cached: dict[str, object]) -> None:
         raise ValueError("uuids are not sorted and unique")
     if not all(_valid_relative(p) for p in relpaths):
         raise ValueError("a path leads outside the source")
+    if any(
+        os.path.basename(p).rpartition(".")[0] != u for u, p in zip(uuids, relpaths, strict=True)
+    ):
+        raise ValueError("a uuid is not the stem of its path")
     if not (isinstance(dirs, dict) and all(_valid_relative(d, allow_root=True) for d in dirs)):
         raise ValueError("a directory leads outside the source")
     if not all(
