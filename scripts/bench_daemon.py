@@ -1,0 +1,147 @@
+"""The daemon's own cost, and the page-cache seeding lever, side by side in one run.
+
+On --count small photo-like JPEGs, stored once at --size, then in interleaved
+rounds, each with a fresh daemon on the full store (so every first open
+verifies its entry), page-cache seeding on, then off:
+  first epoch   plain np.load of every array once after the mount: arrays/s and the
+                daemon's CPU (all its threads, utime+stime from /proc) per array
+  hits          plain np.load of every array --loops times more (the kernel holds the
+                bytes, so each costs OPEN, IOCTL and RELEASE): daemon CPU per hit, hits/s
+Figures are medians over the rounds.
+
+    .venv/bin/python scripts/bench_daemon.py [--count 200] [--size 224] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+
+from decodefs.sample import make_sample_corpus
+
+WORK = Path(tempfile.gettempdir()) / "decodefs-bench"
+DECODEFS = [sys.executable, "-m", "decodefs"]
+NO_SEEDING_ENV = "DECODEFS_NO_PAGE_CACHE_SEEDING"  # read by decodefs/fs.py
+TICK = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
+
+
+class Round(NamedTuple):
+    first_rate: float  # arrays/s
+    first_cpu_us: float  # daemon CPU per array
+    hit_rate: float
+    hit_cpu_us: float
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--loops", type=int, default=20, help="hit epochs per round")
+    args = parser.parse_args()
+    originals = WORK / "originals-640x480"
+    make_sample_corpus(originals, args.count, 640, 480, seed=2)
+    WORK.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="daemon-", dir=WORK))
+    try:
+        config = run_dir / "config.toml"
+        config.write_text(
+            f'store = "{run_dir / "store"}"\n'
+            f'[versions.bench]\nsource = "{originals}"\nsizes = [{args.size}]\n'
+        )
+        daemon = Daemon(run_dir / "mnt", config, run_dir / "daemon.log", args.size)
+        daemon.run({}, lambda files, pid: [np.load(f) for f in files])  # fill the store
+        results: dict[str, list[Round]] = {"on": [], "off": []}
+        for _ in range(args.rounds):
+            for seeding, env in (("on", {}), ("off", {NO_SEEDING_ENV: "1"})):
+                results[seeding].append(daemon.run(env, lambda f, p: measure(f, p, args.loops)))
+        print(render(results, args))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class Daemon:
+    def __init__(self, mountpoint: Path, config: Path, log: Path, size: int) -> None:
+        self.mountpoint, self.config, self.log, self.size = mountpoint, config, log, size
+        mountpoint.mkdir(exist_ok=True)
+
+    def run(self, env: dict[str, str], work: Callable[[list[str], int], T]) -> T:
+        """Mount with ``env``, run ``work(files, daemon pid)``, unmount."""
+        subprocess.run(
+            [*DECODEFS, "mount", self.mountpoint, "--config", self.config, "--log-file", self.log],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, **env},
+        )
+        try:
+            status = json.loads((self.mountpoint / ".decodefs" / "stats.json").read_bytes())
+            directory = self.mountpoint / "bench" / str(self.size)
+            return work(sorted(str(p) for p in directory.iterdir()), int(status["pid"]))
+        finally:
+            subprocess.run([*DECODEFS, "umount", self.mountpoint], check=False, capture_output=True)
+
+
+def measure(files: list[str], pid: int, loops: int) -> Round:
+    cpu, started = cpu_seconds(pid), time.perf_counter()
+    for path in files:
+        np.load(path)
+    first_seconds, first_cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu
+    time.sleep(0.5)  # the seeder thread finishes; its CPU belongs to the first epoch
+    cpu, started = cpu_seconds(pid), time.perf_counter()
+    for _ in range(loops):
+        for path in files:
+            np.load(path)
+    hits = loops * len(files)
+    hit_seconds, hit_cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu
+    return Round(
+        len(files) / first_seconds,
+        first_cpu / len(files) * 1e6,
+        hits / hit_seconds,
+        hit_cpu / hits * 1e6,
+    )
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of ``pid`` (threads that ended included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def render(results: dict[str, list[Round]], args: argparse.Namespace) -> str:
+    def median(seeding: str, field: str) -> float:
+        return float(statistics.median(getattr(r, field) for r in results[seeding]))
+
+    lines = [
+        f"{args.count} arrays of {args.size}, {args.rounds} interleaved rounds (medians)",
+        "",
+        "| figure | seeding on | seeding off | on / off |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, field, unit in (
+        ("first epoch after a mount, arrays/s", "first_rate", "/s"),
+        ("first epoch, daemon CPU per array", "first_cpu_us", " us"),
+        ("plain np.load hits, hits/s", "hit_rate", "/s"),
+        ("plain np.load hits, daemon CPU per hit", "hit_cpu_us", " us"),
+    ):
+        on, off = median("on", field), median("off", field)
+        lines.append(f"| {label} | {on:,.0f}{unit} | {off:,.0f}{unit} | {on / off:.2f}x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
