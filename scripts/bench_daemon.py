@@ -1,15 +1,17 @@
-"""The daemon's own cost, and the page-cache seeding lever, side by side in one run.
+"""The daemon's own cost per request, measured from /proc while plain readers run.
 
-On --count small photo-like JPEGs, stored once at --size, then in interleaved
+On --count small photo-like JPEGs, stored once at --size, then in --rounds
 rounds, each with a fresh daemon on the full store (so every first open
-verifies its entry), page-cache seeding on, then off:
+verifies its entry):
   first epoch   plain np.load of every array once after the mount: arrays/s and the
                 daemon's CPU (all its threads, utime+stime from /proc) per array
   hits          plain np.load of every array --loops times more (the kernel holds the
                 bytes, so each costs OPEN, IOCTL and RELEASE): daemon CPU per hit, hits/s
-Figures are medians over the rounds.
+Figures are the medians and the ranges over the rounds.
 
     .venv/bin/python scripts/bench_daemon.py [--count 200] [--size 224] [--rounds 6]
+
+(At commit 3e514a5 it also compared page-cache seeding on and off.)
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from decodefs.sample import make_sample_corpus
 
 WORK = Path(tempfile.gettempdir()) / "decodefs-bench"
 DECODEFS = [sys.executable, "-m", "decodefs"]
-NO_SEEDING_ENV = "DECODEFS_NO_PAGE_CACHE_SEEDING"  # read by decodefs/fs.py
 TICK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
@@ -65,12 +66,9 @@ def main() -> None:
             f'[versions.bench]\nsource = "{originals}"\nsizes = [{args.size}]\n'
         )
         daemon = Daemon(run_dir / "mnt", config, run_dir / "daemon.log", args.size)
-        daemon.run({}, lambda files, pid: [np.load(f) for f in files])  # fill the store
-        results: dict[str, list[Round]] = {"on": [], "off": []}
-        for _ in range(args.rounds):
-            for seeding, env in (("on", {}), ("off", {NO_SEEDING_ENV: "1"})):
-                results[seeding].append(daemon.run(env, lambda f, p: measure(f, p, args.loops)))
-        print(render(results, args))
+        daemon.run(lambda files, pid: [np.load(f) for f in files])  # fill the store
+        rounds = [daemon.run(lambda f, p: measure(f, p, args.loops)) for _ in range(args.rounds)]
+        print(render(rounds, args))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -80,13 +78,12 @@ class Daemon:
         self.mountpoint, self.config, self.log, self.size = mountpoint, config, log, size
         mountpoint.mkdir(exist_ok=True)
 
-    def run(self, env: dict[str, str], work: Callable[[list[str], int], T]) -> T:
-        """Mount with ``env``, run ``work(files, daemon pid)``, unmount."""
+    def run(self, work: Callable[[list[str], int], T]) -> T:
+        """Mount, run ``work(files, daemon pid)``, unmount."""
         subprocess.run(
             [*DECODEFS, "mount", self.mountpoint, "--config", self.config, "--log-file", self.log],
             check=True,
             stdout=subprocess.DEVNULL,
-            env={**os.environ, **env},
         )
         try:
             status = json.loads((self.mountpoint / ".decodefs" / "stats.json").read_bytes())
@@ -122,24 +119,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def render(results: dict[str, list[Round]], args: argparse.Namespace) -> str:
-    def median(seeding: str, field: str) -> float:
-        return float(statistics.median(getattr(r, field) for r in results[seeding]))
-
+def render(rounds: list[Round], args: argparse.Namespace) -> str:
     lines = [
-        f"{args.count} arrays of {args.size}, {args.rounds} interleaved rounds (medians)",
+        f"{args.count} arrays of {args.size}, {args.rounds} rounds",
         "",
-        "| figure | seeding on | seeding off | on / off |",
-        "| --- | ---: | ---: | ---: |",
+        "| figure | median | range |",
+        "| --- | ---: | ---: |",
     ]
     for label, field, unit in (
-        ("first epoch after a mount, arrays/s", "first_rate", "/s"),
-        ("first epoch, daemon CPU per array", "first_cpu_us", " us"),
-        ("plain np.load hits, hits/s", "hit_rate", "/s"),
-        ("plain np.load hits, daemon CPU per hit", "hit_cpu_us", " us"),
+        ("first epoch after a mount (plain np.load)", "first_rate", "arrays/s"),
+        ("first epoch, daemon CPU per array", "first_cpu_us", "us"),
+        ("plain np.load hits", "hit_rate", "hits/s"),
+        ("plain np.load hits, daemon CPU per hit", "hit_cpu_us", "us"),
     ):
-        on, off = median("on", field), median("off", field)
-        lines.append(f"| {label} | {on:,.0f}{unit} | {off:,.0f}{unit} | {on / off:.2f}x |")
+        values = [float(getattr(r, field)) for r in rounds]
+        lines.append(
+            f"| {label} | {statistics.median(values):,.0f} {unit} "
+            f"| {min(values):,.0f}-{max(values):,.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -286,8 +286,6 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNot
     else:
         await trio.sleep(SHUTDOWN_GRACE)
         log.warning("files still open after %.0f s; stopping anyway", SHUTDOWN_GRACE)
-    # While this loop still answers READs: a seed in flight may be waiting for one.
-    await trio.to_thread.run_sync(fuse.stop_seeding)
     fuse.stop()
 
 

@@ -77,7 +77,6 @@ class Handle:
     key: EntryKey
     length: int
     data: memoryview | None = None
-    fresh: bool = False  # data was just decoded or verified: not yet in the kernel's page cache
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,6 @@ class _Flight:
     outcome: _Outcome | None = None
     error: Exception | None = None
     job: Job[tuple[bytes, float]] | None = None  # a warm decode, which a reader may boost
-    offered: bool = False  # its bytes went to a reader's open for the page cache
 
 
 class _Bitmap:
@@ -339,7 +337,7 @@ class Engine:
             "memory_fallbacks": m.memory_fallbacks,
             "memory_cache_bytes": self._memory.bytes,
             "memory_cache_entries": len(self._memory),
-            "bytes_served": m.bytes_served + m.seeded_bytes,
+            "bytes_served": m.bytes_served,
             "inflight_decodes": m.inflight_decodes,
             "queued_decodes": m.queued_decodes,
             "background_decodes": m.background_decodes,
@@ -398,10 +396,7 @@ class Engine:
         else:
             self.metrics.hits += 1
             self.store.record_access(key)
-        # The first reader to get the bytes offers them to the page cache: once.
-        fresh = not warm and not flight.offered
-        flight.offered |= fresh
-        return Handle(key, length, data=flight.outcome.data, fresh=fresh)
+        return Handle(key, length, data=flight.outcome.data)
 
     async def _fly(self, key: EntryKey, index: int, reader: bool) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""

@@ -8,14 +8,12 @@ becomes EIO for that one request instead of ending pyfuse3's main loop.
 
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import itertools
 import logging
 import os
 import sys
-import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
@@ -23,7 +21,6 @@ import pyfuse3
 
 from .engine import Engine, Handle, NotStored, OriginalNotFound, OriginalUndecodable
 from .metrics import Metrics
-from .mountinfo import mounts
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
 
 __all__ = ["FS_NAME", "DecodeFS", "FuseMount", "MountFailed"]
@@ -38,15 +35,11 @@ MAX_REQUEST_TASKS: Final = 512
 # names and attributes for a day; status files are live and never cached.
 CACHE_TIMEOUT: Final = 86400.0
 _BLOCK_SIZE: Final = 128 * 1024
-# Arrays waiting to be pushed into the page cache; beyond this, skip seeding.
-SEED_QUEUE_BYTES: Final = 64 * 1024 * 1024
 _WRITE_FLAGS: Final = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 _FS_ENCODING: Final = sys.getfilesystemencoding()
 # Testing aid: a uuid named here makes `open` raise an unexpected exception,
 # so the suite can show the errno boundary holds on a real mount.
 _FAILPOINT_ENV: Final = "DECODEFS_FAILPOINT_OPEN"
-# Benchmark aid (scripts/bench_daemon.py): set to 1 to measure without page-cache seeding.
-_NO_SEEDING_ENV: Final = "DECODEFS_NO_PAGE_CACHE_SEEDING"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -89,8 +82,6 @@ class DecodeFS(pyfuse3.Operations):
         self._uid = os.getuid()
         self._gid = os.getgid()
         self._failpoint = os.environ.get(_FAILPOINT_ENV)
-        self._seeder = PageCacheSeeder(engine.metrics)
-        self._seeding = os.environ.get(_NO_SEEDING_ENV) != "1"
 
     # -- names and attributes -----------------------------------------------
 
@@ -183,9 +174,6 @@ class DecodeFS(pyfuse3.Operations):
             recheck = flags & os.O_SYNC == os.O_SYNC
             handle = await self._engine.open(version, node.size, node.number, warm, recheck)
             self._handles[fh] = handle
-            if handle.fresh and handle.data is not None and self._seeding and not (warm or recheck):
-                # Seed the page cache: the reader's reads then need no round trip.
-                self._seeder.offer(inode, handle.data)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         status = self._tree.status_file_name(node)
         if status is None:
@@ -213,12 +201,6 @@ class DecodeFS(pyfuse3.Operations):
         handle = self._handles.pop(fh, None)
         if isinstance(handle, Handle):
             self._engine.release(handle)
-
-    def close(self) -> bool:
-        """Stop the page-cache seeder; whether it stopped. Call it while the
-        session still answers READs (a seed may wait for one), and before the
-        session is destroyed."""
-        return self._seeder.close()
 
     # -- the mount is read-only (the kernel already refuses most of these: "ro") --
 
@@ -331,81 +313,6 @@ class _DroppedRequestFilter(logging.Filter):
         return True
 
 
-class PageCacheSeeder:
-    """Pushes freshly decoded arrays into the kernel's page cache, from its own thread.
-
-    ``notify_store`` writes to /dev/fuse and the kernel locks the file's pages
-    while it copies. A reader may hold one of those pages locked while it
-    waits for a READ reply, and only the trio thread answers READs: called
-    from there, the two would wait for each other forever. Here the trio
-    thread only queues; when more than ``limit`` bytes wait, an array is not
-    seeded, and its reader's reads come to the daemon as they would anyway.
-    """
-
-    def __init__(self, metrics: Metrics, limit: int = SEED_QUEUE_BYTES) -> None:
-        self._metrics = metrics
-        self._limit = limit
-        self._queue: collections.deque[tuple[int, memoryview]] = collections.deque()
-        self._queued_bytes = 0
-        self._ready = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-
-    def offer(self, inode: int, data: memoryview) -> bool:
-        """Queue ``data`` for ``inode`` unless too much waits already. Never blocks."""
-        with self._ready:
-            if self._stopping or self._queued_bytes + len(data) > self._limit:
-                return False
-            self._queue.append((inode, data))
-            self._queued_bytes += len(data)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="decodefs-seed", daemon=True)
-                self._thread.start()
-            self._ready.notify()
-        return True
-
-    def close(self, timeout: float = 10.0) -> bool:
-        """Stop seeding; whether the thread has stopped (idempotent)."""
-        with self._ready:
-            self._stopping = True
-            self._queue.clear()
-            self._ready.notify()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue and not self._stopping:
-                    self._ready.wait()
-                if self._stopping:
-                    return
-                inode, data = self._queue.popleft()
-            try:
-                # pyfuse3 takes any contiguous buffer (its stub says bytes) and
-                # releases the GIL while the kernel copies it.
-                pyfuse3.notify_store(inode, 0, data)  # type: ignore[arg-type]
-            except OSError as exc:  # an old kernel (ENOSYS): reads then come to the daemon
-                log.debug("cannot seed the page cache of inode %d: %s", inode, exc)
-            else:
-                self._metrics.seeded_bytes += len(data)  # only this thread writes it
-            finally:
-                with self._ready:
-                    self._queued_bytes -= len(data)
-
-
-def _abort_connection(connection: int | None) -> None:
-    try:
-        if connection is None:
-            raise OSError("the connection is unknown")
-        with open(f"/sys/fs/fuse/connections/{connection}/abort", "w") as f:
-            f.write("1")
-    except OSError as exc:  # fusectl not mounted, or the connection already gone
-        log.warning("cannot abort FUSE connection %s: %s", connection, exc)
-
-
 class MountFailed(Exception):
     """The kernel refused the mount (libfuse has printed its reason on stderr)."""
 
@@ -417,7 +324,6 @@ class FuseMount:
         self._operations = operations
         self._mountpoint = mountpoint
         self._allow_other = allow_other
-        self._connection: int | None = None
 
     def mount(self) -> None:
         pyfuse3_log = logging.getLogger("pyfuse3")
@@ -431,11 +337,6 @@ class FuseMount:
             pyfuse3.init(self._operations, self._mountpoint, options)
         except RuntimeError as exc:
             raise MountFailed(str(exc)) from exc
-        # Its FUSE connection (fusectl's name for it), from the table: a stat
-        # of the mount point would wait for this very process to answer.
-        target = os.path.abspath(self._mountpoint)
-        ours = [m for m in mounts() if m.mountpoint == target and m.fstype == f"fuse.{FS_NAME}"]
-        self._connection = ours[-1].device[1] if ours else None
 
     async def serve(self) -> bool:
         """Answer requests until the kernel ends the session: an unmount, and
@@ -453,20 +354,10 @@ class FuseMount:
             aborted = True
         return aborted
 
-    def stop_seeding(self) -> None:
-        """Stop pushing arrays into the page cache (from a worker thread, while
-        the trio thread still answers the READs a seed may be waiting for)."""
-        self._operations.close()
-
     def stop(self) -> None:
         """Make ``serve`` return (call from the trio thread)."""
         pyfuse3.terminate()
 
     def close(self) -> None:
         """Unmount if still mounted, and free the session."""
-        if not self._operations.close():
-            # A seed still waits on a page whose READ nobody will answer now:
-            # abort the connection, which fails both, before freeing the session.
-            log.warning("the page-cache seeder is stuck; aborting the FUSE connection")
-            _abort_connection(self._connection)
         pyfuse3.close(unmount=True)

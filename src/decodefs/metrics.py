@@ -1,7 +1,6 @@
 """Counters and the decode-latency histogram; rendered as JSON and Prometheus text.
 
-Updated from the trio thread (the engine and fs layers), so no locks; the one
-exception, ``seeded_bytes``, is written only by the page-cache seeder's thread.
+Updated only from the trio thread (the engine and fs layers), so no locks.
 This module knows nothing of FUSE, the store layout or images.
 """
 
@@ -67,8 +66,7 @@ class Metrics:
     corrupt_entries: int = 0  # stored entries that failed verification and were rebuilt
     store_write_errors: int = 0
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
-    bytes_served: int = 0  # READ replies
-    seeded_bytes: int = 0  # arrays pushed into the page cache (written by the seeder thread)
+    bytes_served: int = 0
     background_decodes: int = 0  # decodes the daemon's own background warm ran
     direct_hits: int = 0  # arrays readers read straight from the store (read_array) and reported
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
@@ -121,7 +119,7 @@ _COUNTERS: Final = {
     "memory_fallbacks": "Arrays kept in memory because the store refused them",
     "background_decodes": "Decodes run by the background warm",
     "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",
-    "bytes_served": "Bytes delivered: READ replies and arrays pushed into the page cache",
+    "bytes_served": "Bytes delivered in READ replies",
 }
 _GAUGES: Final = {
     "store_bytes": "Bytes of stored entries",
