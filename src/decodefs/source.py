@@ -206,49 +206,59 @@ def _load_cache(version: str, path: str, key: dict[str, object], root: str) -> S
 
 
 def _check_cached(cached: dict[str, object]) -> None:
-    """Raise ValueError unless ``cached`` is an index this module could have written."""
+    """Raise ValueError unless ``cached`` is an index this module could have written.
+
+    Whole-list string operations, not a loop per original: at 370,000
+    originals this costs ~0.2 s of a ~1 s start. It guards against damage
+    and against paths outside the source; the file is the daemon's alone
+    (its owner and a 0700 directory are checked), so it does not check that
+    each uuid is its path's stem.
+    """
     uuids, relpaths, dirs = cached["uuids"], cached["relpaths"], cached["dirs"]
-    duplicates = cached["duplicates"]
     if not (isinstance(uuids, list) and isinstance(relpaths, list) and len(uuids) == len(relpaths)):
         raise ValueError("uuids and relpaths are not two lists of one length")
-    if not all(_valid_uuid(u) for u in uuids):
-        raise ValueError("a uuid is not a valid file name")
-    if any(a >= b for a, b in itertools.pairwise(uuids)):
-        raise ValueError("uuids are not sorted and unique")
-    if not all(_valid_relative(p) for p in relpaths):
-        raise ValueError("a path leads outside the source")
-    if any(
-        os.path.basename(p).rpartition(".")[0] != u for u, p in zip(uuids, relpaths, strict=True)
-    ):
-        raise ValueError("a uuid is not the stem of its path")
-    if not (isinstance(dirs, dict) and all(_valid_relative(d, allow_root=True) for d in dirs)):
-        raise ValueError("a directory leads outside the source")
-    if not all(
-        isinstance(v, list) and len(v) == 2 and all(type(n) is int for n in v)
-        for v in dirs.values()
+    if not (isinstance(dirs, dict) and isinstance(cached["duplicates"], dict)):
+        raise ValueError("dirs or duplicates is not a mapping")
+    if not all(isinstance(v, list) and len(v) == 2 for v in dirs.values()) or not all(
+        type(n) is int for v in dirs.values() for n in v
     ):
         raise ValueError("a directory's mtime and inode are not two integers")
-    if not isinstance(duplicates, dict):
-        raise ValueError("duplicates is not a mapping")
+    if _outside(_joined(list(dirs))):
+        raise ValueError("a directory leads outside the source")
+    if not uuids:
+        return
+    names = _joined(uuids)  # raises TypeError for anything but strings
+    if "/" in names or "\0." in names or _has_empty(names) or names.startswith("."):
+        raise ValueError("a uuid is not a file name decodefs lists")
+    too_long = NAME_MAX - _NPY_SUFFIX_LEN
+    if max(map(len, uuids)) * 4 > too_long and any(  # 4: the most UTF-8 bytes per character
+        len(os.fsencode(u)) > too_long for u in uuids
+    ):
+        raise ValueError("a uuid is too long for a file name")
+    if not all(map(str.__lt__, uuids, itertools.islice(uuids, 1, None))):
+        raise ValueError("uuids are not sorted and unique")
+    paths = _joined(relpaths)
+    if _outside(paths) or _has_empty(paths):
+        raise ValueError("a path leads outside the source")
 
 
-def _valid_uuid(uuid: object) -> bool:
-    return (
-        isinstance(uuid, str)
-        and bool(uuid)
-        and not uuid.startswith(".")
-        and "/" not in uuid
-        and "\0" not in uuid
-        and len(os.fsencode(uuid)) + _NPY_SUFFIX_LEN <= NAME_MAX
-    )
+def _outside(joined: str) -> bool:
+    """Whether a path of NUL-joined relative paths is absolute or has a ".." component."""
+    if joined.startswith("/") or "\0/" in joined:
+        return True
+    return "/../" in f"/{joined.replace(chr(0), '/')}/"
 
 
-def _valid_relative(path: object, allow_root: bool = False) -> bool:
-    if not isinstance(path, str) or "\0" in path:
-        return False
-    if path == "":
-        return allow_root
-    return not os.path.isabs(path) and ".." not in path.split(os.sep)
+def _has_empty(joined: str) -> bool:
+    return "\0\0" in joined or joined.startswith("\0") or joined.endswith("\0") or not joined
+
+
+def _joined(strings: list[object]) -> str:
+    """``strings`` joined by NUL; ValueError if one holds a NUL itself."""
+    joined = "\0".join(strings)  # type: ignore[arg-type]  # TypeError for a non-string
+    if joined.count("\0") != max(len(strings) - 1, 0):
+        raise ValueError("a name holds a NUL")
+    return joined
 
 
 def _save_cache(
