@@ -98,7 +98,7 @@ def measure(files: list[str], pid: int, loops: int) -> Round:
     for path in files:
         np.load(path)
     first_seconds, first_cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu
-    time.sleep(0.5)  # the seeder thread finishes; its CPU belongs to the first epoch
+    time.sleep(0.5)  # deferred work (recency updates) settles; its CPU belongs to the first epoch
     cpu, started = cpu_seconds(pid), time.perf_counter()
     for _ in range(loops):
         for path in files:
