@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
 import shutil
 import subprocess
@@ -13,9 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from decodefs.store import TRAILER_SIZE
+from decodefs import DecodeSettings, npy_bytes, read_array
+from decodefs.decode import decoder_fingerprint
+from decodefs.store import TRAILER_SIZE, EntryKey, Store
 from tests.conftest import MountFactory, Tmpfs, needs_root
-from tests.helpers import errno_of, reference_npy, write_bad_originals
+from tests.helpers import decodefs, errno_of, reference_npy, write_bad_originals
 
 
 def read(path: Path) -> bytes:
@@ -123,6 +126,35 @@ def test_corrupt_entries_are_rebuilt_never_served(
     for uuid in damaged:  # repaired on disk, too
         assert entry(uuid).read_bytes()[:-TRAILER_SIZE] == reference_npy(photos[uuid], 224)
     assert mount.log_text().count("failed verification") == len(damaged)
+
+
+def test_an_intact_entry_that_is_not_its_sizes_npy_is_rebuilt_never_served(
+    mounts: MountFactory, corpus: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    mount = mounts({"v1": corpus})
+    victim, other = sorted(photos)[:2]
+    assert mount.stop() == 0
+    # A valid trailer and checksum around a payload that is no uint8 (224, 224, 3)
+    # .npy: only the layout check stands between it and a reader.
+    forged = bytearray(npy_bytes(np.zeros((224, 224, 3), np.uint8)))
+    forged[forged.index(b"|u1") : forged.index(b"|u1") + 3] = b"|i1"
+    store = Store(tmp_path / "store", {"v1": decoder_fingerprint(DecodeSettings())})
+    store.open()
+    store.write(EntryKey("v1", 224, victim), bytes(forged))
+    store.close()
+    entry = tmp_path / "store" / "v1" / "224" / victim[:2] / f"{victim}.npy"
+
+    result = decodefs("verify", tmp_path / "store")
+    assert result.returncode == 1
+    assert f"{entry}: payload is not the expected .npy layout" in result.stdout
+
+    mount.start()
+    want = np.load(io.BytesIO(reference_npy(photos[victim], 224)))
+    assert np.array_equal(read_array(mount.path("v1", "224", f"{victim}.npy")), want)
+    assert read(mount.path("v1", "224", f"{victim}.npy")) == reference_npy(photos[victim], 224)
+    assert read(mount.path("v1", "224", f"{other}.npy")) == reference_npy(photos[other], 224)
+    assert mount.stats()["corrupt_entries"] == 1
+    assert entry.read_bytes()[:-TRAILER_SIZE] == reference_npy(photos[victim], 224)
 
 
 @needs_root

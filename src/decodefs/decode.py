@@ -31,6 +31,7 @@ __all__ = [
     "npy_bytes",
     "npy_file_size",
     "npy_header",
+    "npy_layout_problem",
     "quiet_pillow_warnings",
 ]
 
@@ -177,6 +178,17 @@ def npy_header(size: int) -> bytes:
 def npy_file_size(size: int) -> int:
     """Length of the .npy file for a (size, size, 3) uint8 array, without decoding."""
     return len(npy_header(size)) + size * size * 3
+
+
+def npy_layout_problem(data: bytes | bytearray | memoryview, size: int) -> str | None:
+    """Why ``data`` is not the .npy file of a (size, size, 3) uint8 array, or None.
+
+    Pass a memoryview of a large buffer: only its length and header are read.
+    """
+    header = npy_header(size)
+    if len(data) != npy_file_size(size) or data[: len(header)] != header:
+        return "payload is not the expected .npy layout"
+    return None
 
 
 def npy_bytes(array: npt.NDArray[np.uint8]) -> bytes:

@@ -32,7 +32,7 @@ from typing import Final, TypeVar
 import trio
 
 from .config import Config
-from .decode import DecodeError, decode_image, npy_bytes, npy_file_size, npy_header
+from .decode import DecodeError, decode_image, npy_bytes, npy_file_size, npy_layout_problem
 from .metrics import LogThrottle, Metrics
 from .pools import Job, LowPriorityPool
 from .source import OriginalMissing, SourceIndex
@@ -485,10 +485,10 @@ class Engine:
             return None, exc.reason
         if payload is None:
             return None, None
-        header = npy_header(key.size)
-        if len(payload) != npy_file_size(key.size) or payload[: len(header)] != header:
+        problem = npy_layout_problem(payload, key.size)
+        if problem is not None:
             self.store.remove(key)
-            return None, "payload is not the expected .npy layout"
+            return None, problem
         return payload, None
 
     async def _decode(self, key: EntryKey, index: int, reader: bool, flight: _Flight) -> bytes:

@@ -36,7 +36,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from .decode import npy_file_size, npy_header
+from .decode import npy_file_size, npy_header, npy_layout_problem
 from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .store import STALE, TRAILER_SIZE, EntryKey, check_entry
@@ -257,11 +257,8 @@ def _read_entry(fd: int, key: EntryKey, digest: bytes, owner: int) -> tuple[byte
         return bytearray(), str(exc)
     if got != length:
         return buffer, f"length {got}"
-    problem = check_entry(key, buffer, digest)
-    header = npy_header(key.size)
-    if problem is None and buffer[: len(header)] != header:
-        problem = "payload is not the expected .npy layout"
-    return buffer, problem
+    payload = memoryview(buffer)[: len(buffer) - TRAILER_SIZE]
+    return buffer, check_entry(key, buffer, digest) or npy_layout_problem(payload, key.size)
 
 
 def _note_problem(key: EntryKey, problem: str) -> None:
@@ -279,8 +276,7 @@ def _read_through_mount(path: str, key: EntryKey, verify_again: bool) -> npt.NDA
     with open(fd, "rb", buffering=0) as f:
         data = f.read()
     _last_problem.pop(key, None)
-    header = npy_header(key.size)
-    if len(data) == npy_file_size(key.size) and data[: len(header)] == header:
+    if npy_layout_problem(data, key.size) is None:
         return _array(bytearray(data), key.size)
     return _load_any(path)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .catalog import Catalog
-from .decode import npy_file_size, npy_header
+from .decode import npy_layout_problem
 from .store import CATALOG_FILE, STALE, TRAILER_SIZE, EntryKey, check_entry, iter_entry_files
 
 __all__ = ["VerifyReport", "recorded_digests", "verify_store"]
@@ -86,13 +86,8 @@ def _problem(key: EntryKey, path: str, digest: bytes) -> str | None:
             data = f.read()
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    problem = check_entry(key, data, digest)
-    if problem is not None:
-        return problem
-    header = npy_header(key.size)
-    if len(data) - TRAILER_SIZE != npy_file_size(key.size) or data[: len(header)] != header:
-        return "payload is not the expected .npy layout"
-    return None
+    payload = memoryview(data)[: len(data) - TRAILER_SIZE]
+    return check_entry(key, data, digest) or npy_layout_problem(payload, key.size)
 
 
 def _catalog(root: Path) -> Catalog | None:
