@@ -128,7 +128,11 @@ class Tree:
     # -- listings -----------------------------------------------------------
 
     def children(self, node: Node, start: int) -> Iterator[tuple[int, bytes, Node]]:
-        """(next offset, name, node) from offset ``start``; offsets are stable."""
+        """(next offset, name, node) from offset ``start``; offsets are stable.
+
+        For the root, the status directory and version directories; size and
+        shard directories list their arrays through ``array_rows``.
+        """
         if node == ROOT:
             names = [v.encode() for v in self._versions] + [STATUS_DIR_NAME.encode()]
             for i in range(start, len(names)):
@@ -146,18 +150,6 @@ class Tree:
             sizes = self._engine.sizes(self._versions[node.version])
             for i in range(start, len(sizes)):
                 yield i + 1, str(sizes[i]).encode(), Node(Kind.SIZE, node.version, sizes[i])
-        elif node.kind == Kind.SIZE:
-            count = self._engine.count(self._versions[node.version])
-            yield from self._entries(node, range(start, count))
-        elif node.kind == Kind.SHARD:
-            rows = self._shard_range(node)
-            yield from self._entries(node, range(max(start, rows.start), rows.stop))
-
-    def _entries(self, parent: Node, rows: range) -> Iterator[tuple[int, bytes, Node]]:
-        version = self._versions[parent.version]
-        for i in rows:
-            name = os.fsencode(self._engine.uuid_at(version, i)) + _NPY
-            yield i + 1, name, Node(Kind.ENTRY, parent.version, parent.size, i)
 
     def array_rows(self, node: Node, start: int) -> ArrayRows | None:
         """For a size or shard directory, what its listing needs from ``start``;
