@@ -267,6 +267,7 @@ def _read_stats(mountpoint: Path) -> dict[str, object]:
 
 
 def _counter(stats: dict[str, object], key: str) -> int:
+    """An integer of a stats.json snapshot; 0 if absent (an older daemon) or not one."""
     value = stats.get(key, 0)
     return value if isinstance(value, int) else 0
 
@@ -292,8 +293,7 @@ def format_stats(stats: dict[str, object]) -> str:
     """The human table printed by `decodefs stats`."""
 
     def n(key: str) -> int:
-        value = stats.get(key, 0)
-        return value if isinstance(value, int) else 0
+        return _counter(stats, key)
 
     opens = n("hits") + n("misses")
     latency = stats.get("decode_seconds")

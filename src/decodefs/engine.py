@@ -416,9 +416,7 @@ class Engine:
         # The store appends evicted keys from its threads; only we read them.
         while self.store.evicted:
             key = self.store.evicted.popleft()
-            source = self._sources.get(
-                key.version
-            )  # a version no longer configured: nothing to forget
+            source = self._sources.get(key.version)  # None: a version no longer configured
             index = source.find(key.uuid) if source is not None else None
             if index is not None:
                 self._verified_map(key.version, key.size).set(index, False)

@@ -304,8 +304,7 @@ class _Reporter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, list[bytes]] = {}
-        self._sizes: dict[str, int] = {}
+        self._pending: dict[str, bytearray] = {}  # socket address -> lines to send
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
 
@@ -314,29 +313,28 @@ class _Reporter:
             return
         line = os.fsencode(f"{key.version}\t{key.size}\t{key.uuid}\n")
         with self._lock:
-            lines = self._pending.setdefault(mount.access_socket, [])
-            lines.append(line)
-            self._sizes[mount.access_socket] = self._sizes.get(mount.access_socket, 0) + len(line)
-            full = self._sizes[mount.access_socket] >= _REPORT_BYTES
+            lines = self._pending.setdefault(mount.access_socket, bytearray())
+            lines += line
+            full = len(lines) >= _REPORT_BYTES
             due = time.monotonic() - self._last_flush >= _REPORT_SECONDS
         if full or due:
             self.flush()
 
     def flush(self) -> None:
         with self._lock:
-            pending, self._pending, self._sizes = self._pending, {}, {}
+            pending, self._pending = self._pending, {}
             self._last_flush = time.monotonic()
         if not pending:
             return
         sock = self._sock()
         for address, lines in pending.items():
             with contextlib.suppress(OSError):  # no daemon listening, or its queue is full
-                sock.sendto(b"".join(lines), address)
+                sock.sendto(lines, address)
 
     def after_fork(self) -> None:
         """In a forked child (a DataLoader worker): start afresh, sharing nothing."""
         self._lock = threading.Lock()  # another thread may have held it at the fork
-        self._pending, self._sizes = {}, {}
+        self._pending = {}
         self._last_flush = time.monotonic()
         self._socket = None
 
