@@ -34,6 +34,15 @@ def payload(seed: int = 0, size: int = 16) -> bytes:
     return npy_bytes(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
+def stored_and_closed(root: Path, uuids: list[str]) -> None:
+    """Write an entry of size 16 for each uuid (payload(i) for the i-th) and close the store."""
+    s = Store(root, {"v1": V1})
+    s.open()
+    for i, uuid in enumerate(uuids):
+        s.write(EntryKey("v1", 16, uuid), payload(i))
+    s.close()
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     s = Store(tmp_path / "store", {"v1": V1})
@@ -142,11 +151,7 @@ def test_a_store_of_another_format_is_refused(tmp_path: Path) -> None:
 
 
 def test_usage_is_counted_at_start_and_kept_current(tmp_path: Path) -> None:
-    first = Store(tmp_path / "store", {"v1": V1})
-    first.open()
-    for i in range(5):
-        first.write(EntryKey("v1", 16, f"u{i:02d}"), payload(i))
-    first.close()
+    stored_and_closed(tmp_path / "store", [f"u{i:02d}" for i in range(5)])
     entry_bytes = len(payload()) + TRAILER_SIZE
 
     s = Store(tmp_path / "store", {"v1": V1})
@@ -280,11 +285,7 @@ def test_pinned_entries_are_never_evicted(tmp_path: Path) -> None:
 
 
 def test_usage_is_known_at_once_after_a_restart(tmp_path: Path) -> None:
-    first = Store(tmp_path / "store", {"v1": V1})
-    first.open()
-    for i in range(4):
-        first.write(EntryKey("v1", 16, f"k{i}"), payload(i))
-    first.close()
+    stored_and_closed(tmp_path / "store", [f"k{i}" for i in range(4)])
     again = Store(tmp_path / "store", {"v1": V1})
     again.open()
     usage = again.usage()  # no waiting: read from the catalog
@@ -293,11 +294,7 @@ def test_usage_is_known_at_once_after_a_restart(tmp_path: Path) -> None:
 
 
 def test_a_store_without_a_catalog_is_counted_by_a_scan(tmp_path: Path) -> None:
-    first = Store(tmp_path / "store", {"v1": V1})
-    first.open()
-    for i in range(4):
-        first.write(EntryKey("v1", 16, f"k{i}"), payload(i))
-    first.close()
+    stored_and_closed(tmp_path / "store", [f"k{i}" for i in range(4)])
     for name in os.listdir(tmp_path / "store"):
         if name.startswith(".catalog"):
             os.unlink(tmp_path / "store" / name)
