@@ -22,24 +22,18 @@ import functools
 import multiprocessing
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import PIL
+from benchlib import VERSION, WORK, mounted
 
 from decodefs import DecodeSettings, decode_image, npy_bytes, read_array
 from decodefs.sample import make_sample_corpus
-
-WORK = Path(tempfile.gettempdir()) / "decodefs-bench"
-DECODEFS = [sys.executable, "-m", "decodefs"]
 
 
 def main() -> None:
@@ -99,8 +93,8 @@ def misses(
                     len(paths),
                     functools.partial(decode_all, pool, paths, args.size),
                 )
-            with mounted(originals, args.size, workers) as (mountpoint, _):
-                entries = [mountpoint / "bench" / str(args.size) / f"{p.stem}.npy" for p in paths]
+            with mounted(originals, [args.size], settings={"decode_workers": workers}) as bench:
+                entries = [bench.arrays(args.size) / f"{p.stem}.npy" for p in paths]
                 with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
                     mount = rate(len(entries), functools.partial(load_with, pool, entries))
             for name, value in (
@@ -116,10 +110,11 @@ def misses(
 def hits(
     paths: list[Path], originals: Path, args: argparse.Namespace, rates: dict[str, float]
 ) -> None:
-    with mounted(originals, args.size, args.workers) as (mountpoint, store):
-        entries = [str(mountpoint / "bench" / str(args.size) / f"{p.stem}.npy") for p in paths]
+    with mounted(originals, [args.size], settings={"decode_workers": args.workers}) as bench:
+        entries = [str(bench.arrays(args.size) / f"{p.stem}.npy") for p in paths]
         stored = [
-            str(store / "bench" / str(args.size) / p.stem[:2] / f"{p.stem}.npy") for p in paths
+            str(bench.store / VERSION / str(args.size) / p.stem[:2] / f"{p.stem}.npy")
+            for p in paths
         ]
         for path in entries:
             np.load(path)  # decode, store, and fill the mount's page cache
@@ -179,28 +174,6 @@ def _load_for(files: list[str], seconds: float) -> int:
             np.load(path)
         count += len(files)
     return count
-
-
-@contextmanager
-def mounted(originals: Path, size: int, workers: int) -> Iterator[tuple[Path, Path]]:
-    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
-    mountpoint, store = run_dir / "mnt", run_dir / "store"
-    mountpoint.mkdir()
-    config = run_dir / "config.toml"
-    config.write_text(
-        f'store = "{store}"\ndecode_workers = {workers}\n'
-        f'[versions.bench]\nsource = "{originals}"\nsizes = [{size}]\n'
-    )
-    subprocess.run(
-        [*DECODEFS, "mount", mountpoint, "--config", config, "--log-file", run_dir / "daemon.log"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        yield mountpoint, store
-    finally:
-        subprocess.run([*DECODEFS, "umount", mountpoint], check=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def rate(items: int, work: Callable[[], object]) -> float:

@@ -17,24 +17,18 @@ Figures are the medians and the ranges over the rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import numpy as np
+from benchlib import WORK, BenchMount
 
 from decodefs.sample import make_sample_corpus
 
-WORK = Path(tempfile.gettempdir()) / "decodefs-bench"
-DECODEFS = [sys.executable, "-m", "decodefs"]
 TICK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
@@ -57,40 +51,26 @@ def main() -> None:
     args = parser.parse_args()
     originals = WORK / "originals-640x480"
     make_sample_corpus(originals, args.count, 640, 480, seed=2)
-    WORK.mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix="daemon-", dir=WORK))
+    bench = BenchMount(originals, [args.size])
     try:
-        config = run_dir / "config.toml"
-        config.write_text(
-            f'store = "{run_dir / "store"}"\n'
-            f'[versions.bench]\nsource = "{originals}"\nsizes = [{args.size}]\n'
-        )
-        daemon = Daemon(run_dir / "mnt", config, run_dir / "daemon.log", args.size)
-        daemon.run(lambda files, pid: [np.load(f) for f in files])  # fill the store
-        rounds = [daemon.run(lambda f, p: measure(f, p, args.loops)) for _ in range(args.rounds)]
+        mounted_run(bench, args.size, lambda files, pid: [np.load(f) for f in files])  # fill
+        rounds = [
+            mounted_run(bench, args.size, lambda f, p: measure(f, p, args.loops))
+            for _ in range(args.rounds)
+        ]
         print(render(rounds, args))
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        bench.remove()
 
 
-class Daemon:
-    def __init__(self, mountpoint: Path, config: Path, log: Path, size: int) -> None:
-        self.mountpoint, self.config, self.log, self.size = mountpoint, config, log, size
-        mountpoint.mkdir(exist_ok=True)
-
-    def run(self, work: Callable[[list[str], int], T]) -> T:
-        """Mount, run ``work(files, daemon pid)``, unmount."""
-        subprocess.run(
-            [*DECODEFS, "mount", self.mountpoint, "--config", self.config, "--log-file", self.log],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        try:
-            status = json.loads((self.mountpoint / ".decodefs" / "stats.json").read_bytes())
-            directory = self.mountpoint / "bench" / str(self.size)
-            return work(sorted(str(p) for p in directory.iterdir()), int(status["pid"]))
-        finally:
-            subprocess.run([*DECODEFS, "umount", self.mountpoint], check=False, capture_output=True)
+def mounted_run(bench: BenchMount, size: int, work: Callable[[list[str], int], T]) -> T:
+    """Mount a fresh daemon, run ``work(its arrays of size, its pid)``, unmount."""
+    bench.mount()
+    try:
+        files = sorted(str(p) for p in bench.arrays(size).iterdir())
+        return work(files, int(bench.stats()["pid"]))
+    finally:
+        bench.unmount()
 
 
 def measure(files: list[str], pid: int, loops: int) -> Round:

@@ -16,16 +16,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
+from benchlib import WORK, BenchMount
+
 from decodefs.config import DEFAULT_EXTENSIONS
 from decodefs.source import scan_source
-
-WORK = Path(tempfile.gettempdir()) / "decodefs-bench"
-DECODEFS = [sys.executable, "-m", "decodefs"]
 
 
 def main() -> None:
@@ -44,14 +42,8 @@ def main() -> None:
     scan_seconds = time.perf_counter() - started
     assert len(index) == args.count, len(index)
 
-    run_dir = Path(tempfile.mkdtemp(prefix="scale-", dir=WORK))
-    mountpoint = run_dir / "mnt"
-    mountpoint.mkdir()
-    config = run_dir / "config.toml"
-    store = run_dir / "store"
-    config.write_text(
-        f'store = "{store}"\nsizes = [224, 128, 64]\n[versions.big]\nsource = "{source}"\n'
-    )
+    sizes = (224, 128, 64)
+    bench = BenchMount(source, sizes)
     rows = [
         (
             "index build (scan_source, no cache)",
@@ -62,7 +54,7 @@ def main() -> None:
     try:
         for label in ("mount ready, first start (no cached index)", "mount ready, cached index"):
             started = time.perf_counter()
-            mount(mountpoint, config, run_dir)
+            bench.mount()
             rows.append(
                 (
                     label,
@@ -71,11 +63,11 @@ def main() -> None:
                 )
             )
             if "first" in label:
-                unmount(mountpoint)
+                bench.unmount()
 
         started = time.perf_counter()
         listing = subprocess.run(
-            ["ls", "-f", str(mountpoint / "big" / "224")], capture_output=True, check=True
+            ["ls", "-f", str(bench.arrays(sizes[0]))], capture_output=True, check=True
         )
         ls_seconds = time.perf_counter() - started
         entries = listing.stdout.count(b"\n")
@@ -84,14 +76,9 @@ def main() -> None:
             (f"ls -f of a {args.count:,}-entry size directory", f"{ls_seconds:.2f} s", "<= 3 s")
         )
 
-        for size in ("224", "128", "64"):
-            subprocess.run(
-                ["ls", "-l", str(mountpoint / "big" / size)], capture_output=True, check=True
-            )
-        pid = int(
-            (mountpoint / ".decodefs" / "stats.json").read_text().split('"pid": ')[1].split(",")[0]
-        )
-        rss = rss_mib(pid)
+        for size in sizes:
+            subprocess.run(["ls", "-l", str(bench.arrays(size))], capture_output=True, check=True)
+        rss = rss_mib(int(bench.stats()["pid"]))
         rows.append(
             (
                 f"daemon RSS, {args.count:,} originals x 3 sizes listed",
@@ -100,8 +87,7 @@ def main() -> None:
             )
         )
     finally:
-        unmount(mountpoint)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        bench.remove()
 
     print(f"{args.count:,} originals in {args.dirs} directories; Python {sys.version.split()[0]}\n")
     print("| figure | measured | target |")
@@ -124,26 +110,6 @@ def make_tree(root: Path, count: int, dirs: int) -> Path:
         os.close(fd)
     done.touch()
     return root
-
-
-def mount(mountpoint: Path, config: Path, run_dir: Path) -> None:
-    subprocess.run(
-        [
-            *DECODEFS,
-            "mount",
-            str(mountpoint),
-            "--config",
-            str(config),
-            "--log-file",
-            str(run_dir / "daemon.log"),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-
-
-def unmount(mountpoint: Path) -> None:
-    subprocess.run([*DECODEFS, "umount", str(mountpoint)], check=False, capture_output=True)
 
 
 def rss_mib(pid: int) -> float:

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import json
 import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,14 +26,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import PIL
+from benchlib import DECODEFS, VERSION, WORK, BenchMount, mounted
 
 from decodefs import decode_image, npy_bytes
 from decodefs.decode import npy_file_size
 from decodefs.sample import make_sample_corpus
 from decodefs.store import TRAILER_SIZE
-
-WORK = Path(tempfile.gettempdir()) / "decodefs-bench"
-DECODEFS = [sys.executable, "-m", "decodefs"]
 
 
 def main() -> None:
@@ -75,15 +71,17 @@ def warm_table(args: argparse.Namespace) -> str:
         list(pool.map(lambda p: npy_bytes(decode_image(p, 224)), paths))
     bare = len(paths) / (time.perf_counter() - started)
 
-    with mounted(originals, workers) as (mountpoint, _):
+    with mounted(originals, [224], settings={"decode_workers": workers}) as bench:
         started = time.perf_counter()
-        result = run(*DECODEFS, "warm", mountpoint, "bench", "224", "--jobs", str(workers))
+        result = run(*DECODEFS, "warm", bench.mountpoint, VERSION, "224", "--jobs", str(workers))
         cli = len(paths) / (time.perf_counter() - started)
         assert f"warmed {len(paths)} of {len(paths)}" in result, result
 
-    with mounted(originals, workers, warm=True) as (mountpoint, _):
+    with mounted(
+        originals, [224], settings={"decode_workers": workers}, version_settings={"warm": True}
+    ) as bench:
         started = time.perf_counter()
-        while stats(mountpoint)["background_decodes"] < len(paths):
+        while bench.stats()["background_decodes"] < len(paths):
             time.sleep(0.05)  # each poll is a request the daemon answers between decodes
         background = len(paths) / (time.perf_counter() - started)
 
@@ -125,22 +123,25 @@ def eviction_table(args: argparse.Namespace) -> str:
     for label, limit in [("uncapped", None), (f"capped at {args.cap_entries} entries", cap)]:
         with (
             private_tmpfs() as fs,
-            mounted(originals, args.workers, store=fs / "store", max_store_bytes=limit) as (
-                mountpoint,
-                store,
-            ),
+            mounted(
+                originals,
+                [224],
+                store=fs / "store",
+                settings={"decode_workers": args.workers}
+                | ({} if limit is None else {"max_store_bytes": limit}),
+            ) as bench,
         ):
-            peak, seconds = stream_misses(mountpoint, fs, store, readers=4)
+            peak, seconds = stream_misses(bench, fs, readers=4)
             rate = args.stream / seconds
             uncapped_rate = uncapped_rate or rate
-            info = stats(mountpoint)
+            info = bench.stats()
             lines.append(
                 row(
                     label,
                     f"{rate:.1f}",
                     f"{rate / uncapped_rate:.2f}x",
                     f"{peak:,}",
-                    f"{entries_on_disk(fs, store):,}",
+                    f"{entries_on_disk(fs, bench.store):,}",
                     f"{info['evictions']:,}",
                     f"{info['store_write_errors']:,}",
                 )
@@ -150,9 +151,10 @@ def eviction_table(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def stream_misses(mountpoint: Path, fs: Path, store: Path, readers: int) -> tuple[int, float]:
+def stream_misses(bench: BenchMount, fs: Path, readers: int) -> tuple[int, float]:
     """Read every array once from ``readers`` threads; (peak bytes of entries on disk, seconds)."""
-    entries = sorted((mountpoint / "bench" / "224").iterdir())
+    store = bench.store
+    entries = sorted(bench.arrays(224).iterdir())
     stop = threading.Event()
     peak = [0]
 
@@ -196,44 +198,8 @@ def private_tmpfs() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@contextmanager
-def mounted(
-    originals: Path,
-    workers: int,
-    warm: bool = False,
-    max_store_bytes: int | None = None,
-    store: Path | None = None,
-) -> Iterator[tuple[Path, Path]]:
-    run_dir = Path(tempfile.mkdtemp(prefix="service-", dir=WORK))
-    mountpoint = run_dir / "mnt"
-    store = store or run_dir / "store"
-    mountpoint.mkdir()
-    config = run_dir / "config.toml"
-    lines = [f'store = "{store}"', f"decode_workers = {workers}"]
-    if max_store_bytes is not None:
-        lines.append(f"max_store_bytes = {max_store_bytes}")
-    lines += [
-        "[versions.bench]",
-        f'source = "{originals}"',
-        "sizes = [224]",
-        f"warm = {str(warm).lower()}",
-    ]
-    config.write_text("\n".join(lines) + "\n")
-    run(*DECODEFS, "mount", mountpoint, "--config", config, "--log-file", run_dir / "daemon.log")
-    try:
-        yield mountpoint, store
-    finally:
-        subprocess.run([*DECODEFS, "umount", str(mountpoint)], check=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def row(*cells: str) -> str:
     return "| " + " | ".join(cells) + " |"
-
-
-def stats(mountpoint: Path) -> dict[str, int]:
-    data: dict[str, int] = json.loads((mountpoint / ".decodefs" / "stats.json").read_bytes())
-    return data
 
 
 def run(*command: object) -> str:

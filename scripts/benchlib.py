@@ -1,0 +1,103 @@
+"""What the benchmark scripts share: their work directory and a daemon run through the CLI.
+
+A ``BenchMount`` is a fresh run directory under WORK holding a config for one
+version named ``bench``, its mount point and (unless given) its store. It is
+mounted and unmounted with ``decodefs mount`` / ``decodefs umount``, as a user
+would, as often as a benchmark needs; ``mounted`` does it once and cleans up.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Final
+
+__all__ = ["DECODEFS", "VERSION", "WORK", "BenchMount", "mounted"]
+
+WORK: Final = Path(tempfile.gettempdir()) / "decodefs-bench"
+DECODEFS: Final = [sys.executable, "-m", "decodefs"]
+VERSION: Final = "bench"
+
+
+class BenchMount:
+    def __init__(
+        self,
+        source: Path,
+        sizes: Sequence[int],
+        store: Path | None = None,
+        settings: Mapping[str, object] | None = None,
+        version_settings: Mapping[str, object] | None = None,
+    ) -> None:
+        """``settings``: top-level config keys; ``version_settings``: keys of the version."""
+        WORK.mkdir(parents=True, exist_ok=True)
+        self.directory = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
+        self.mountpoint = self.directory / "mnt"
+        self.mountpoint.mkdir()
+        self.store = store or self.directory / "store"
+        self.config = self.directory / "config.toml"
+        top = {"store": self.store, **(settings or {})}
+        version = {"source": source, "sizes": list(sizes), **(version_settings or {})}
+        self.config.write_text(
+            "".join(f"{k} = {_toml(v)}\n" for k, v in top.items())
+            + f"[versions.{VERSION}]\n"
+            + "".join(f"{k} = {_toml(v)}\n" for k, v in version.items())
+        )
+
+    def mount(self) -> None:
+        log = self.directory / "daemon.log"
+        subprocess.run(
+            [*DECODEFS, "mount", self.mountpoint, "--config", self.config, "--log-file", log],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+    def unmount(self) -> None:
+        subprocess.run([*DECODEFS, "umount", self.mountpoint], check=False, capture_output=True)
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = json.loads(
+            (self.mountpoint / ".decodefs" / "stats.json").read_bytes()
+        )
+        return stats
+
+    def arrays(self, size: int) -> Path:
+        """The mount's directory of the version's arrays of ``size``."""
+        return self.mountpoint / VERSION / str(size)
+
+    def remove(self) -> None:
+        """Unmount if mounted, and delete the run directory (and a store inside it)."""
+        self.unmount()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@contextmanager
+def mounted(
+    source: Path,
+    sizes: Sequence[int],
+    store: Path | None = None,
+    settings: Mapping[str, object] | None = None,
+    version_settings: Mapping[str, object] | None = None,
+) -> Iterator[BenchMount]:
+    """A fresh BenchMount, mounted; unmounted and removed afterwards."""
+    bench = BenchMount(source, sizes, store, settings, version_settings)
+    try:
+        bench.mount()
+        yield bench
+    finally:
+        bench.remove()
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(str(value))  # a basic TOML string: JSON escapes are TOML escapes
