@@ -6,7 +6,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
 
-"$VENV/bin/ruff" check src tests scripts
-"$VENV/bin/ruff" format --check src tests scripts
+"$VENV/bin/ruff" check decodefs tests scripts
+"$VENV/bin/ruff" format --check decodefs tests scripts
 "$VENV/bin/mypy"
 "$VENV/bin/pytest" "$@"
