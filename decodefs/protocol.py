@@ -1,0 +1,138 @@
+"""What the daemon and every client agree on, defined once: names, flags, byte layouts.
+
+Both sides import this module (the daemon's fs, engine and store layers; the
+client's read_array, warm and CLI), and a reader in another language follows
+the README section that restates it. A change here is a change of the
+on-disk or on-wire format: bump the number that says so (``STORE_FORMAT``,
+``inodes.INODE_LAYOUT``). This module imports nothing of decodefs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Iterator, Mapping
+from typing import Final, NamedTuple
+
+__all__ = [
+    "ACCESS_REPORT_MAX",
+    "ACCESS_SOCKET",
+    "CONFIG_FILE",
+    "FS_NAME",
+    "FS_TYPE",
+    "METRICS_FILE",
+    "RECHECK_FLAG",
+    "STATS_FILE",
+    "STATUS_DIR",
+    "STATUS_FILES",
+    "STORE_FILE",
+    "STORE_FORMAT",
+    "TRAILER",
+    "TRAILER_MAGIC",
+    "TRAILER_SIZE",
+    "WARM_FLAG",
+    "OpenRequest",
+    "StoreStatus",
+    "encode_access",
+    "parse_access_report",
+]
+
+# -- the mount -------------------------------------------------------------------------
+
+FS_NAME: Final = "decodefs"  # the mount's fsname and subtype
+FS_TYPE: Final = f"fuse.{FS_NAME}"  # as /proc/self/mountinfo names a decodefs mount
+
+# -- status files: <mount>/.decodefs/<name> -----------------------------------------------
+
+STATUS_DIR: Final = ".decodefs"
+STATS_FILE: Final = "stats.json"  # live counters (JSON)
+METRICS_FILE: Final = "metrics"  # the same, in Prometheus text format
+CONFIG_FILE: Final = "config.json"  # the effective config
+STORE_FILE: Final = "store.json"  # where the store is, for read_array (see reader.py)
+STATUS_FILES: Final = (STATS_FILE, METRICS_FILE, CONFIG_FILE, STORE_FILE)
+
+
+
+class StoreStatus(NamedTuple):
+    """The content of store.json: what read_array needs to read the store directly."""
+
+    store: str  # the store directory
+    digests: Mapping[str, str]  # version -> the decoder fingerprint its entries carry (hex)
+    version_order: tuple[str, ...]  # versions by their index in inode numbers
+    inode_layout: int  # inodes.INODE_LAYOUT of the daemon
+    min_size: int
+    max_size: int
+    access_socket: str | None  # where to report direct hits (None: nowhere)
+
+    def to_json(self) -> bytes:
+        value = {
+            "store": self.store,
+            "versions": dict(self.digests),
+            "version_order": list(self.version_order),
+            "inode_layout": self.inode_layout,
+            "sizes": {"min": self.min_size, "max": self.max_size},
+            "access_socket": self.access_socket,
+        }
+        return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StoreStatus:
+        """Raises ValueError (or KeyError, TypeError) for anything this daemon did not write."""
+        value = json.loads(data)
+        socket = value.get("access_socket")
+        return cls(
+            store=str(value["store"]),
+            digests={str(v): str(d) for v, d in value["versions"].items()},
+            version_order=tuple(str(v) for v in value["version_order"]),
+            inode_layout=int(value["inode_layout"]),
+            min_size=int(value["sizes"]["min"]),
+            max_size=int(value["sizes"]["max"]),
+            access_socket=None if socket is None else str(socket),
+        )
+
+
+# -- open flags on an array: requests to the daemon ---------------------------------------
+
+WARM_FLAG: Final = os.O_NONBLOCK  # "store it ahead of training": low priority, never evicts
+RECHECK_FLAG: Final = os.O_SYNC  # "check the stored entry again": a reader found it damaged
+
+
+class OpenRequest(NamedTuple):
+    warm: bool
+    recheck: bool
+
+    @classmethod
+    def from_flags(cls, flags: int) -> OpenRequest:
+        # O_SYNC includes O_DSYNC's bit: all of it must be set.
+        return cls(bool(flags & WARM_FLAG), flags & RECHECK_FLAG == RECHECK_FLAG)
+
+
+# -- the entry trailer: every store entry is .npy bytes + this -----------------------------
+
+STORE_FORMAT: Final = 1
+TRAILER_MAGIC: Final = b"DCFS"
+# magic, format, decoder fingerprint (16 bytes), payload length, xxh3-64 of the payload
+# seeded with xxh3-64 of "<version>/<size>/<uuid>" (see entry.py).
+TRAILER: Final = struct.Struct("<4sI16sQQ")
+TRAILER_SIZE: Final = TRAILER.size
+
+# -- the access report: read_array tells the daemon about hits it read directly -------------
+
+ACCESS_SOCKET: Final = ".access.sock"  # in the store; a unix datagram socket
+ACCESS_REPORT_MAX: Final = 65536  # bytes per datagram the daemon reads
+_CANONICAL_SIZE: Final = re.compile(rb"[1-9][0-9]{0,4}")
+
+
+def encode_access(version: str, size: int, uuid: str) -> bytes:
+    """One report line: ``version<TAB>size<TAB>uuid<LF>`` (names as file-system bytes)."""
+    return b"%s\t%d\t%s\n" % (os.fsencode(version), size, os.fsencode(uuid))
+
+
+def parse_access_report(report: bytes) -> Iterator[tuple[str, int, str]]:
+    """The well-formed lines of a datagram; anything else is skipped (anyone may send)."""
+    for line in report.splitlines():
+        fields = line.split(b"\t")
+        if len(fields) == 3 and _CANONICAL_SIZE.fullmatch(fields[1]) is not None:
+            yield os.fsdecode(fields[0]), int(fields[1]), os.fsdecode(fields[2])
