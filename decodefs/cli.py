@@ -190,7 +190,13 @@ def _warm(args: argparse.Namespace) -> int:
         raise UsageError(f"{directory} does not exist (is decodefs mounted, with that version?)")
     uuids = read_uuid_list(args.uuids) if args.uuids else None
     before = _read_stats(args.mountpoint)
-    report = warm(directory, uuids, max(1, args.jobs), progress=sys.stderr.isatty())
+    report = warm(
+        directory,
+        uuids,
+        max(1, args.jobs),
+        progress=sys.stderr.isatty(),
+        refusals=lambda: _counter(_read_stats(args.mountpoint), "warm_not_stored"),
+    )
     after = _read_stats(args.mountpoint)
     decoded = _counter(after, "decodes") - _counter(before, "decodes")
     rate = report.done / report.seconds if report.seconds else 0.0

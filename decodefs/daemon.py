@@ -28,11 +28,21 @@ import trio
 from .config import Config
 from .decode import decoder_fingerprint, quiet_pillow_warnings
 from .engine import Engine
-from .fs import FS_NAME, DecodeFS, FuseMount, MountFailed
+from .fs import DecodeFS, FuseMount, MountFailed
 from .inodes import INODE_LAYOUT
 from .metrics import LogThrottle, render_prometheus
 from .mountinfo import MountInfo, mounts
 from .notify import ServiceNotifier
+from .protocol import (
+    ACCESS_REPORT_MAX,
+    CONFIG_FILE,
+    FS_TYPE,
+    METRICS_FILE,
+    STATS_FILE,
+    STATUS_DIR,
+    STORE_FILE,
+    StoreStatus,
+)
 from .source import scan_source
 from .store import Store
 from .tree import Tree
@@ -141,7 +151,7 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
     info = find_mount(mountpoint)
     if info is None:
         raise MountError(f"{mountpoint} is not mounted")
-    pid = _daemon_pid(mountpoint) if info.fstype == f"fuse.{FS_NAME}" and not lazy else None
+    pid = _daemon_pid(mountpoint) if info.fstype == FS_TYPE and not lazy else None
     command = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
@@ -170,6 +180,7 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
         {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()},
         max_bytes=config.max_store_bytes,
         min_free_fraction=config.min_free_fraction,
+        shared=config.allow_other,
     )
     store.open()
     try:
@@ -181,23 +192,22 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
         }
         engine = Engine(config, sources, store)
         access_socket = store.access_socket_path()
+        status = StoreStatus(
+            store=store.root,
+            digests=store.digests(),
+            version_order=engine.version_names,  # as inode numbers index them
+            inode_layout=INODE_LAYOUT,
+            min_size=config.min_size,
+            max_size=config.max_size,
+            access_socket=access_socket,
+        )
         status_files: dict[str, Callable[[], bytes]] = {
-            "stats.json": lambda: _json(
+            STATS_FILE: lambda: _json(
                 {**engine.stats(), "pid": os.getpid(), "mountpoint": mountpoint}
             ),
-            "metrics": lambda: render_prometheus(engine.stats()),
-            "config.json": lambda: _json(config.as_dict()),
-            # What read_array() needs to read the store directly (reader.py).
-            "store.json": lambda: _json(
-                {
-                    "store": store.root,
-                    "versions": store.digests(),
-                    "version_order": list(engine.version_names),  # as inode numbers index them
-                    "inode_layout": INODE_LAYOUT,
-                    "sizes": {"min": config.min_size, "max": config.max_size},
-                    "access_socket": access_socket,
-                }
-            ),
+            METRICS_FILE: lambda: render_prometheus(engine.stats()),
+            CONFIG_FILE: lambda: _json(config.as_dict()),
+            STORE_FILE: status.to_json,  # what read_array() needs (reader.py)
         }
         operations = DecodeFS(Tree(engine, list(status_files)), engine, status_files)
         fuse = FuseMount(operations, mountpoint, allow_other=config.allow_other)
@@ -230,6 +240,7 @@ async def _serve(
         nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier)
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
+        nursery.start_soon(engine.watch_store_forever)
         if access_socket is not None:
             nursery.start_soon(_receive_direct_hits, engine, access_socket)
         aborted = await fuse.serve()
@@ -258,7 +269,7 @@ async def _receive_direct_hits(engine: Engine, path: str) -> None:
         try:
             while True:
                 try:
-                    engine.note_direct_hits(await sock.recv(65536))
+                    engine.note_direct_hits(await sock.recv(ACCESS_REPORT_MAX))
                 except Exception as exc:  # a report orders the LRU: never worth the daemon
                     throttle.log(logging.ERROR, "direct-hits", "direct-hit report: %r", exc)
                     await trio.sleep(0.1)  # a socket that keeps failing must not spin
@@ -372,7 +383,7 @@ def _raise_open_file_limit() -> None:
 
 def _daemon_pid(mountpoint: str) -> int | None:
     try:
-        with open(os.path.join(mountpoint, ".decodefs", "stats.json"), "rb") as f:
+        with open(os.path.join(mountpoint, STATUS_DIR, STATS_FILE), "rb") as f:
             pid = json.load(f).get("pid")
     except (OSError, ValueError):
         return None

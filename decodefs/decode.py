@@ -180,13 +180,11 @@ def npy_file_size(size: int) -> int:
     return len(npy_header(size)) + size * size * 3
 
 
-def npy_layout_problem(data: bytes | bytearray | memoryview, size: int) -> str | None:
-    """Why ``data`` is not the .npy file of a (size, size, 3) uint8 array, or None.
-
-    Pass a memoryview of a large buffer: only its length and header are read.
-    """
+def npy_layout_problem(head: bytes | bytearray | memoryview, length: int, size: int) -> str | None:
+    """Why a file of ``length`` bytes starting with ``head`` is not the .npy file of
+    a (size, size, 3) uint8 array, or None. ``head`` may be the whole file."""
     header = npy_header(size)
-    if len(data) != npy_file_size(size) or data[: len(header)] != header:
+    if length != npy_file_size(size) or bytes(head[: len(header)]) != header:
         return "payload is not the expected .npy layout"
     return None
 

@@ -1,9 +1,9 @@
 """Caching policy: a stored hit, or one decode per key, stored; never a failure it can avoid.
 
-``Engine.open`` returns a Handle for one array: verified store entry, freshly
-decoded bytes, or bytes kept in a bounded memory cache when the store cannot
-take them. All policy lives here; the fs layer only translates FUSE requests,
-and this module never imports pyfuse3.
+``Engine.open`` returns a Handle for one array: a verified store entry (read
+from its file), or an array held in memory when the store cannot take it.
+All policy lives here; the fs layer only translates FUSE requests, and this
+module never imports pyfuse3.
 
 Concurrency: everything here runs on the trio thread, so the engine's own
 state needs no locks. Blocking work goes to worker threads: readers' decodes
@@ -15,38 +15,53 @@ slow writes. ``_flights`` is the single-flight map: one task per key does the
 work, every other opener of that key waits for its result (a reader waiting
 on a warm decode boosts it). Every open handle and every flight pins its key
 in the store, so eviction never removes a file someone relies on.
+
+Memory: a stored array is served from its file, never held. Every array in
+memory (a decode in flight, an array the store refused) counts against one
+budget (memory.py); when it is spent, new decodes wait.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import logging
 import math
-import os
-import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
+import cachetools
 import trio
 
 from .config import Config
 from .decode import DecodeError, decode_image, npy_bytes, npy_file_size, npy_layout_problem
+from .entry import EntryKey
+from .memory import HeldArray, MemoryBudget, MemoryCache
 from .metrics import LogThrottle, Metrics
 from .pools import Job, LowPriorityPool
+from .protocol import parse_access_report
 from .source import OriginalMissing, SourceIndex
-from .store import CorruptEntry, EntryKey, Store, StoreReadError, StoreWriteError
+from .store import CorruptEntry, Store, StoreReadError, StoreWriteError
 
-__all__ = ["Engine", "Handle", "NotStored", "OriginalNotFound", "OriginalUndecodable"]
+__all__ = [
+    "ACCESS_FLUSH_SECONDS",
+    "STORE_CHECK_SECONDS",
+    "Engine",
+    "Handle",
+    "NotStored",
+    "OriginalNotFound",
+    "OriginalUndecodable",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _FAILURE_CACHE_MAX: Final = 100_000
 ACCESS_FLUSH_SECONDS: Final = 30.0
+STORE_CHECK_SECONDS: Final = 5.0
 _MAX_PENDING_ACCESSES: Final = 1_000_000  # ~200 MB at most between two flushes
-_CANONICAL_SIZE: Final = re.compile(rb"[1-9][0-9]{0,4}")
 _WARM_STOPS: Final = (
     "background warm of %s stops: the store takes no more without evicting what readers use"
 )
@@ -68,23 +83,34 @@ class NotStored(Exception):
         self.kind = kind
 
 
+class Purpose(enum.Enum):
+    """Why an array is acquired: it decides priority, eviction and what is counted."""
+
+    READ = "read"  # a reader waits for it: full priority, may evict
+    WARM_REQUEST = "warm request"  # an O_NONBLOCK open (decodefs warm): low priority, never evicts
+    BACKGROUND = "background warm"  # the daemon's own warm: low priority, never evicts
+
+
 @dataclass
 class Handle:
-    """One open array, pinned in the store until released. ``data`` is set when the
-    bytes are already in memory; otherwise reads come from the store entry,
-    verified earlier in this daemon's life."""
+    """One open array, pinned in the store until released. ``held`` is set when the
+    bytes are in memory; otherwise reads come from the store entry, verified
+    earlier in this daemon's life."""
 
     key: EntryKey
     length: int
-    data: memoryview | None = None
+    held: HeldArray | None = None
 
 
 @dataclass(frozen=True)
 class _Outcome:
-    data: memoryview
+    held: HeldArray | None  # the bytes, when the store did not take them (one hold for the flight)
     decoded: bool  # a decode ran for it (a miss), rather than a verified stored hit
-    stored: bool  # it is on flash, so later opens may read the store file
     refused: str | None = None  # why the store would not take it (an errno name)
+
+    @property
+    def stored(self) -> bool:
+        return self.held is None
 
 
 @dataclass
@@ -93,6 +119,7 @@ class _Flight:
     outcome: _Outcome | None = None
     error: Exception | None = None
     job: Job[tuple[bytes, float]] | None = None  # a warm decode, which a reader may boost
+    waiters: int = 0  # openers waiting for the outcome, each to get its own hold
 
 
 class _Bitmap:
@@ -111,36 +138,6 @@ class _Bitmap:
             self._bits[index >> 3] &= ~(1 << (index & 7)) & 0xFF
 
 
-class _MemoryCache:
-    """Bounded LRU of arrays the store could not take."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.bytes = 0
-        self._items: OrderedDict[EntryKey, memoryview] = OrderedDict()
-
-    def get(self, key: EntryKey) -> memoryview | None:
-        data = self._items.get(key)
-        if data is not None:
-            self._items.move_to_end(key)
-        return data
-
-    def put(self, key: EntryKey, data: memoryview) -> None:
-        if len(data) > self.limit:
-            return  # served to its readers from their handles, not kept
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.bytes -= len(old)
-        self._items[key] = data
-        self.bytes += len(data)
-        while self.bytes > self.limit:
-            _, evicted = self._items.popitem(last=False)
-            self.bytes -= len(evicted)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class Engine:
     def __init__(
         self,
@@ -148,12 +145,15 @@ class Engine:
         sources: Mapping[str, SourceIndex],
         store: Store,
         metrics: Metrics | None = None,
+        *,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
         self.store = store
         self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
         self._sources = sources
+        self._clock = clock
         self._decode_limiter = trio.CapacityLimiter(config.decode_workers)
         # Decode threads are capped by _decode_limiter; their trio limiter must not cap them again.
         self._pool_threads = trio.CapacityLimiter(math.inf)
@@ -164,8 +164,13 @@ class Engine:
         self._flights: dict[EntryKey, _Flight] = {}
         # (version, size) -> a bit per original, set once verified in this daemon's life.
         self._verified: dict[tuple[str, int], _Bitmap] = {}
-        self._memory = _MemoryCache(config.memory_cache_bytes)
-        self._failures: dict[EntryKey, tuple[float, str]] = {}
+        self._store_generation = store.generation
+        self.memory = MemoryBudget(config.memory_cache_bytes)
+        self._memory_cache = MemoryCache(self.memory)
+        # Originals that failed to decode, answered EIO until their entry expires.
+        self._failures: cachetools.TTLCache[EntryKey, str] = cachetools.TTLCache(
+            maxsize=_FAILURE_CACHE_MAX, ttl=config.error_cache_seconds, timer=clock
+        )
         self._throttle = LogThrottle(log)
 
     # -- the namespace, for the fs layer ------------------------------------
@@ -202,56 +207,58 @@ class Engine:
     # -- arrays -------------------------------------------------------------
 
     async def open(
-        self, version: str, size: int, index: int, warm: bool = False, recheck: bool = False
+        self, version: str, size: int, index: int, *, warm: bool = False, recheck: bool = False
     ) -> Handle:
         """A handle for the array of original ``index``; decodes at most once per key.
 
         Raises OriginalNotFound or OriginalUndecodable; never a store problem.
         The handle pins the entry until ``release``. A ``warm`` request (a
-        client filling the cache, not reading) decodes at low priority, never
-        evicts, and raises NotStored if the store will not take the array.
-        ``recheck`` verifies the stored entry again even if it was verified
-        earlier in this daemon's life (a reader found it damaged). Any user
-        may ask: a recheck reads and hashes the file once, as reading it
+        client filling the cache, not reading) decodes at low priority and
+        never evicts; if the store will not take the array, the handle still
+        serves it (a reader must never fail for the flag) and ``warm_not_stored``
+        counts it. ``recheck`` verifies the stored entry again even if it was
+        verified earlier in this daemon's life (a reader found it damaged). Any
+        user may ask: a recheck reads and hashes the file once, as reading it
         would, joins one already running for the key, and waits for a store
         read slot, so a flood of them costs no more than a flood of reads.
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:
             self._verified_map(version, size).set(index, False)
-        self.store.pin(key)
+        self.store.capacity.pin(key)
         try:
-            return await self._open_pinned(key, index, warm)
+            return await self._open_pinned(
+                key, index, Purpose.WARM_REQUEST if warm else Purpose.READ
+            )
         except BaseException:
-            self.store.unpin(key)
+            self.store.capacity.unpin(key)
             raise
 
     def close(self) -> None:
         self._warm_pool.shutdown()
 
     def release(self, handle: Handle) -> None:
-        self.store.unpin(handle.key)
+        if handle.held is not None:
+            handle.held.release()
+            handle.held = None
+        self.store.capacity.unpin(handle.key)
 
     def note_direct_hits(self, report: bytes) -> None:
-        """Hits that readers read straight from the store ("version\tsize\tuuid" lines).
+        """Hits that readers read straight from the store (protocol.parse_access_report).
 
         Any local user may send these (the socket is world-writable), so a line
-        counts only if it names a configured version, a canonical allowed size
-        and a known original; anything else is ignored, and the pending
-        accesses stay bounded. A report orders the LRU and nothing more.
+        counts only if it names a configured version, an allowed size and a
+        known original; anything else is ignored, and the pending accesses
+        stay bounded. A report orders the LRU and nothing more.
         """
+        capacity = self.store.capacity
         # Only stored arrays are read directly, so no honest reports name more keys.
-        limit = min(_MAX_PENDING_ACCESSES, max(1024, self.store.usage().entries))
-        for line in report.splitlines():
-            fields = line.split(b"\t")
-            if len(fields) != 3 or _CANONICAL_SIZE.fullmatch(fields[1]) is None:
-                continue
-            size = int(fields[1])
-            version, uuid = os.fsdecode(fields[0]), os.fsdecode(fields[2])
+        limit = min(_MAX_PENDING_ACCESSES, max(1024, capacity.usage().entries))
+        for version, size, uuid in parse_access_report(report):
             source = self._sources.get(version)
             if source is None or not self.size_allowed(size) or source.find(uuid) is None:
                 continue
-            if not self.store.record_access(EntryKey(version, size, uuid), limit):
+            if not capacity.record_access(EntryKey(version, size, uuid), limit):
                 return  # until the next flush: the LRU order of the rest can wait
             self.metrics.direct_hits += 1
 
@@ -260,23 +267,36 @@ class Engine:
         if offset >= end:
             return b""
         data: memoryview | bytes
-        if handle.data is None:
+        if handle.held is None:
             data = await self._read_stored(handle, offset, end - offset)
         else:
-            data = handle.data[offset:end]
+            data = handle.held.data[offset:end]
         self.metrics.bytes_served += len(data)
         return data
 
-    async def flush_accesses_forever(self) -> None:
+    async def flush_accesses_forever(self, interval: float = ACCESS_FLUSH_SECONDS) -> None:
         """Write hits' access times to the catalog now and then, for LRU eviction."""
         while True:
-            await trio.sleep(ACCESS_FLUSH_SECONDS)
+            await trio.sleep(interval)
             try:
-                await self._in_thread(self._write_limiter, self.store.flush_accesses)
+                await self._in_thread(self._write_limiter, self.store.capacity.flush_accesses)
             except Exception as exc:  # LRU order is not worth stopping the daemon for
                 self._throttle.log(
                     logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
                 )
+
+    async def watch_store_forever(self, interval: float = STORE_CHECK_SECONDS) -> None:
+        """Notice a store removed at runtime, and use it again once it is made again."""
+        while True:
+            await trio.sleep(interval)
+            await self.check_store()
+
+    async def check_store(self) -> None:
+        try:
+            await self._in_thread(self._write_limiter, self.store.check)
+        except Exception as exc:
+            self._throttle.log(logging.ERROR, "store-check", "cannot check the store: %r", exc)
+        self._notice_store_generation()
 
     async def warm_in_background(self) -> None:
         """Decode and store the configured sizes of versions with ``warm = true``.
@@ -335,12 +355,17 @@ class Engine:
             "evictions": usage.evictions,
             "store_write_errors": m.store_write_errors,
             "memory_fallbacks": m.memory_fallbacks,
-            "memory_cache_bytes": self._memory.bytes,
-            "memory_cache_entries": len(self._memory),
+            "memory_cache_bytes": self._memory_cache.bytes,
+            "memory_cache_entries": len(self._memory_cache),
+            "memory_bytes": self.memory.used,
+            "memory_limit_bytes": self.memory.limit,
+            "memory_waits": m.memory_waits,
             "bytes_served": m.bytes_served,
             "inflight_decodes": m.inflight_decodes,
             "queued_decodes": m.queued_decodes,
             "background_decodes": m.background_decodes,
+            "warm_decodes": m.warm_decodes,
+            "warm_not_stored": m.warm_not_stored,
             "direct_hits": m.direct_hits,
             "errors": dict(m.errors),
             "decode_seconds": m.decode_seconds.as_dict(),
@@ -358,68 +383,85 @@ class Engine:
 
     # -- internals ----------------------------------------------------------
 
-    async def _open_pinned(self, key: EntryKey, index: int, warm: bool = False) -> Handle:
+    async def _open_pinned(self, key: EntryKey, index: int, purpose: Purpose) -> Handle:
         self._forget_evicted()
+        reading = purpose is Purpose.READ
         length = npy_file_size(key.size)
         verified = self._verified_map(key.version, key.size)
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
-            self.metrics.hits += not warm
-            self.store.record_access(key)
+            self.metrics.hits += reading
+            self.store.capacity.record_access(key)
             return Handle(key, length)
-        cached = self._memory.get(key)
-        if cached is not None and not warm:
-            self.metrics.hits += 1
-            return Handle(key, length, data=cached)
+        cached = self._memory_cache.get(key)
+        if cached is not None:
+            self.metrics.hits += reading
+            return Handle(key, length, held=cached)
         self._check_recent_failure(key)
 
         while True:
             flight = self._flights.get(key)
             if flight is None:
-                flight = await self._fly(key, index, reader=not warm)
+                flight = await self._fly(key, index, purpose)
             else:
-                self.metrics.coalesced += not warm
-                if not warm and flight.job is not None:
+                self.metrics.coalesced += reading
+                if reading and flight.job is not None:
                     flight.job.boost()  # a reader now waits for this warm decode
-                await flight.done.wait()
+                flight.waiters += 1
+                try:
+                    await flight.done.wait()
+                except BaseException:  # left before the outcome: no hold is kept for us
+                    flight.waiters -= 1
+                    raise
             if flight.outcome is not None or flight.error is not None:
                 break
             # The flight was abandoned (its task cancelled, at shutdown): try again.
         if flight.error is not None:
             raise flight.error
-        assert flight.outcome is not None
-        if warm:
-            if not flight.outcome.stored:
-                raise NotStored(flight.outcome.refused or "ENOSPC")
-        elif flight.outcome.decoded:
+        outcome = flight.outcome
+        assert outcome is not None
+        if not reading:
+            self.metrics.warm_not_stored += not outcome.stored
+        elif outcome.decoded:
             self.metrics.misses += 1
         else:
             self.metrics.hits += 1
-            self.store.record_access(key)
-        return Handle(key, length, data=flight.outcome.data)
+            self.store.capacity.record_access(key)
+        return Handle(key, length, held=outcome.held)  # the hold the flight made for us
 
-    async def _fly(self, key: EntryKey, index: int, reader: bool) -> _Flight:
+    async def _fly(self, key: EntryKey, index: int, purpose: Purpose) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""
         flight = self._flights[key] = _Flight()
         try:
-            flight.outcome = await self._acquire(key, index, reader, flight)
+            flight.outcome = await self._acquire(key, index, purpose, flight)
             if flight.outcome.stored:
                 self._verified_map(key.version, key.size).set(index, True)
         except Exception as exc:
             flight.error = exc
         finally:
             del self._flights[key]
+            if flight.outcome is not None and flight.outcome.held is not None:
+                for _ in range(flight.waiters):  # one hold each; the caller keeps the first
+                    flight.outcome.held.retain()
             flight.done.set()
         return flight
 
     def _forget_evicted(self) -> None:
+        self._notice_store_generation()
         # The store appends evicted keys from its threads; only we read them.
-        while self.store.evicted:
-            key = self.store.evicted.popleft()
+        evicted = self.store.capacity.evicted
+        while evicted:
+            key = evicted.popleft()
             source = self._sources.get(key.version)  # None: a version no longer configured
             index = source.find(key.uuid) if source is not None else None
             if index is not None:
                 self._verified_map(key.version, key.size).set(index, False)
+
+    def _notice_store_generation(self) -> None:
+        if self.store.generation != self._store_generation:
+            # The store was removed or made again: nothing verified before is there.
+            self._store_generation = self.store.generation
+            self._verified.clear()
 
     def _verified_map(self, version: str, size: int) -> _Bitmap:
         verified = self._verified.get((version, size))
@@ -428,27 +470,25 @@ class Engine:
         return verified
 
     def _check_recent_failure(self, key: EntryKey) -> None:
-        failure = self._failures.get(key)
-        if failure is None:
-            return
-        until, reason = failure
-        if time.monotonic() < until:
+        reason = self._failures.get(key)
+        if reason is not None:
             self.metrics.errors["EIO"] += 1
             raise OriginalUndecodable(reason)
-        del self._failures[key]
 
-    async def _acquire(self, key: EntryKey, index: int, reader: bool, flight: _Flight) -> _Outcome:
-        """Verified stored bytes of ``key``, else freshly decoded ones (stored if possible)."""
+    async def _acquire(
+        self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight
+    ) -> _Outcome:
+        """``key`` verified in the store, else freshly decoded (and stored if possible)."""
         try:
-            stored, problem = await self._in_thread(self._read_limiter, self._read_verified, key)
+            problem = await self._in_thread(self._read_limiter, self._verify_stored, key)
         except StoreReadError as exc:
             # Say nothing of its integrity and leave it; decode and replace it.
             self.metrics.errors[f"store_read_{exc.kind}"] += 1
             self._throttle.log(logging.WARNING, f"store-read-{exc.kind}", "%s; decoding it", exc)
-            stored, problem = None, None
-        if stored is not None:
-            return _Outcome(stored, decoded=False, stored=True)
-        if problem is not None:
+            problem = ""
+        if problem is None:
+            return _Outcome(None, decoded=False)
+        if problem:
             self.metrics.corrupt_entries += 1
             self._throttle.log(  # once per entry: a read-only store cannot drop it
                 logging.WARNING,
@@ -457,39 +497,59 @@ class Engine:
                 key,
                 problem,
             )
-        data = await self._decode(key, index, reader, flight)
+        # Twice the array: the decoded pixels and their .npy bytes, for a moment.
+        granted = await self._take_memory(2 * npy_file_size(key.size))
+        try:
+            data = memoryview(await self._decode(key, index, purpose, flight))
+            held = self.memory.hold(data, granted)
+        except BaseException:
+            self.memory.release(granted)
+            raise
         try:
             # A warm never evicts what readers have stored.
-            await self._in_thread(self._write_limiter, self.store.write, key, data, reader)
-        except StoreWriteError as exc:
-            if not reader:  # nothing to keep in memory for: nobody is reading it
-                return _Outcome(memoryview(data), decoded=True, stored=False, refused=exc.kind)
-            self.metrics.store_write_errors += 1
-            self.metrics.memory_fallbacks += 1
-            self.metrics.errors[f"store_{exc.kind}"] += 1
-            self._memory.put(key, memoryview(data))
-            self._throttle.log(
-                logging.WARNING, f"store-{exc.kind}", "%s; serving it from memory", exc
+            await self._in_thread(
+                self._write_limiter,
+                functools.partial(self.store.write, key, data, may_evict=purpose is Purpose.READ),
             )
-            return _Outcome(memoryview(data), decoded=True, stored=False)
-        return _Outcome(memoryview(data), decoded=True, stored=True)
+        except StoreWriteError as exc:
+            if exc.kind == "ENOENT":  # the store's directory is gone: notice it now
+                await self.check_store()
+            self.metrics.store_write_errors += 1
+            self.metrics.errors[f"store_{exc.kind}"] += 1
+            if purpose is Purpose.READ:
+                self.metrics.memory_fallbacks += 1
+                self._memory_cache.put(key, held)
+                self._throttle.log(
+                    logging.WARNING, f"store-{exc.kind}", "%s; serving it from memory", exc
+                )
+            return _Outcome(held, decoded=True, refused=exc.kind)
+        except BaseException:
+            held.release()
+            raise
+        held.release()  # stored: every reader reads the file
+        return _Outcome(None, decoded=True)
 
-    def _read_verified(self, key: EntryKey) -> tuple[memoryview | None, str | None]:
-        """Worker thread: (payload, None) if the entry passes every check,
-        (None, None) if there is none, (None, why) if it was bad and is removed."""
+    async def _take_memory(self, nbytes: int) -> int:
+        if self.memory.used + nbytes > self.memory.limit:
+            self.metrics.memory_waits += 1
+        return await self.memory.acquire(nbytes)
+
+    def _verify_stored(self, key: EntryKey) -> str | None:
+        """Worker thread: None if the entry passes every check, "" if there is none,
+        why not if it was bad (and is removed)."""
         try:
-            payload = self.store.read(key)
+            checked = self.store.verify(key)
         except CorruptEntry as exc:
-            return None, exc.reason
-        if payload is None:
-            return None, None
-        problem = npy_layout_problem(payload, key.size)
+            return exc.reason
+        if checked is None:
+            return ""
+        problem = npy_layout_problem(checked.head, checked.length, key.size)
         if problem is not None:
             self.store.remove(key)
-            return None, problem
-        return payload, None
+            return problem
+        return None
 
-    async def _decode(self, key: EntryKey, index: int, reader: bool, flight: _Flight) -> bytes:
+    async def _decode(self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight) -> bytes:
         source = self._sources[key.version]
         settings = self.config.versions[key.version].decode
         max_pixels = self.config.max_pixels
@@ -504,7 +564,7 @@ class Engine:
             return npy_bytes(array), time.perf_counter() - started
 
         try:
-            if reader:
+            if purpose is Purpose.READ:
                 data, seconds = await self._run_decode(work)
             else:
                 flight.job = self._warm_pool.submit(work)
@@ -517,7 +577,7 @@ class Engine:
             self.metrics.decodes += 1  # it ran: `decodes` counts every decode
             self.metrics.decode_errors += 1
             self.metrics.errors["EIO"] += 1
-            self._remember_failure(key, exc.reason)
+            self._failures[key] = f"{path}: {exc.reason}"
             self._throttle.log(  # once per original per interval, however often asked
                 logging.WARNING,
                 f"decode-{path}",
@@ -528,7 +588,8 @@ class Engine:
             )
             raise OriginalUndecodable(f"{path}: {exc.reason}") from exc
         self.metrics.decodes += 1
-        self.metrics.background_decodes += not reader
+        self.metrics.background_decodes += purpose is Purpose.BACKGROUND
+        self.metrics.warm_decodes += purpose is Purpose.WARM_REQUEST
         self.metrics.decode_seconds.observe(seconds)
         log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
         return data
@@ -554,31 +615,27 @@ class Engine:
         uuids = self._sources[version].uuids
         verified = self._verified_map(version, size)
         nbytes = npy_file_size(size)
+        capacity = self.store.capacity
         for index in todo:  # shared by the workers: each index is taken once
             if self._warm_stopped:
                 return
             key = EntryKey(version, size, uuids[index])
             if verified[index] or key in self._flights or key in self._failures:
                 continue
-            if await self._in_thread(self._read_limiter, self.store.would_evict, nbytes):
+            if await self._in_thread(self._read_limiter, capacity.would_evict, nbytes):
                 self._warm_stopped = True  # the others finish what they started, then stop
                 return
             if key in self._flights:  # a reader got there meanwhile
                 continue
-            self.store.pin(key)
+            capacity.pin(key)
             try:
-                flight = await self._fly(key, index, reader=False)
+                flight = await self._fly(key, index, Purpose.BACKGROUND)
             finally:
-                self.store.unpin(key)
-            if flight.outcome is not None and not flight.outcome.stored:
+                capacity.unpin(key)
+            if flight.outcome is not None and flight.outcome.held is not None:
+                flight.outcome.held.release()  # nobody reads it
                 self._warm_stopped = True
                 return
-
-    def _remember_failure(self, key: EntryKey, reason: str) -> None:
-        if len(self._failures) >= _FAILURE_CACHE_MAX:
-            now = time.monotonic()
-            self._failures = {k: v for k, v in self._failures.items() if v[0] > now}
-        self._failures[key] = (time.monotonic() + self.config.error_cache_seconds, reason)
 
     async def _read_stored(self, handle: Handle, offset: int, size: int) -> bytes:
         """Bytes of an entry verified earlier in this daemon's life (and pinned)."""
@@ -604,14 +661,23 @@ class Engine:
         return data
 
     async def _reacquire(self, handle: Handle, offset: int, size: int) -> bytes:
+        """The entry went away under an open handle: decode it again into memory for
+        this handle. The next open finds it unverified and stores it again."""
         key = handle.key
         index = self._sources[key.version].find(key.uuid)
         assert index is not None  # the index never loses uuids within a daemon's life
         self._verified_map(key.version, key.size).set(index, False)
-        fresh = await self._open_pinned(key, index)  # the handle's pin still holds
-        assert fresh.data is not None  # an unverified open always returns bytes
-        handle.data = fresh.data
-        return bytes(fresh.data[offset : offset + size])
+        held = self._memory_cache.get(key)
+        if held is None:
+            granted = await self._take_memory(2 * npy_file_size(key.size))
+            try:
+                data = memoryview(await self._decode(key, index, Purpose.READ, _Flight()))
+            except BaseException:
+                self.memory.release(granted)
+                raise
+            held = self.memory.hold(data, granted)
+        handle.held = held  # a handle reading the store holds nothing yet
+        return bytes(held.data[offset : offset + size])
 
     @staticmethod
     async def _in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:

@@ -21,13 +21,13 @@ import pyfuse3
 
 from .engine import Engine, Handle, NotStored, OriginalNotFound, OriginalUndecodable
 from .metrics import Metrics
+from .protocol import FS_NAME, OpenRequest
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
 
-__all__ = ["FS_NAME", "DecodeFS", "FuseMount", "MountFailed"]
+__all__ = ["DecodeFS", "FuseMount", "MountFailed"]
 
 log = logging.getLogger(__name__)
 
-FS_NAME: Final = "decodefs"  # shows in /proc/mounts as fuse.decodefs
 # pyfuse3 starts a worker task per concurrent request up to this many; a reader
 # waiting on a decode holds one, so keep it well above any plausible reader count.
 MAX_REQUEST_TASKS: Final = 512
@@ -168,11 +168,10 @@ class DecodeFS(pyfuse3.Operations):
             version = self._tree.version_name(node)
             if self._failpoint and self._engine.uuid_at(version, node.number) == self._failpoint:
                 raise RuntimeError(f"failpoint {_FAILPOINT_ENV} hit")
-            # O_NONBLOCK on an array means "warm it": store it if it fits, at low priority.
-            # O_SYNC means "check the stored entry again": a reader found it damaged.
-            warm = bool(flags & os.O_NONBLOCK)
-            recheck = flags & os.O_SYNC == os.O_SYNC
-            handle = await self._engine.open(version, node.size, node.number, warm, recheck)
+            request = OpenRequest.from_flags(flags)
+            handle = await self._engine.open(
+                version, node.size, node.number, warm=request.warm, recheck=request.recheck
+            )
             self._handles[fh] = handle
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)
         status = self._tree.status_file_name(node)

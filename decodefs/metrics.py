@@ -68,6 +68,9 @@ class Metrics:
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
     bytes_served: int = 0
     background_decodes: int = 0  # decodes the daemon's own background warm ran
+    warm_decodes: int = 0  # decodes that warm requests (O_NONBLOCK opens, decodefs warm) ran
+    warm_not_stored: int = 0  # warm requests whose array the store would not take
+    memory_waits: int = 0  # decodes that waited for the memory budget
     direct_hits: int = 0  # arrays readers read straight from the store (read_array) and reported
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
     queued_decodes: int = 0  # decodes waiting for a pool slot
@@ -117,7 +120,10 @@ _COUNTERS: Final = {
     "evictions": "Stored entries evicted to stay within the capacity limits",
     "store_write_errors": "Arrays the store refused (full, read-only, at its limit)",
     "memory_fallbacks": "Arrays kept in memory because the store refused them",
-    "background_decodes": "Decodes run by the background warm",
+    "background_decodes": "Decodes run by the daemon's own background warm",
+    "warm_decodes": "Decodes that warm requests (decodefs warm, O_NONBLOCK opens) ran",
+    "warm_not_stored": "Warm requests whose array the store would not take",
+    "memory_waits": "Decodes that waited for the memory budget",
     "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",
     "bytes_served": "Bytes delivered in READ replies",
 }
@@ -128,6 +134,8 @@ _GAUGES: Final = {
     "queued_decodes": "Decodes waiting for a pool slot",
     "memory_cache_bytes": "Bytes of arrays held in memory because the store refused them",
     "memory_cache_entries": "Arrays held in memory because the store refused them",
+    "memory_bytes": "Bytes of arrays in memory: decodes in flight and arrays served from memory",
+    "memory_limit_bytes": "The budget for arrays in memory (memory_cache_bytes)",
     "uptime_seconds": "Seconds since the daemon started",
 }
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -37,16 +36,16 @@ import numpy as np
 import numpy.typing as npt
 
 from .decode import npy_file_size, npy_header, npy_layout_problem
+from .entry import STALE, EntryKey, check_entry
 from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
-from .store import STALE, TRAILER_SIZE, EntryKey, check_entry
+from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
 
 __all__ = ["read_array"]
 
 log = logging.getLogger(__name__)
 
-FS_TYPE: Final = "fuse.decodefs"  # as /proc/self/mountinfo names a decodefs mount
-STATUS_FILE: Final = os.path.join(".decodefs", "store.json")
+STATUS_FILE: Final = os.path.join(STATUS_DIR, STORE_FILE)
 _REPORT_BYTES: Final = 8192  # one datagram of access reports
 _REPORT_SECONDS: Final = 1.0
 _NOT_A_MOUNT_SECONDS: Final = 10.0  # how long "this device is no decodefs mount" is believed
@@ -161,20 +160,20 @@ def _find_mount(device: int) -> _Mount | _Refused | None:
             with open(os.path.join(root, STATUS_FILE), "rb", buffering=0) as f:
                 if os.fstat(f.fileno()).st_dev != device:
                     continue
-                status = json.loads(f.read())
+                status = StoreStatus.from_json(f.read())
             refused = _Refused(root, root_st.st_mtime_ns)
-            if status["inode_layout"] != INODE_LAYOUT:
+            if status.inode_layout != INODE_LAYOUT:
                 return refused  # another decodefs release: read through the mount
             mount = _Mount(
                 root=root,
                 root_mtime_ns=root_st.st_mtime_ns,
                 owner=root_st.st_uid,
-                store=str(status["store"]),
-                versions=tuple(str(v) for v in status["version_order"]),
-                digests={str(v): bytes.fromhex(d) for v, d in status["versions"].items()},
-                min_size=int(status["sizes"]["min"]),
-                max_size=int(status["sizes"]["max"]),
-                access_socket=status.get("access_socket"),
+                store=status.store,
+                versions=status.version_order,
+                digests={v: bytes.fromhex(d) for v, d in status.digests.items()},
+                min_size=status.min_size,
+                max_size=status.max_size,
+                access_socket=status.access_socket,
             )
             store_st = os.stat(mount.store)
         except _STATUS_ERRORS:
@@ -223,7 +222,7 @@ def _read_stored(mount: _Mount, key: EntryKey) -> npt.NDArray[np.uint8] | None:
     digest = mount.digests.get(key.version)
     if digest is None:
         return None
-    path = os.path.join(mount.store, key.version, str(key.size), key.uuid[:2], key.uuid + ".npy")
+    path = os.path.join(mount.store, key.relpath)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -257,8 +256,8 @@ def _read_entry(fd: int, key: EntryKey, digest: bytes, owner: int) -> tuple[byte
         return bytearray(), str(exc)
     if got != length:
         return buffer, f"length {got}"
-    payload = memoryview(buffer)[: len(buffer) - TRAILER_SIZE]
-    return buffer, check_entry(key, buffer, digest) or npy_layout_problem(payload, key.size)
+    length = len(buffer) - TRAILER_SIZE
+    return buffer, check_entry(key, buffer, digest) or npy_layout_problem(buffer, length, key.size)
 
 
 def _note_problem(key: EntryKey, problem: str) -> None:
@@ -276,7 +275,7 @@ def _read_through_mount(path: str, key: EntryKey, verify_again: bool) -> npt.NDA
     with open(fd, "rb", buffering=0) as f:
         data = f.read()
     _last_problem.pop(key, None)
-    if npy_layout_problem(data, key.size) is None:
+    if npy_layout_problem(data, len(data), key.size) is None:
         return _array(bytearray(data), key.size)
     return _load_any(path)
 
@@ -297,7 +296,7 @@ def _load_any(path: str) -> npt.NDArray[np.uint8]:
 
 
 class _Reporter:
-    """Batches "version<TAB>size<TAB>uuid" lines into datagrams to the daemon.
+    """Batches access report lines (protocol.encode_access) into datagrams to the daemon.
 
     Fire and forget: a full or absent socket only makes LRU order approximate.
     """
@@ -311,7 +310,7 @@ class _Reporter:
     def report(self, mount: _Mount, key: EntryKey) -> None:
         if mount.access_socket is None:
             return
-        line = os.fsencode(f"{key.version}\t{key.size}\t{key.uuid}\n")
+        line = encode_access(key.version, key.size, key.uuid)
         with self._lock:
             lines = self._pending.setdefault(mount.access_socket, bytearray())
             lines += line

@@ -1,30 +1,35 @@
-"""The flash directory: entry paths, atomic writes, integrity checks, usage.
+"""The flash directory: where entries live, atomic writes, verified reads, and its safety.
 
 Layout::
 
     <store>/.decodefs-store           format marker
-    <store>/.lock                     flock held by the one daemon using the store
-    <store>/.access.sock              readers report the hits they read directly
     <store>/.catalog.sqlite3          sizes and last access of entries (catalog.py)
     <store>/.index/<version>.json     the cached source index (source.py)
+    <store>/.access.sock              readers report the hits they read directly
     <store>/.tmp/                     temp files, emptied at start
     <store>/.trash/                   discarded versions, deleted in the background
     <store>/<version>/.fingerprint.json
-    <store>/<version>/<size>/<uuid[:2]>/<uuid>.npy
+    <store>/<version>/<size>/<uuid[:2]>/<uuid>.npy     (entry.py: the file format)
 
-An entry file is the exact .npy bytes followed by a 40-byte trailer (magic,
-format, decoder fingerprint, payload length, xxh3-64 of the payload seeded
-with the entry's key), so every entry proves its own integrity on any
-filesystem, a file moved to another key's path fails, and ``np.load`` reads
-the file as it is (numpy ignores bytes after the array). Writes go to ``.tmp``
-and are renamed into place; there is no fsync, because a torn entry after a
-power cut fails its check and is rebuilt rather than served.
+Writes go to ``.tmp`` and are renamed into place: a crash leaves no entry or a
+whole one. There is no fsync, because a torn entry after a power cut fails its
+check and is rebuilt rather than served. Capacity and eviction live in
+capacity.py, the entry file format in entry.py; this module stores opaque
+payloads and knows nothing of images, numpy or FUSE.
 
-Capacity: past ``max_bytes`` (or below ``min_free_fraction`` of the filesystem
-free), least-recently-used entries are evicted before a new one is written,
-except pinned ones: a caller pins a key while it relies on its file.
-
-This module stores opaque payloads: it knows nothing of images, numpy or FUSE.
+Safety, for a daemon that runs as root on a shared machine: the store is
+opened once, by a walk from ``/`` that trusts only directories of root or the
+daemon's user that nobody else may write to (sticky ones aside), without
+following a symlink anyone else could have planted; a missing store is made
+with ``mkdir``, which cannot be raced into following someone else's
+directory. The store and every directory in it must belong to the daemon's
+user and be writable by no one else, and nothing in it may be a symlink, or
+it is refused (``StoreError``). From then on, every operation is relative to
+the store's directory descriptor with ``O_NOFOLLOW``. Who may read entries is
+the mount's policy (``shared``: ``allow_other``), and the modes say the same.
+The one-daemon-per-store lock lives outside the store, so removing the store's
+contents cannot remove it; a store removed at runtime is noticed by ``check``
+and made again.
 """
 
 from __future__ import annotations
@@ -32,57 +37,48 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import secrets
 import shutil
 import sqlite3
-import struct
+import stat
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Final, NamedTuple, Protocol, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Final, Protocol
 
-import xxhash
-
+from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
+from .entry import STALE, EntryKey, FileCheck, check_entry_file, encode_trailer
+from .protocol import ACCESS_SOCKET, STORE_FORMAT, TRAILER_SIZE
+from .trusted import DIRECTORY_FLAGS as _DIR
+from .trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
 
 __all__ = [
-    "ACCESS_SOCKET",
     "CATALOG_FILE",
     "STALE",
-    "STORE_FORMAT",
-    "TRAILER_SIZE",
     "CorruptEntry",
-    "EntryKey",
     "Fingerprint",
     "Store",
     "StoreError",
     "StoreReadError",
     "StoreUsage",
     "StoreWriteError",
-    "check_entry",
-    "iter_entry_files",
+    "iter_entries",
+    "lock_store",
 ]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-STORE_FORMAT: Final = 1
-_MAGIC: Final = b"DCFS"
-_TRAILER: Final = struct.Struct("<4sI16sQQ")  # magic, format, fingerprint, length, xxh3_64
-TRAILER_SIZE: Final = _TRAILER.size
-_MARKER: Final = ".decodefs-store"
-_FINGERPRINT_FILE: Final = ".fingerprint.json"
+MARKER_FILE: Final = ".decodefs-store"
 CATALOG_FILE: Final = ".catalog.sqlite3"
-ACCESS_SOCKET: Final = ".access.sock"
-STALE: Final = "decoded with other settings or libraries"
-_EVICT_BATCH: Final = 64
-_FILL_BATCH: Final = 2000
+_FINGERPRINT_FILE: Final = ".fingerprint.json"
+_TMP: Final = ".tmp"
+_TRASH: Final = ".trash"
+_READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class StoreError(Exception):
@@ -129,78 +125,56 @@ class Fingerprint(Protocol):
     def description(self) -> Mapping[str, object]: ...
 
 
-class EntryKey(NamedTuple):
-    """One array: a tuple, so hashing it (pins, accesses, flights) is cheap."""
-
-    version: str
-    size: int
-    uuid: str
-
-    def __str__(self) -> str:
-        return f"{self.version}/{self.size}/{self.uuid}"
-
-    def checksum(self, payload: bytes | memoryview) -> int:
-        """xxh3-64 of ``payload``, seeded so only this key's file verifies."""
-        seed = xxhash.xxh3_64_intdigest(os.fsencode(str(self)))
-        return xxhash.xxh3_64_intdigest(payload, seed=seed)
-
-
-@dataclass(frozen=True)
-class StoreUsage:
-    entries: int
-    bytes: int
-    complete: bool  # False while a scan is still filling the catalog
-    evictions: int = 0
-
-
 class Store:
     """Entries on flash. Methods block (call them off the event loop) and are thread-safe.
 
-    Concurrency: callers guarantee at most one operation per key at a time (the
-    engine's single flight). Three locks, never one held while taking another
-    out of this order: ``_evict_lock`` (one evictor at a time) before
-    ``_pin_lock`` (pins, and the decision to unlink an unpinned entry; the
-    event loop takes it to pin, so it is never held across SQLite) and
-    ``_count_lock`` (the usage counters and reservations together with the
-    catalog rows they mirror; held across SQLite, never taken by the event
-    loop). ``usage()`` reads the counters without a lock. The catalog is kept
-    a superset of the files (see catalog.py).
+    Concurrency: callers guarantee at most one write or removal per key at a
+    time (the engine's single flight). Capacity (capacity.py) has its own
+    locks; ``_state_lock`` serializes open, ``check`` and close, which swap
+    the directory descriptor. A descriptor is never closed while the store
+    is open (an operation in another thread may still use it): one retired
+    when the store was removed stays open, pointing at the removed directory,
+    until ``close``.
     """
 
     def __init__(
         self,
         root: os.PathLike[str] | str,
         fingerprints: Mapping[str, Fingerprint],
+        *,
         max_bytes: int | None = None,
         min_free_fraction: float | None = None,
+        shared: bool = False,
+        lock_dir: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.root = os.path.abspath(root)
         self._fingerprints = dict(fingerprints)
-        self._max_bytes = max_bytes
-        self._min_free_fraction = min_free_fraction
-        self._tmp = os.path.join(self.root, ".tmp")
-        self._trash = os.path.join(self.root, ".trash")
+        # Who may read arrays is the mount's policy (allow_other): the modes follow it.
+        self.dir_mode = 0o755 if shared else 0o700
+        self.file_mode = 0o644 if shared else 0o600
+        self._lock_dir = lock_dir
         self._lock_fd: int | None = None
-        self._evict_lock = threading.Lock()
-        self._pin_lock = threading.Lock()
-        self._count_lock = threading.Lock()
-        self._access_lock = threading.Lock()
-        self._catalog: Catalog | None = None
-        self._entries = 0
-        self._bytes = 0
-        self._reserved = 0
-        self._reservations: dict[EntryKey, int] = {}
-        self._filled = True
-        self._removed_while_filling: set[EntryKey] = set()
-        self._pins: dict[EntryKey, int] = {}
-        self._accesses: dict[EntryKey, float] = {}
-        self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
-        self.evictions = 0
-        self.writable = False
+        self._root_fd: int | None = None
+        self._tmp_fd: int | None = None
+        self._retired_fds: list[int] = []
+        self._state_lock = threading.Lock()
         self._closing = threading.Event()
+        self._filled = threading.Event()
         self._fill_thread: threading.Thread | None = None
+        self.capacity = Capacity(
+            max_bytes=max_bytes,
+            min_free_fraction=min_free_fraction,
+            statvfs=self._statvfs,
+            unlink=self._unlink_entry,
+            clock=clock,
+        )
+        self.writable = False
+        # Bumped whenever every entry may be gone at once (the store was removed):
+        # whoever remembers entries as verified must forget them.
+        self.generation = 0
 
-    # -- life cycle ---------------------------------------------------------
+    # -- life cycle -------------------------------------------------------------------
 
     def open(self) -> None:
         """Prepare the store. Raises StoreError only for what a user must fix.
@@ -209,77 +183,110 @@ class Store:
         the daemon then serves from memory and says so in the log.
         """
         try:
-            os.makedirs(self.root, mode=0o755, exist_ok=True)
+            fd = open_trusted_dir(self.root, create_mode=self.dir_mode)
+        except UntrustedPath as exc:
+            raise StoreError(f"store: {exc}") from None
         except OSError as exc:
             log.error("store %s cannot be created (%s); serving from memory only", self.root, exc)
-            self._catalog, _ = Catalog.open(":memory:")
+            self._attach_memory_catalog()
             return
-        self._check_marker()
-        self._take_lock()
-        self.writable = self._prepare_tmp()
-        empty = self._open_catalog()
-        if self.writable:
-            for version in self._fingerprints:
-                self._check_fingerprint(version)  # before a fill scan can see what it discards
-            self._start_trash_cleanup()
-        else:
-            log.error(
-                "store %s is not writable; hits are served from it, misses from memory", self.root
-            )
-        if empty:
-            # A new catalog on an existing store (or a read-only store): fill it
-            # from the files, in the background, while the daemon already serves.
-            self._filled = False
-            self._fill_thread = threading.Thread(
-                target=self._fill, name="store-catalog-fill", daemon=True
-            )
-            self._fill_thread.start()
+        try:
+            self._lock_fd = lock_store(fd, self._lock_dir)
+            self._adopt(fd)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def close(self) -> None:
         self._closing.set()
         if self._fill_thread is not None:
             self._fill_thread.join()
-        if self._catalog is not None:
-            with contextlib.suppress(Exception):
-                self.flush_accesses()
-            self._catalog.close()
-            self._catalog = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        with contextlib.suppress(Exception):
+            self.capacity.flush_accesses()
+        catalog = self.capacity.detach()
+        if catalog is not None:
+            catalog.close()
+        with self._state_lock:
+            for fd in (self._root_fd, self._tmp_fd, self._lock_fd, *self._retired_fds):
+                if fd is not None:
+                    os.close(fd)
+            self._root_fd = self._tmp_fd = self._lock_fd = None
+            self._retired_fds.clear()
 
     def wait_for_usage(self, timeout: float = 60.0) -> StoreUsage:
         """Block until a scan filling the catalog has finished (tests, tools)."""
-        deadline = time.monotonic() + timeout
-        while not self.usage().complete and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self._filled.wait(timeout)
         return self.usage()
 
-    # -- entries ------------------------------------------------------------
+    def check(self) -> bool:
+        """Notice a store removed or replaced at runtime, and make it again when it can.
 
-    def path(self, key: EntryKey) -> str:
-        return os.path.join(self.root, key.version, str(key.size), key.uuid[:2], key.uuid + ".npy")
-
-    def read(self, key: EntryKey) -> memoryview | None:
-        """The verified payload of ``key``, or None if there is no entry.
-
-        Raises CorruptEntry (after removing the file) if the entry fails its
-        check: truncated, damaged, another fingerprint or format, another key's
-        file. Raises StoreReadError if it cannot be read at all.
+        Returns True if the store's state changed (lost, or made again). Call
+        it now and then, and after a write failed for a missing directory.
         """
-        path = self.path(key)
+        with self._state_lock:
+            if self._closing.is_set():
+                return False
+            fd = self._root_fd
+            if fd is not None and self._still_there(fd):
+                return self._writable_again(fd)
+            changed = False
+            if fd is not None:
+                log.error(
+                    "store %s was removed or replaced while in use; serving misses from memory "
+                    "until it is made again",
+                    self.root,
+                )
+                self._lose()
+                changed = True
+            try:
+                fresh = open_trusted_dir(self.root, create_mode=self.dir_mode)
+            except (OSError, UntrustedPath) as exc:
+                log.debug("store %s cannot be made again yet: %s", self.root, exc)
+                return changed
+            try:
+                self._adopt(fresh)
+            except (OSError, StoreError) as exc:
+                os.close(fresh)
+                self._root_fd = None
+                log.error("store %s was made again but cannot be used: %s", self.root, exc)
+                return True
+            self.generation += 1
+            log.warning("store %s made again (empty); storing arrays again", self.root)
+            return True
+
+    # -- entries ----------------------------------------------------------------------
+
+    def verify(self, key: EntryKey) -> FileCheck | None:
+        """Check ``key``'s entry: its payload's first bytes (for its own .npy header)
+        and length; None if there is none.
+
+        Reads the file in pieces: nothing is held in memory. Raises CorruptEntry
+        (after removing the file) if the entry fails its check, StoreReadError
+        if it cannot be read at all.
+        """
+        fd = self._root_fd
+        if fd is None:
+            return None
         try:
-            with open(path, "rb", buffering=0) as f:
-                data = f.read()
+            entry = os.open(key.relpath, _READ, dir_fd=fd)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self.remove(key)
+                raise CorruptEntry(key, "a symlink, not an entry") from exc
             raise StoreReadError(key, exc) from exc
-        problem = check_entry(key, data, self._fingerprints[key.version].digest)
-        if problem:
+        try:
+            checked = check_entry_file(entry, key, self._fingerprints[key.version].digest)
+        except OSError as exc:
+            raise StoreReadError(key, exc) from exc
+        finally:
+            os.close(entry)
+        if checked.problem is not None:
             self.remove(key)
-            raise CorruptEntry(key, problem)
-        return memoryview(data)[: len(data) - TRAILER_SIZE]
+            raise CorruptEntry(key, checked.problem)
+        return checked
 
     def read_range(self, key: EntryKey, offset: int, length: int) -> bytes:
         """Bytes of an entry verified earlier; raises OSError if it is gone or unreadable.
@@ -287,85 +294,88 @@ class Store:
         Opens the file for each call, so no descriptor outlives the request and
         an entry replaced meanwhile is read whole from its new file.
         """
-        fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+        fd = self._root_fd
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, "the store is gone", key.relpath)
+        entry = os.open(key.relpath, _READ, dir_fd=fd)
         try:
-            return os.pread(fd, length, offset)
+            return os.pread(entry, length, offset)
         finally:
-            os.close(fd)
+            os.close(entry)
 
-    def write(self, key: EntryKey, payload: bytes, may_evict: bool = True) -> None:
+    def write(self, key: EntryKey, payload: bytes | memoryview, *, may_evict: bool = True) -> None:
         """Atomically store ``payload`` for ``key``, evicting first if over a limit.
 
-        Raises StoreWriteError: the store is full, read-only or unwritable, or
-        at its limit (EDQUOT) with everything left pinned or ``may_evict`` False.
+        Raises StoreWriteError: the store is full, read-only, unwritable or gone,
+        or at its limit (EDQUOT) with everything left pinned or ``may_evict`` False.
         """
-        assert self._catalog is not None
-        catalog = self._catalog
-        digest = self._fingerprints[key.version].digest
-        trailer = _TRAILER.pack(_MAGIC, STORE_FORMAT, digest, len(payload), key.checksum(payload))
+        root, tmp_dir = self._root_fd, self._tmp_fd
+        if root is None or tmp_dir is None:
+            raise StoreWriteError(key, OSError(errno.EROFS, "the store is not writable"))
+        trailer = encode_trailer(key, payload, self._fingerprints[key.version].digest)
         nbytes = len(payload) + TRAILER_SIZE
-        final = self.path(key)
-        tmp = os.path.join(self._tmp, secrets.token_hex(8) + ".npy")
+        name = secrets.token_hex(8) + ".npy"
         try:
-            self._make_room(key, nbytes, may_evict)  # reserves nbytes until counted
-            try:
-                # 0644 whatever the umask: read_array trusts only files no one else may write.
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                with open(fd, "wb") as f:
-                    f.write(payload)
-                    f.write(trailer)
-                os.makedirs(os.path.dirname(final), mode=0o755, exist_ok=True)
-                with self._count_lock:
-                    new = _catalog_call(
-                        catalog.put, key.version, key.size, key.uuid, nbytes, time.time()
-                    )
+            with self.capacity.room(key, nbytes, may_evict=may_evict):
+                fd = os.open(
+                    name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    self.file_mode, dir_fd=tmp_dir,
+                )  # fmt: skip
+                try:
+                    with open(fd, "wb") as f:
+                        _set_mode(fd, self.file_mode)  # whatever the umask
+                        f.write(payload)
+                        f.write(trailer)
+                    shard = self._entry_dir(root, key)
                     try:
-                        os.rename(tmp, final)
-                    except OSError:
-                        if new:
-                            _catalog_call(catalog.remove, key.version, key.size, key.uuid)
-                        raise
-                    if new:
-                        self._entries += 1
-                        self._bytes += nbytes
-                    self._reserved -= self._reservations.pop(key, 0)  # with the count, at once
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+                        self.capacity.commit(
+                            key,
+                            nbytes,
+                            lambda: os.rename(
+                                name, f"{key.uuid}.npy", src_dir_fd=tmp_dir, dst_dir_fd=shard
+                            ),
+                        )
+                    finally:
+                        os.close(shard)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=tmp_dir)
+                    raise
         except OSError as exc:
+            if exc.errno == errno.EROFS:
+                self.writable = False  # check() notices when it can be written again
             raise StoreWriteError(key, exc) from exc
-        finally:
-            with self._count_lock:
-                self._reserved -= self._reservations.pop(key, 0)
 
     def remove(self, key: EntryKey) -> None:
         """Delete an entry (a bad one); its catalog row goes after its file."""
-        path = self.path(key)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+            self._unlink_entry(key)
         except OSError as exc:
-            log.warning("cannot remove bad entry %s: %s", path, exc)
+            log.warning("cannot remove bad entry %s: %s", key, exc)
             return
         try:
-            self._forget(key)
+            self.capacity.forget(key)
         except OSError as exc:
             log.warning("%s; its row stays in the catalog until evicted", exc)
 
     def cache_dir(self, name: str) -> str | None:
-        """A directory in the store for a derived cache (the source index), or None
-        if the store is not writable."""
-        if not self.writable:
+        """A directory in the store for a derived cache (the source index), the
+        daemon's alone (0700); None if the store is not writable."""
+        fd = self._root_fd
+        if fd is None or not self.writable:
             return None
-        path = os.path.join(self.root, f".{name}")
+        directory = f".{name}"
         try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            os.chmod(path, 0o700)  # the daemon's alone, however it was created
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700, dir_fd=fd)
+            sub = os.open(directory, _DIR, dir_fd=fd)
+            try:
+                _set_mode(sub, 0o700)  # however it was created
+            finally:
+                os.close(sub)
         except OSError:
             return None
-        return path
+        return os.path.join(self.root, directory)
 
     def access_socket_path(self) -> str | None:
         """Where readers may report the hits they read directly (None: nowhere)."""
@@ -377,149 +387,173 @@ class Store:
         """version -> the fingerprint its entries must carry (hex)."""
         return {version: fp.hex for version, fp in self._fingerprints.items()}
 
-    def stored_uuids(self, version: str, size: int) -> set[str]:
-        assert self._catalog is not None
-        return self._catalog.uuids(version, size)
-
-    # -- pins, accesses and eviction -----------------------------------------
-
-    def pin(self, key: EntryKey) -> None:
-        """Keep ``key``'s file from eviction until unpin. Cheap: safe on the event loop."""
-        pins = self._pins
-        with self._pin_lock:
-            pins[key] = pins.get(key, 0) + 1
-
-    def unpin(self, key: EntryKey) -> None:
-        pins = self._pins
-        with self._pin_lock:
-            count = pins.pop(key, 1) - 1
-            if count > 0:
-                pins[key] = count
-
-    def record_access(self, key: EntryKey, limit: int | None = None) -> bool:
-        """Note a hit for LRU; written to the catalog by flush_accesses. Cheap.
-
-        With ``limit``, a new key is noted only while fewer than ``limit`` are
-        pending; returns whether it was noted.
-        """
-        now = time.time()
-        with self._access_lock:
-            if limit is not None and len(self._accesses) >= limit and key not in self._accesses:
-                return False
-            self._accesses[key] = now
-        return True
-
-    def flush_accesses(self) -> None:
-        with self._access_lock:
-            accesses, self._accesses = self._accesses, {}
-        if accesses and self._catalog is not None and self.writable:
-            try:
-                self._catalog.touch((k.version, k.size, k.uuid, t) for k, t in accesses.items())
-            except sqlite3.Error as exc:
-                log.warning("cannot record %d accesses in the catalog: %s", len(accesses), exc)
-
-    def usage(self) -> StoreUsage:
-        # No lock: plain int reads; a momentary mismatch is harmless in a status file.
-        return StoreUsage(self._entries, self._bytes, self._filled, self.evictions)
-
     def fingerprint_description(self, version: str) -> Mapping[str, object]:
         return self._fingerprints[version].description
 
-    def would_evict(self, incoming: int) -> bool:
-        """Whether writing ``incoming`` more bytes would evict something first."""
-        return self._shortfall(incoming) > 0
+    # -- capacity, for the engine ----------------------------------------------------
 
-    def _shortfall(self, incoming: int) -> int:
-        """Bytes to free before ``incoming`` more fit within the limits (<= 0: none).
+    def usage(self) -> StoreUsage:
+        return self.capacity.usage()
 
-        Room reserved by writes in progress counts as used, so concurrent
-        writers never each find the same free space.
-        """
-        need = 0
-        if self._max_bytes is not None:
-            need = self._bytes + self._reserved + incoming - self._max_bytes
-        if self._min_free_fraction is not None:
-            vfs = os.statvfs(self.root)
-            free = vfs.f_bavail * vfs.f_frsize - incoming - self._reserved
-            need = max(need, int(self._min_free_fraction * vfs.f_blocks * vfs.f_frsize) - free)
-        return need
+    def stored_uuids(self, version: str, size: int) -> set[str]:
+        return self.capacity.stored_uuids(version, size)
 
-    def _make_room(self, key: EntryKey, incoming: int, may_evict: bool) -> None:
-        """Evict least-recently-used, unpinned entries until ``incoming`` bytes fit,
-        and reserve them for ``key`` (write() releases the reservation)."""
-        if self._max_bytes is None and self._min_free_fraction is None:
-            return
-        with self._evict_lock:
-            need = self._shortfall(incoming)
-            if need > 0:
-                if not may_evict:
-                    raise OSError(errno.EDQUOT, "the store is at its capacity limit")
-                if need > self._bytes:
-                    # Other data filled the filesystem: evicting everything would
-                    # still not make room, so evict nothing.
-                    raise OSError(
-                        errno.ENOSPC,
-                        f"no room even if every entry were evicted ({need:,} bytes short)",
-                    )
-                self._evict_for(key, incoming)
-            with self._count_lock:
-                self._reservations[key] = incoming
-                self._reserved += incoming
+    # -- internals --------------------------------------------------------------------
 
-    def _evict_for(self, key: EntryKey, incoming: int) -> None:
-        assert self._catalog is not None
-        self.flush_accesses()  # so that recent hits are not the oldest
-        skipped = 0  # pinned rows stay at the front of the LRU order
-        while self._shortfall(incoming) > 0:
-            rows = _catalog_call(self._catalog.oldest, _EVICT_BATCH, skipped)
-            if not rows:
-                raise OSError(
-                    errno.EDQUOT,
-                    "the store is at its capacity limit and every entry left is in use",
-                )
-            for row in rows:
-                victim = EntryKey(row.version, row.size, row.uuid)
-                if victim == key or not self._evict(victim):
-                    skipped += 1
-                if self._shortfall(incoming) <= 0:
-                    break
+    def _adopt(self, fd: int, *, clean: bool = True) -> None:
+        """Make the trusted directory ``fd`` this store: check it, then prepare it
+        (``clean``: remove leftover temp files)."""
+        self._check_tree(fd)
+        self._check_marker(fd)
+        self._root_fd = fd
+        if self._tmp_fd is not None:
+            self._retired_fds.append(self._tmp_fd)  # another thread may still use it
+        self._tmp_fd = self._prepare_tmp(fd, clean=clean)
+        self.writable = self._tmp_fd is not None and self._probe(self._tmp_fd)
+        empty = self._open_catalog()
+        if self.writable:
+            for version in self._fingerprints:
+                self._check_fingerprint(fd, version)  # before a fill scan sees what it discards
+            self._start_trash_cleanup(fd)
+        else:
+            log.error(
+                "store %s is not writable; hits are served from it, misses from memory", self.root
+            )
+        if empty:
+            # A new catalog on an existing store (or a read-only store): fill it
+            # from the files, in the background, while the daemon already serves.
+            self._filled.clear()
+            self._fill_thread = threading.Thread(
+                target=self._fill, args=(fd,), name="store-catalog-fill", daemon=True
+            )
+            self._fill_thread.start()
+        else:
+            self._filled.set()
 
-    def _evict(self, key: EntryKey) -> bool:
-        """Unlink ``key`` unless pinned, then drop its row; raises OSError if the
-        catalog fails (eviction must stop: it could not tell what it freed)."""
-        with self._pin_lock:
-            if self._pins.get(key):
+    def _writable_again(self, fd: int) -> bool:
+        """A store that could not be written (read-only, full at start): if it can be now,
+        prepare it again, with its catalog on disk. True if so."""
+        if self.writable:
+            return False
+        tmp = self._prepare_tmp(fd, clean=False)
+        if tmp is None:
+            return False
+        try:
+            if not self._probe(tmp):
                 return False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path(key))
-            self.evicted.append(key)
-        self._forget(key)
-        self.evictions += 1
+        finally:
+            os.close(tmp)
+        old = self.capacity.detach()
+        if old is not None:
+            with contextlib.suppress(sqlite3.Error):
+                old.close()
+        self._adopt(fd, clean=False)  # writes may be under way in .tmp
+        log.warning("store %s can be written again; storing arrays again", self.root)
         return True
 
-    def _forget(self, key: EntryKey) -> None:
-        """Drop ``key``'s catalog row (after its file) and uncount it; OSError on failure."""
-        assert self._catalog is not None
-        with self._count_lock:
-            nbytes = _catalog_call(self._catalog.remove, key.version, key.size, key.uuid)
-            if not self._filled:
-                self._removed_while_filling.add(key)
-            if nbytes is not None:
-                self._entries -= 1
-                self._bytes -= nbytes
+    def _lose(self) -> None:
+        """The store's directory is gone: forget its entries, keep its descriptors open."""
+        self.writable = False
+        self.generation += 1
+        catalog = self.capacity.detach()
+        if catalog is not None:
+            with contextlib.suppress(sqlite3.Error):
+                catalog.close()
+        self._retired_fds += [fd for fd in (self._root_fd, self._tmp_fd) if fd is not None]
+        self._root_fd = self._tmp_fd = None
 
-    def _check_marker(self) -> None:
-        marker = os.path.join(self.root, _MARKER)
+    def _still_there(self, fd: int) -> bool:
         try:
-            with open(marker, encoding="utf-8") as f:
-                recorded = json.load(f)
+            held = os.fstat(fd)
+            now = os.stat(self.root, follow_symlinks=False)
+        except OSError:
+            return False
+        return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+    def _attach_memory_catalog(self) -> None:
+        catalog, _ = Catalog.open(":memory:")
+        self.capacity.attach(catalog, filled=True)
+        self._filled.set()
+
+    def _statvfs(self) -> os.statvfs_result:
+        fd = self._root_fd
+        if fd is None:
+            raise OSError(errno.ENOENT, "the store is gone")
+        return os.fstatvfs(fd)
+
+    def _unlink_entry(self, key: EntryKey) -> None:
+        fd = self._root_fd
+        if fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            os.unlink(key.relpath, dir_fd=fd)
+
+    def _entry_dir(self, root: int, key: EntryKey) -> int:
+        """The directory of ``key``'s entry, made if missing (a descriptor to close)."""
+        fd = root
+        for name in (key.version, str(key.size), key.uuid[:2]):
+            try:
+                child = os.open(name, _DIR, dir_fd=fd)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, self.dir_mode, dir_fd=fd)
+                child = os.open(name, _DIR, dir_fd=fd)
+                _set_mode(child, self.dir_mode)  # whatever the umask
+            finally:
+                if fd != root:
+                    os.close(fd)
+            fd = child
+        return fd
+
+    def _check_tree(self, root: int) -> None:
+        """Refuse a store that has a symlink, or a directory someone else owns or may
+        write to, down to the entries' directories; give directories the policy's mode."""
+        _set_mode(root, self.dir_mode)
+        pending: list[tuple[int, str, int]] = [(root, "", 0)]  # (fd, relative path, depth)
+        try:
+            while pending:
+                fd, where, depth = pending.pop()
+                try:
+                    with os.scandir(fd) as it:
+                        names = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+                    for name, st in names:
+                        path = f"{where}{name}"
+                        if stat.S_ISLNK(st.st_mode):
+                            raise StoreError(
+                                f"store: {os.path.join(self.root, path)} is a symlink; nothing "
+                                "in the store may be one (remove it, or use another store)"
+                            )
+                        if depth == 3 or not stat.S_ISDIR(st.st_mode):
+                            continue  # entry files are checked when they are read
+                        problem = owned_alone_problem(os.path.join(self.root, path), st)
+                        if problem is not None:
+                            raise StoreError(f"store: {problem}")
+                        child = os.open(name, _DIR, dir_fd=fd)
+                        if name not in (".index", _TMP, _TRASH):
+                            _set_mode(child, self.dir_mode)
+                        if name.startswith(".") or depth == 2:
+                            os.close(child)  # hidden directories hold no entries
+                        else:
+                            pending.append((child, f"{path}/", depth + 1))
+                finally:
+                    if fd != root:
+                        os.close(fd)
+        finally:
+            for fd, _, _ in pending:
+                if fd != root:
+                    os.close(fd)
+
+    def _check_marker(self, root: int) -> None:
+        try:
+            recorded = json.loads(_read_small(root, MARKER_FILE))
         except FileNotFoundError:
             with contextlib.suppress(OSError):  # a read-only store stays unmarked
-                _write_json(marker, {"format": STORE_FORMAT})
+                _write_json_at(root, MARKER_FILE, {"format": STORE_FORMAT}, 0o644)
             return
         except (OSError, ValueError) as exc:
             raise StoreError(
-                f"store: {marker} is unreadable ({exc}); remove it to reuse the store"
+                f"store: {os.path.join(self.root, MARKER_FILE)} is unreadable ({exc}); "
+                "remove it to reuse the store"
             ) from exc
         fmt = recorded.get("format") if isinstance(recorded, dict) else None
         if fmt != STORE_FORMAT:
@@ -528,72 +562,84 @@ class Store:
                 f"{STORE_FORMAT}; point `store` at another directory"
             )
 
-    def _take_lock(self) -> None:
-        path = os.path.join(self.root, ".lock")
+    def _prepare_tmp(self, root: int, *, clean: bool) -> int | None:
+        """.tmp's descriptor (None if it cannot be made or opened), emptied of
+        leftovers if ``clean``."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                return  # read-only store without a lock file: we will not write to it
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreError(
-                f"store: {self.root} is in use by another decodefs daemon; "
-                "give each daemon its own store"
-            ) from None
-        self._lock_fd = fd
-
-    def _prepare_tmp(self) -> bool:
-        """Empty .tmp of leftovers; True if a file can be created there."""
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(_TMP, 0o700, dir_fd=root)
+            fd = os.open(_TMP, _DIR, dir_fd=root)
+        except OSError as exc:
+            log.debug("store %s not writable: %s", self.root, exc)
+            return None
+        _set_mode(fd, 0o700)
+        if not clean:
+            return fd
         removed = 0
         try:
-            with os.scandir(self._tmp) as it:
-                leftovers = list(it)
-        except OSError:
-            leftovers = []  # absent, or not a directory: the probe below decides
-        for entry in leftovers:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed += 1
-            except OSError as exc:
-                log.warning("cannot remove leftover %s: %s", entry.path, exc)
-        if removed:
-            log.info("removed %d leftover temp files from %s", removed, self._tmp)
-        probe = os.path.join(self._tmp, "probe-" + secrets.token_hex(4))
+            with os.scandir(fd) as it:
+                leftovers = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for name, is_dir in leftovers:
+                try:
+                    if is_dir:
+                        shutil.rmtree(name, dir_fd=fd)
+                    else:
+                        os.unlink(name, dir_fd=fd)
+                    removed += 1
+                except OSError as exc:
+                    log.warning("cannot remove leftover %s/.tmp/%s: %s", self.root, name, exc)
+            if removed:
+                log.info("removed %d leftover temp files from %s/.tmp", removed, self.root)
+        except OSError as exc:
+            log.debug("cannot empty %s/.tmp: %s", self.root, exc)
+        return fd
+
+    def _probe(self, tmp: int) -> bool:
+        """Whether a file with data can be written in .tmp now."""
+        # A byte of data, not just a name: a full filesystem still has inodes.
+        probe = "probe-" + secrets.token_hex(4)
         try:
-            os.makedirs(self._tmp, exist_ok=True)
-            with open(probe, "xb") as f:
-                f.write(b"decodefs")
-            os.unlink(probe)
+            probe_fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=tmp)
         except OSError as exc:
             log.debug("store %s not writable: %s", self.root, exc)
             return False
+        try:
+            os.write(probe_fd, b"decodefs")
+        except OSError as exc:
+            log.debug("store %s not writable: %s", self.root, exc)
+            return False
+        finally:
+            os.close(probe_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe, dir_fd=tmp)
         return True
 
-    def _check_fingerprint(self, version: str) -> None:
+    def _open_catalog(self) -> bool:
+        """Open the catalog and count from it; True if a scan has to fill it."""
+        path = os.path.join(self.root, CATALOG_FILE) if self.writable else ":memory:"
+        try:
+            catalog, empty = Catalog.open(path)
+        except (sqlite3.Error, OSError) as exc:
+            log.error("catalog %s cannot be used (%s); keeping one in memory", path, exc)
+            catalog, empty = Catalog.open(":memory:")
+        self.capacity.attach(catalog, filled=not empty)
+        return empty
+
+    def _check_fingerprint(self, root: int, version: str) -> None:
         """Discard a version's arrays if they were decoded another way.
 
         Only a readable marker naming another fingerprint discards anything:
         each entry carries its own fingerprint, so a missing or unreadable
         marker is simply rewritten.
         """
-        directory = os.path.join(self.root, version)
-        marker = os.path.join(directory, _FINGERPRINT_FILE)
         expected = self._fingerprints[version]
+        marker = f"{version}/{_FINGERPRINT_FILE}"
         try:
-            with open(marker, encoding="utf-8") as f:
-                recorded = json.load(f)
-        except FileNotFoundError:
+            recorded = json.loads(_read_small(root, marker))
+        except (FileNotFoundError, NotADirectoryError):
             recorded = None
         except (OSError, ValueError) as exc:
-            log.warning("unreadable %s (%s); rewriting it", marker, exc)
+            log.warning("unreadable %s/%s (%s); rewriting it", self.root, marker, exc)
             recorded = None
         if not isinstance(recorded, dict):
             recorded = None
@@ -608,155 +654,210 @@ class Store:
                     json.dumps(recorded.get("description"), sort_keys=True),
                     json.dumps(expected.description, sort_keys=True),
                 )
-                os.makedirs(self._trash, exist_ok=True)
-                os.rename(directory, os.path.join(self._trash, f"{version}.{time.time_ns()}"))
-                if self._catalog is not None:
-                    self._catalog.remove_version(version)
-                    self._entries, self._bytes = self._catalog.totals()
-            os.makedirs(directory, exist_ok=True)
-            _write_json(marker, {"digest": expected.hex, "description": dict(expected.description)})
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(_TRASH, 0o700, dir_fd=root)
+                trash = os.open(_TRASH, _DIR, dir_fd=root)
+                try:
+                    os.rename(
+                        version, f"{version}.{time.time_ns()}", src_dir_fd=root, dst_dir_fd=trash
+                    )
+                finally:
+                    os.close(trash)
+                catalog = self.capacity.detach()
+                if catalog is not None:
+                    catalog.remove_version(version)
+                    self.capacity.attach(catalog, filled=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(version, self.dir_mode, dir_fd=root)
+            directory = os.open(version, _DIR, dir_fd=root)
+            try:
+                _set_mode(directory, self.dir_mode)
+                _write_json_at(
+                    directory,
+                    _FINGERPRINT_FILE,
+                    {"digest": expected.hex, "description": dict(expected.description)},
+                    0o644,
+                )
+            finally:
+                os.close(directory)
         except (OSError, sqlite3.Error) as exc:
             # A full disk must not stop the daemon: stale entries still fail
             # their own fingerprint check and are rebuilt one by one.
             log.error(
-                "version %s: cannot record its fingerprint in %s: %s", version, directory, exc
+                "version %s: cannot record its fingerprint in %s: %s", version, self.root, exc
             )
 
-    def _start_trash_cleanup(self) -> None:
-        if not os.path.isdir(self._trash):
+    def _start_trash_cleanup(self, root: int) -> None:
+        try:
+            os.stat(_TRASH, dir_fd=root, follow_symlinks=False)
+        except OSError:
             return
 
         def cleanup() -> None:
             started = time.monotonic()
-            shutil.rmtree(self._trash, ignore_errors=True)
+            shutil.rmtree(_TRASH, dir_fd=root, ignore_errors=True)
             log.info("deleted discarded arrays in %.1f s", time.monotonic() - started)
 
         threading.Thread(target=cleanup, name="store-trash", daemon=True).start()
 
-    def _open_catalog(self) -> bool:
-        """Open the catalog and count from it; True if a scan has to fill it."""
-        path = os.path.join(self.root, CATALOG_FILE) if self.writable else ":memory:"
-        try:
-            catalog, empty = Catalog.open(path)
-            entries, nbytes = catalog.totals()
-        except (sqlite3.Error, OSError) as exc:
-            log.error("catalog %s cannot be used (%s); keeping one in memory", path, exc)
-            catalog, empty = Catalog.open(":memory:")
-            entries, nbytes = 0, 0
-        self._catalog = catalog
-        self._entries, self._bytes = entries, nbytes
-        return empty
-
-    def _fill(self) -> None:
-        assert self._catalog is not None
-        catalog = self._catalog
+    def _fill(self, root: int) -> None:
         started = time.monotonic()
-        batch: list[tuple[str, int, str, int, float]] = []
         try:
-            for key, path in iter_entry_files(self.root, self._fingerprints):
-                if self._closing.is_set():
-                    return  # the next start fills it again
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                batch.append((key.version, key.size, key.uuid, st.st_size, st.st_mtime))
-                if len(batch) >= _FILL_BATCH:
-                    catalog.fill(batch)
-                    batch.clear()
-            catalog.fill(batch)
-            with self._count_lock:
-                # Files the scan listed but that were evicted or removed before
-                # their row went in must not come back as rows.
-                for key in self._removed_while_filling:
-                    if not os.path.exists(self.path(key)):
-                        catalog.remove(key.version, key.size, key.uuid)
-                self._removed_while_filling.clear()
-                if self.writable:
-                    catalog.mark_filled()
-                # Writes and evictions went on meanwhile; the catalog is the truth.
-                self._entries, self._bytes = catalog.totals()
-                self._filled = True
-        except sqlite3.Error as exc:
+            rows = (
+                (key, st.st_size, st.st_mtime) for key, st in iter_entries(root, self._fingerprints)
+            )
+            if not self.capacity.fill(rows, self._closing):
+                return
+            self.capacity.finish_fill(self._exists, durable=self.writable)
+        except (sqlite3.Error, OSError) as exc:
             log.error("cannot fill the catalog of %s: %s; usage is undercounted", self.root, exc)
-            self._filled = True
+            self.capacity.give_up_fill()
+        finally:
+            self._filled.set()
+        usage = self.capacity.usage()
         log.info(
             "store %s holds %d entries, %.1f MiB (catalog filled from disk in %.1f s)",
             self.root,
-            self._entries,
-            self._bytes / 2**20,
+            usage.entries,
+            usage.bytes / 2**20,
             time.monotonic() - started,
         )
 
-
-def check_entry(key: EntryKey, data: bytes | bytearray, digest: bytes) -> str | None:
-    """Why the entry file ``data`` must not be served for ``key``, or None if it may."""
-    if len(data) < TRAILER_SIZE:
-        return f"truncated to {len(data)} bytes"
-    magic, fmt, recorded, length, checksum = _TRAILER.unpack_from(data, len(data) - TRAILER_SIZE)
-    if magic != _MAGIC:
-        return "no integrity trailer (truncated or not written by decodefs)"
-    if fmt != STORE_FORMAT:
-        return f"store format {fmt}, expected {STORE_FORMAT}"
-    if recorded != digest:
-        return STALE
-    if length != len(data) - TRAILER_SIZE:
-        return f"length {len(data) - TRAILER_SIZE}, trailer says {length}"
-    if key.checksum(memoryview(data)[:length]) != checksum:
-        return "checksum mismatch (damaged, or another entry's file)"
-    return None
+    def _exists(self, key: EntryKey) -> bool:
+        fd = self._root_fd
+        if fd is None:
+            return False
+        try:
+            os.stat(key.relpath, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
 
 
-def iter_entry_files(root: str, versions: Iterable[str]) -> Iterator[tuple[EntryKey, str]]:
-    """Every entry file under ``root`` for ``versions``, by walking the layout."""
+def lock_store(root: int, lock_dir: str | None = None) -> int:
+    """Take the one-daemon-per-store lock of the store open at ``root``; its descriptor.
+
+    The lock file lives outside the store (in ``lock_dir``, by default
+    /run/decodefs/locks for root, else under $XDG_RUNTIME_DIR or /tmp),
+    named after the store's real path, so removing the store's contents
+    cannot remove it. Raises StoreError if another daemon holds it.
+    """
+    real = os.readlink(f"/proc/self/fd/{root}")
+    directory = lock_dir or _default_lock_dir()
+    try:
+        dir_fd = open_trusted_dir(directory, create_mode=0o700)
+    except UntrustedPath as exc:
+        raise StoreError(f"lock directory: {exc}") from None
+    try:
+        name = hashlib.sha256(os.fsencode(real)).hexdigest()[:32] + ".lock"
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)  # fmt: skip
+    finally:
+        os.close(dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreError(
+            f"store: {real} is in use by another decodefs daemon; give each daemon its own store"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, os.fsencode(f"{os.getpid()} {real}\n"))
+    return fd
+
+
+def _default_lock_dir() -> str:
+    if os.geteuid() == 0:
+        return "/run/decodefs/locks"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime, "decodefs") if runtime else f"/tmp/decodefs-{os.geteuid()}"
+
+
+# -- walking the store -------------------------------------------------------------------
+
+
+def iter_entries(
+    root: int, versions: Mapping[str, object]
+) -> Iterator[tuple[EntryKey, os.stat_result]]:
+    """Every entry file in the store open at ``root`` for ``versions``, with its stat;
+    no symlink is followed."""
     for version in versions:
-        for size_dir in _subdirs(os.path.join(root, version)):
-            size_name = os.path.basename(size_dir)
-            if not size_name.isdigit():
-                continue
-            for shard_dir in _subdirs(size_dir):
-                try:
-                    with os.scandir(shard_dir) as it:
-                        names = [
-                            e.name
-                            for e in it
-                            if e.name.endswith(".npy") and e.is_file(follow_symlinks=False)
-                        ]
-                except OSError:
+        for size_name, size_fd in _subdirs(root, version):
+            try:
+                if not size_name.isdigit():
                     continue
-                for name in names:
-                    yield (
-                        EntryKey(version, int(size_name), name[: -len(".npy")]),
-                        os.path.join(shard_dir, name),
-                    )
+                for _, shard_fd in _subdirs(size_fd, None):
+                    try:
+                        found = list(_entry_files(shard_fd))
+                    finally:
+                        os.close(shard_fd)
+                    for name, st in found:
+                        yield EntryKey(version, int(size_name), name[: -len(".npy")]), st
+            finally:
+                os.close(size_fd)
 
 
-def _catalog_call(fn: Callable[..., T], *args: object) -> T:
-    """A catalog call whose failure is an OSError, like any other storage failure."""
+def _entry_files(directory: int) -> Iterator[tuple[str, os.stat_result]]:
+    """(name, stat) of each regular ``*.npy`` file in ``directory``; one removed
+    while being listed is skipped."""
     try:
-        return fn(*args)
-    except sqlite3.Error as exc:
-        raise OSError(errno.EIO, f"catalog: {exc}") from exc
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [
-                e.path for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
-            ]
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.name.endswith(".npy") and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        yield entry.name, entry.stat(follow_symlinks=False)
     except OSError:
-        return []
+        return
 
 
-def _write_json(path: str, value: object) -> None:
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+def _subdirs(parent: int, name: str | None) -> Iterator[tuple[str, int]]:
+    """(name, descriptor) of each directory in ``parent``/``name`` not starting with '.';
+    the caller closes each descriptor."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = os.open(name, _DIR, dir_fd=parent) if name is not None else os.dup(parent)
+    except OSError:
+        return
+    try:
+        with os.scandir(fd) as it:
+            names = [
+                e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            ]
+        for child in names:
+            try:
+                yield child, os.open(child, _DIR, dir_fd=fd)
+            except OSError:
+                continue
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+def _read_small(root: int, relpath: str) -> bytes:
+    fd = os.open(relpath, _READ, dir_fd=root)
+    with open(fd, "rb") as f:
+        return f.read(1 << 20)
+
+
+def _write_json_at(directory: int, name: str, value: object, mode: int) -> None:
+    tmp = f"{name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=directory)  # fmt: skip
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
             json.dump(value, f, indent=2, sort_keys=True)
             f.write("\n")
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=directory)
         raise
+
+
+def _set_mode(fd: int, mode: int) -> None:
+    """Give ``fd`` the permission bits ``mode`` (a read-only store keeps what it has)."""
+    if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+        try:
+            os.fchmod(fd, mode)
+        except OSError as exc:
+            log.debug("cannot set mode %o: %s", mode, exc)

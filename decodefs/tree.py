@@ -18,15 +18,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
+from . import protocol
 from .engine import Engine
 from .inodes import Kind, Node
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
 
-STATUS_DIR_NAME: Final = ".decodefs"
 NAME_MAX: Final = 255
 _SIZE_NAME = re.compile(rb"[1-9][0-9]{0,4}")
 _NPY: Final = b".npy"
+_STATUS_DIR_NAME: Final = protocol.STATUS_DIR.encode()
 
 
 ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1
@@ -68,7 +69,7 @@ class Tree:
         if not _valid_component(name):
             return None
         if parent == ROOT:
-            if name == STATUS_DIR_NAME.encode():
+            if name == _STATUS_DIR_NAME:
                 return STATUS_DIR
             index = self._version_index.get(name)
             return Node(Kind.VERSION, version=index) if index is not None else None
@@ -134,7 +135,7 @@ class Tree:
         shard directories list their arrays through ``array_rows``.
         """
         if node == ROOT:
-            names = [v.encode() for v in self._versions] + [STATUS_DIR_NAME.encode()]
+            names = [v.encode() for v in self._versions] + [_STATUS_DIR_NAME]
             for i in range(start, len(names)):
                 child = self.lookup(ROOT, names[i])
                 assert child is not None

@@ -7,7 +7,7 @@ decode settings change: it reports such entries as stale, entry by entry.
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -19,9 +19,12 @@ from tqdm import tqdm
 
 from .catalog import Catalog
 from .decode import npy_layout_problem
-from .store import CATALOG_FILE, STALE, TRAILER_SIZE, EntryKey, check_entry, iter_entry_files
+from .entry import STALE, EntryKey, check_entry_file
+from .store import CATALOG_FILE, StoreError, iter_entries, lock_store
 
-__all__ = ["VerifyReport", "recorded_digests", "verify_store"]
+__all__ = ["StoreBusy", "VerifyReport", "recorded_digests", "verify_store"]
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @dataclass
@@ -43,10 +46,17 @@ class StoreBusy(Exception):
 def recorded_digests(root: Path) -> dict[str, bytes]:
     """version -> fingerprint digest, from the store's own .fingerprint.json markers."""
     digests = {}
-    for marker in sorted(root.glob("*/.fingerprint.json")):
+    with _opened(root) as fd, os.scandir(fd) as it:
+        versions = [
+            e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+        ]
+    for version in sorted(versions):
         try:
-            recorded = json.loads(marker.read_text())
-            digests[marker.parent.name] = bytes.fromhex(recorded["digest"])
+            with _opened(root / version) as fd:
+                marker = os.open(".fingerprint.json", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+                with open(marker, "rb") as f:
+                    recorded = json.loads(f.read(1 << 20))
+            digests[version] = bytes.fromhex(recorded["digest"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return digests
@@ -57,19 +67,19 @@ def verify_store(
 ) -> VerifyReport:
     """Check every entry of ``digests``' versions under ``root``."""
     report = VerifyReport()
-    with _exclusive(root) if remove else _nothing():
+    with _opened(root) as fd, _exclusive(fd) if remove else contextlib.nullcontext():
         catalog = _catalog(root) if remove else None
-        entries = list(iter_entry_files(str(root), digests))
-        for key, path in tqdm(entries, unit="entry", disable=not progress, mininterval=0.5):
+        entries = [key for key, _ in iter_entries(fd, digests)]
+        for key in tqdm(entries, unit="entry", disable=not progress, mininterval=0.5):
             report.checked += 1
-            problem = _problem(key, path, digests[key.version])
+            problem = _problem(fd, key, digests[key.version])
             if problem is None:
                 report.ok += 1
                 continue
-            report.bad[path] = problem
+            report.bad[str(root / key.relpath)] = problem
             if remove:
                 try:
-                    os.unlink(path)
+                    os.unlink(key.relpath, dir_fd=fd)
                 except OSError:
                     continue
                 if catalog is not None:
@@ -80,14 +90,16 @@ def verify_store(
     return report
 
 
-def _problem(key: EntryKey, path: str, digest: bytes) -> str | None:
+def _problem(root: int, key: EntryKey, digest: bytes) -> str | None:
     try:
-        with open(path, "rb", buffering=0) as f:
-            data = f.read()
+        fd = os.open(key.relpath, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+        try:
+            checked = check_entry_file(fd, key, digest)
+        finally:
+            os.close(fd)
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    payload = memoryview(data)[: len(data) - TRAILER_SIZE]
-    return check_entry(key, data, digest) or npy_layout_problem(payload, key.size)
+    return checked.problem or npy_layout_problem(checked.head, checked.length, key.size)
 
 
 def _catalog(root: Path) -> Catalog | None:
@@ -96,21 +108,24 @@ def _catalog(root: Path) -> Catalog | None:
 
 
 @contextmanager
-def _exclusive(root: Path) -> Iterator[None]:
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _opened(directory: Path) -> Iterator[int]:
+    fd = os.open(directory, _DIR)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreBusy(
-                f"a decodefs daemon is using {root}; stop it to remove entries "
-                "(verify without --remove works while it runs)"
-            ) from None
-        yield
+        yield fd
     finally:
         os.close(fd)
 
 
 @contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+def _exclusive(root: int) -> Iterator[None]:
+    try:
+        lock = lock_store(root)
+    except StoreError:
+        raise StoreBusy(
+            "a decodefs daemon is using the store; stop it to remove entries "
+            "(verify without --remove works while it runs)"
+        ) from None
+    try:
+        yield
+    finally:
+        os.close(lock)

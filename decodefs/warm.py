@@ -1,10 +1,12 @@
 """`decodefs warm`: fill the cache ahead of training, through the mount.
 
-Each entry is opened with O_NONBLOCK and closed without being read. The
-daemon takes that as a warm request: it decodes and stores the array on open
-(single-flight and accounting hold) on its low-priority threads, so training
-readers go first, and it never evicts for it: a full store answers EDQUOT
-(or ENOSPC, EROFS) and the warm stops. No data lands in this process or the
+Each entry is opened with O_NONBLOCK (protocol.WARM_FLAG) and closed without
+being read. The daemon takes that as a warm request: it decodes and stores the
+array on open (single-flight and accounting hold) on its low-priority threads,
+so training readers go first, and it never evicts for it. The open succeeds
+even when the store will not take the array (a reader using the flag must
+get its bytes); the daemon counts it in ``warm_not_stored``, which this
+module watches, and the warm stops. No data lands in this process or the
 page cache. Entries already stored cost one open, so an interrupted warm
 resumes when run again.
 """
@@ -15,11 +17,13 @@ import concurrent.futures
 import errno
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
+
+from .protocol import WARM_FLAG
 
 __all__ = ["WarmReport", "read_uuid_list", "warm"]
 
@@ -45,14 +49,30 @@ def read_uuid_list(path: Path) -> list[str]:
     return uuids
 
 
+_REFUSALS_SECONDS = 0.25  # how often the daemon's warm_not_stored is looked at
+
+
 def warm(
-    directory: Path, uuids: Iterable[str] | None, jobs: int, progress: bool = True
+    directory: Path,
+    uuids: Iterable[str] | None,
+    jobs: int,
+    progress: bool = True,
+    refusals: Callable[[], int] | None = None,
 ) -> WarmReport:
-    """Open every ``<directory>/<uuid>.npy`` (all listed there if ``uuids`` is None)."""
+    """Open every ``<directory>/<uuid>.npy`` (all listed there if ``uuids`` is None).
+
+    ``refusals`` reads the daemon's ``warm_not_stored`` counter: once it grows,
+    the store takes no more and the warm stops.
+    """
     names = sorted(os.listdir(directory)) if uuids is None else [f"{u}.npy" for u in uuids]
     names = [n for n in names if n.endswith(".npy")]
     report = WarmReport(total=len(names))
-    started = time.monotonic()
+    started = last_look = time.monotonic()
+    refused_before = refusals() if refusals is not None else 0
+
+    def store_refuses() -> bool:
+        return refusals is not None and refusals() > refused_before
+
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="warm")
     bar = tqdm(total=len(names), unit="img", disable=not progress, mininterval=0.5, smoothing=0.1)
     try:
@@ -71,6 +91,12 @@ def warm(
             else:
                 report.failed[uuid] = error.strerror or str(error)
             bar.update(1)
+            if time.monotonic() - last_look >= _REFUSALS_SECONDS:
+                last_look = time.monotonic()
+                if store_refuses():
+                    report.store_full = _STORE_REFUSES
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    break
     except KeyboardInterrupt:
         report.interrupted = True
         pool.shutdown(wait=True, cancel_futures=True)
@@ -78,15 +104,18 @@ def warm(
         pool.shutdown(wait=True)
         bar.close()
         report.seconds = time.monotonic() - started
+    if report.store_full is None and not report.interrupted and store_refuses():
+        report.store_full = _STORE_REFUSES
     return report
 
 
-_STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})
+_STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})  # from an older daemon
+_STORE_REFUSES = "it is at its capacity limit, full or read-only"
 
 
 def _touch(path: Path) -> OSError | None:
     try:
-        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+        os.close(os.open(path, os.O_RDONLY | WARM_FLAG))
     except OSError as exc:
         return exc
     return None

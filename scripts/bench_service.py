@@ -30,8 +30,8 @@ from benchlib import DECODEFS, VERSION, WORK, BenchMount, mounted
 
 from decodefs import decode_image, npy_bytes
 from decodefs.decode import npy_file_size
+from decodefs.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
-from decodefs.store import TRAILER_SIZE
 
 
 def main() -> None:

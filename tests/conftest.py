@@ -111,6 +111,39 @@ def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
 
 
 @pytest.fixture
+def ext4(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Mount a fresh ext4 of a given size ("16M") from a loop device, with
+    errors=remount-ro (a real filesystem that can fail read-only at runtime:
+    see ``fail_read_only``); all are unmounted at the end."""
+    mounted: list[Path] = []
+
+    def make(size: str) -> Path:
+        image = tmp_path / f"ext4-{len(mounted)}.img"
+        root = tmp_path / f"ext4-{len(mounted)}"
+        root.mkdir()
+        subprocess.run(["truncate", "-s", size, str(image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(root)], check=True)
+        mounted.append(root)
+        return root
+
+    try:
+        yield make
+    finally:
+        for root in mounted:
+            subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def fail_read_only(root: Path) -> None:
+    """Make the ext4 mounted at ``root`` hit an error, so the kernel turns it read-only
+    under whoever is writing to it, as a failing flash device does."""
+    source = subprocess.run(
+        ["findmnt", "-n", "-o", "SOURCE", str(root)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    Path("/sys/fs/ext4", os.path.basename(source), "trigger_fs_error").write_text("1")
+
+
+@pytest.fixture
 def notify_listener(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
     """A unix datagram socket standing in for systemd's NOTIFY_SOCKET: (socket, path)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -16,7 +16,9 @@ from PIL import Image
 
 from decodefs import DecodeSettings, npy_bytes, read_array
 from decodefs.decode import decoder_fingerprint
-from decodefs.store import TRAILER_SIZE, EntryKey, Store
+from decodefs.entry import EntryKey
+from decodefs.protocol import TRAILER_SIZE
+from decodefs.store import Store
 from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import decodefs, errno_of, reference_npy, write_bad_originals
 

@@ -20,7 +20,7 @@ import numpy.typing as npt
 import pytest
 
 from decodefs import read_array, reader
-from decodefs.store import TRAILER_SIZE
+from decodefs.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import Mount, decodefs, reference_npy, unmount_quietly, write_config
 
@@ -301,9 +301,9 @@ def test_a_store_or_entry_others_may_write_to_is_not_read_directly(
     for uuid in (first, second):
         read_array(mount.path("v1", "64", f"{uuid}.npy"))  # stored
     store = mount.config.parent / "store"
-    assert stat.S_IMODE(os.stat(entry_file(store, 64, first)).st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(entry_file(store, 64, first)).st_mode) == 0o600  # allow_other off
 
-    os.chmod(entry_file(store, 64, first), 0o664)  # a group may rewrite it
+    os.chmod(entry_file(store, 64, first), 0o620)  # a group may rewrite it
     hits = mount.stats()["hits"]
     assert as_npy(read_array(mount.path("v1", "64", f"{first}.npy"))) == reference_npy(original, 64)
     read_array(mount.path("v1", "64", f"{second}.npy"))  # still direct

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -205,7 +206,16 @@ def test_cli_warm_stops_at_the_cap_without_evicting(
         mount.path("v1", "64", f"{uuid}.npy").read_bytes()
     result = decodefs("warm", mount.mountpoint, "v1", "64", "--jobs", "1")
     assert result.returncode == 1
-    assert "the store takes no more (Disk quota exceeded); warming stopped" in result.stderr
+    assert "the store takes no more (it is at its capacity limit" in result.stderr
     stats = mount.stats()
     assert stats["evictions"] == 0 and stats["store_entries"] == 3
+    assert stats["warm_not_stored"] >= 1 and stats["errors"]["store_EDQUOT"] >= 1
     assert {p.stem for p in (mount.config.parent / "store").glob("v1/64/*/*.npy")} == set(trained)
+
+    # The flag asks for a warm, but a program that reads what it opened gets the array.
+    rest = [uuid for uuid in sorted(photos) if uuid not in trained]
+    for uuid in rest[:2]:
+        fd = os.open(mount.path("v1", "64", f"{uuid}.npy"), os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb", buffering=0) as f:
+            assert f.read() == reference_npy(photos[uuid], 64)
+    assert mount.stats()["evictions"] == 0

@@ -7,23 +7,17 @@ import os
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
-from decodefs.store import (
-    TRAILER_SIZE,
-    CorruptEntry,
-    EntryKey,
-    Store,
-    StoreError,
-    StoreReadError,
-    StoreWriteError,
-)
-from tests.conftest import Tmpfs, needs_root
+from decodefs.entry import EntryKey
+from decodefs.protocol import TRAILER_SIZE
+from decodefs.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError
+from tests.conftest import Tmpfs, fail_read_only, needs_root
 
 V1 = decoder_fingerprint(DecodeSettings())
 KEY = EntryKey("v1", 16, "abcdef")
@@ -43,6 +37,16 @@ def stored_and_closed(root: Path, uuids: list[str]) -> None:
     s.close()
 
 
+def read(store: Store, key: EntryKey) -> bytes | None:
+    """The verified payload of ``key``, as the engine reads it; None if there is none."""
+    checked = store.verify(key)
+    return None if checked is None else store.read_range(key, 0, checked.length)
+
+
+def path_of(store: Store, key: EntryKey) -> Path:
+    return Path(store.root) / key.relpath
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     s = Store(tmp_path / "store", {"v1": V1})
@@ -57,13 +61,13 @@ def test_entry_is_numpy_save_bytes_plus_trailer_at_the_sharded_path(
     data = payload()
     store.write(KEY, data)
     path = tmp_path / "store" / "v1" / "16" / "ab" / "abcdef.npy"
-    assert store.path(KEY) == str(path)
+    assert path_of(store, KEY) == path
     raw = path.read_bytes()
     assert raw[:-TRAILER_SIZE] == data and len(raw) == len(data) + TRAILER_SIZE
     assert np.array_equal(np.load(path), np.load(io.BytesIO(data)))  # numpy ignores the trailer
     assert np.array_equal(np.load(path, mmap_mode="r"), np.load(io.BytesIO(data)))
-    assert bytes(store.read(KEY) or b"") == data
-    assert store.read(EntryKey("v1", 16, "absent")) is None
+    assert read(store, KEY) == data
+    assert read(store, EntryKey("v1", 16, "absent")) is None
     assert os.listdir(tmp_path / "store" / ".tmp") == []
 
 
@@ -85,25 +89,25 @@ def test_damaged_entries_are_detected_and_removed(
     store: Store, damage: object, reason: str
 ) -> None:
     store.write(KEY, payload())
-    path = Path(store.path(KEY))
+    path = path_of(store, KEY)
     path.write_bytes(damage(path.read_bytes()))  # type: ignore[operator]
     with pytest.raises(CorruptEntry, match=reason):
-        store.read(KEY)
+        read(store, KEY)
     assert not path.exists()
-    assert store.read(KEY) is None
+    assert read(store, KEY) is None
 
 
 def test_every_single_bit_flip_is_caught(store: Store) -> None:
     data = payload(size=8)
     store.write(KEY, data)
-    path = Path(store.path(KEY))
+    path = path_of(store, KEY)
     good = path.read_bytes()
     rng = np.random.default_rng(1)
     for position in rng.choice(len(good), 64, replace=False):
         bit = 1 << int(rng.integers(8))
         path.write_bytes(good[:position] + bytes([good[position] ^ bit]) + good[position + 1 :])
         with pytest.raises(CorruptEntry):
-            store.read(KEY)
+            read(store, KEY)
         store.write(KEY, data)
 
 
@@ -111,7 +115,7 @@ def test_entries_of_other_decode_settings_are_never_served(tmp_path: Path) -> No
     first = Store(tmp_path / "store", {"v1": V1})
     first.open()
     first.write(KEY, payload())
-    path = Path(first.path(KEY))
+    path = path_of(first, KEY)
     first.close()
     copy = path.read_bytes()
 
@@ -123,7 +127,7 @@ def test_entries_of_other_decode_settings_are_never_served(tmp_path: Path) -> No
     path.parent.mkdir(parents=True)
     path.write_bytes(copy)  # even an old entry put back by hand is refused
     with pytest.raises(CorruptEntry, match="other settings"):
-        changed.read(KEY)
+        read(changed, KEY)
     changed.close()
 
 
@@ -170,8 +174,8 @@ def test_a_store_that_cannot_be_created_serves_nothing_and_raises_nothing(tmp_pa
     s = Store(tmp_path / "file" / "store", {"v1": V1})
     s.open()
     assert not s.writable
-    assert s.read(KEY) is None
-    with pytest.raises(StoreWriteError, match="ENOTDIR"):
+    assert read(s, KEY) is None
+    with pytest.raises(StoreWriteError, match="EROFS"):
         s.write(KEY, payload())
 
 
@@ -188,14 +192,14 @@ def test_full_and_read_only_stores_raise_store_write_error(tmpfs: Tmpfs) -> None
             written += 1
     assert 3 < written < 100
     assert os.listdir(root / "store" / ".tmp") == []  # the failed temp file is gone
-    assert bytes(s.read(EntryKey("v1", 96, "k000")) or b"") == big
+    assert read(s, EntryKey("v1", 96, "k000")) == big
     s.close()
 
     subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
     ro = Store(root / "store", {"v1": V1})
     ro.open()
     assert not ro.writable
-    assert bytes(ro.read(EntryKey("v1", 96, "k000")) or b"") == big  # hits still work
+    assert read(ro, EntryKey("v1", 96, "k000")) == big  # hits still work
     with pytest.raises(StoreWriteError, match="EROFS"):
         ro.write(EntryKey("v1", 96, "other"), big)
     ro.close()
@@ -205,16 +209,16 @@ def test_an_entry_moved_to_another_keys_path_fails(store: Store) -> None:
     other = EntryKey("v1", 16, "abzzzz")
     store.write(KEY, payload(1))
     store.write(other, payload(2))
-    Path(store.path(KEY)).replace(store.path(other))  # same shard dir: a misdirected rename
+    path_of(store, KEY).replace(path_of(store, other))  # same shard dir: a misdirected rename
     with pytest.raises(CorruptEntry, match="another entry's file"):
-        store.read(other)
+        read(store, other)
 
 
 def test_an_unreadable_entry_is_left_alone_not_called_corrupt(store: Store) -> None:
-    path = Path(store.path(KEY))
+    path = path_of(store, KEY)
     path.mkdir(parents=True)  # open() fails with EISDIR: nothing is known of its bytes
     with pytest.raises(StoreReadError, match="EISDIR"):
-        store.read(KEY)
+        read(store, KEY)
     assert path.is_dir()
 
 
@@ -250,19 +254,21 @@ def entry_bytes(size: int = 16) -> int:
 
 
 def test_max_bytes_evicts_least_recently_used_first(tmp_path: Path) -> None:
-    s = Store(tmp_path / "store", {"v1": V1}, max_bytes=3 * entry_bytes())
+    ticks = iter(range(1_000_000))
+    s = Store(
+        tmp_path / "store", {"v1": V1}, max_bytes=3 * entry_bytes(), clock=lambda: next(ticks)
+    )
     s.open()
     keys = [EntryKey("v1", 16, f"k{i}") for i in range(3)]
     for i, key in enumerate(keys):
         s.write(key, payload(i))
-        time.sleep(0.01)  # distinct access times
-    s.record_access(keys[0])  # k0 is now the most recently used
+    s.capacity.record_access(keys[0])  # k0 is now the most recently used
     s.write(EntryKey("v1", 16, "k3"), payload(3))
-    assert not Path(s.path(keys[1])).exists()  # k1 was the least recently used
-    assert all(Path(s.path(k)).exists() for k in (keys[0], keys[2], EntryKey("v1", 16, "k3")))
+    assert not path_of(s, keys[1]).exists()  # k1 was the least recently used
+    assert all(path_of(s, k).exists() for k in (keys[0], keys[2], EntryKey("v1", 16, "k3")))
     usage = s.usage()
     assert (usage.entries, usage.bytes, usage.evictions) == (3, 3 * entry_bytes(), 1)
-    assert list(s.evicted) == [keys[1]]
+    assert list(s.capacity.evicted) == [keys[1]]
     s.close()
 
 
@@ -272,15 +278,15 @@ def test_pinned_entries_are_never_evicted(tmp_path: Path) -> None:
     a, b, c = (EntryKey("v1", 16, name) for name in "abc")
     s.write(a, payload(1))
     s.write(b, payload(2))
-    s.pin(a)
-    s.pin(b)
+    s.capacity.pin(a)
+    s.capacity.pin(b)
     with pytest.raises(StoreWriteError, match=r"EDQUOT.*every entry left is in use"):
         s.write(c, payload(3))
-    assert Path(s.path(a)).exists() and Path(s.path(b)).exists()
-    assert not Path(s.path(c)).exists() and os.listdir(tmp_path / "store" / ".tmp") == []
-    s.unpin(b)
+    assert path_of(s, a).exists() and path_of(s, b).exists()
+    assert not path_of(s, c).exists() and os.listdir(tmp_path / "store" / ".tmp") == []
+    s.capacity.unpin(b)
     s.write(c, payload(3))  # now b may go
-    assert Path(s.path(a)).exists() and not Path(s.path(b)).exists()
+    assert path_of(s, a).exists() and not path_of(s, b).exists()
     s.close()
 
 
@@ -311,14 +317,14 @@ def test_a_failing_catalog_stops_eviction_instead_of_spinning(tmp_path: Path) ->
     s.open()
     s.write(EntryKey("v1", 16, "a"), payload(1))
     s.write(EntryKey("v1", 16, "b"), payload(2))
-    catalog = s._catalog
+    catalog = s.capacity._catalog
     assert catalog is not None
     catalog.close()  # every further SQLite call fails, as on a broken disk
     started = time.monotonic()
     with pytest.raises(StoreWriteError, match=r"EIO.*catalog"):
         s.write(EntryKey("v1", 16, "c"), payload(3))
     assert time.monotonic() - started < 5
-    assert s.evictions <= 1
+    assert s.capacity.evictions <= 1
 
 
 @needs_root
@@ -334,8 +340,8 @@ def test_min_free_fraction_never_wipes_the_store_for_nothing(tmpfs: Tmpfs) -> No
     )
     with pytest.raises(StoreWriteError, match="no room even if every entry were evicted"):
         s.write(EntryKey("v1", 16, "new"), payload(9))
-    assert s.evictions == 0 and s.usage().entries == 3
-    assert all(Path(s.path(EntryKey("v1", 16, f"k{i}"))).exists() for i in range(3))
+    assert s.capacity.evictions == 0 and s.usage().entries == 3
+    assert all(path_of(s, EntryKey("v1", 16, f"k{i}")).exists() for i in range(3))
     s.close()
 
 
@@ -357,8 +363,8 @@ def test_usage_is_exact_after_a_fill_raced_by_writes_and_removals(tmp_path: Path
             s.write(EntryKey("v1", 8, f"new{i:05d}"), payload(i, size=8))
     usage = s.wait_for_usage()
     on_disk = list((root / "v1").glob("*/*/*.npy"))
-    assert s._catalog is not None
-    assert s._catalog.totals() == (usage.entries, usage.bytes)
+    assert s.capacity._catalog is not None
+    assert s.capacity._catalog.totals() == (usage.entries, usage.bytes)
     assert usage.entries == len(on_disk)
     assert usage.bytes == sum(p.stat().st_size for p in on_disk)
     s.close()
@@ -366,13 +372,231 @@ def test_usage_is_exact_after_a_fill_raced_by_writes_and_removals(tmp_path: Path
 
 def test_pending_accesses_stay_bounded(store: Store) -> None:
     keys = [EntryKey("v1", 16, f"k{i}") for i in range(3)]
-    assert store.record_access(keys[0], limit=2) and store.record_access(keys[1], limit=2)
-    assert not store.record_access(keys[2], limit=2)  # a new key over the limit: not noted
-    assert store.record_access(keys[0], limit=2)  # a pending one is refreshed
-    store.flush_accesses()
-    assert store.record_access(keys[2], limit=2)  # room again after a flush
+    assert store.capacity.record_access(keys[0], limit=2) and store.capacity.record_access(
+        keys[1], limit=2
+    )
+    assert not store.capacity.record_access(keys[2], limit=2)  # a new key over the limit: not noted
+    assert store.capacity.record_access(keys[0], limit=2)  # a pending one is refreshed
+    store.capacity.flush_accesses()
+    assert store.capacity.record_access(keys[2], limit=2)  # room again after a flush
 
 
 def test_derived_caches_are_the_daemons_alone(store: Store) -> None:
     path = store.cache_dir("index")
     assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o700
+
+
+# -- a root daemon on a shared machine (defects 1, 2 and 6 of the reliability issue) ---
+
+OTHER_UID = 65534  # nobody: "another local user"
+
+
+@needs_root
+def test_a_store_another_user_made_is_refused_and_nothing_it_points_to_is_touched(
+    tmp_path: Path,
+) -> None:
+    victim, victim2 = tmp_path / "victim", tmp_path / "victim2"
+    victim.mkdir()
+    victim2.mkdir()
+    (victim / "precious").write_text("keep me")
+    root = tmp_path / "store"  # made by another user ahead of the daemon, with traps
+    root.mkdir()
+    (root / ".tmp").symlink_to(victim)
+    (root / "v1").symlink_to(victim2)
+    for path in (root, root / ".tmp", root / "v1"):
+        os.chown(path, OTHER_UID, OTHER_UID, follow_symlinks=False)
+    with pytest.raises(StoreError, match=f"belongs to uid {OTHER_UID}"):
+        Store(root, {"v1": V1}).open()
+    assert (victim / "precious").read_text() == "keep me"
+    assert os.listdir(victim2) == []
+
+
+@needs_root
+def test_a_symlink_anywhere_in_the_store_is_refused(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    for trap in (".tmp", "v1", ".catalog.sqlite3", "v1/16", "v1/16/ab"):
+        root = tmp_path / f"store-{trap.replace('/', '-')}"
+        (root / trap).parent.mkdir(parents=True, exist_ok=True)
+        (root / trap).symlink_to(victim)
+        with pytest.raises(StoreError, match="is a symlink"):
+            Store(root, {"v1": V1}).open()
+    assert os.listdir(victim) == ["precious"]
+
+
+@needs_root
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])
+def test_a_store_others_may_write_to_is_refused(tmp_path: Path, mode: int) -> None:
+    root = tmp_path / "store"
+    (root / "v1").mkdir(parents=True)
+    os.chmod(root / "v1", mode)
+    with pytest.raises(StoreError, match="writable by no one else"):
+        Store(root, {"v1": V1}).open()
+
+
+@needs_root
+def test_the_path_to_the_store_must_not_pass_another_users_directory_or_symlink(
+    tmp_path: Path,
+) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    with pytest.raises(StoreError, match=f"{theirs} belongs to uid {OTHER_UID}"):
+        Store(theirs / "store", {"v1": V1}).open()
+    assert not (theirs / "store").exists()  # nothing was made there
+
+    shared = tmp_path / "shared"  # like /tmp: everyone may create, the sticky bit protects
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "store").symlink_to(tmp_path / "elsewhere")
+    os.chown(shared / "store", OTHER_UID, OTHER_UID, follow_symlinks=False)
+    with pytest.raises(StoreError, match="another user's symlink"):
+        Store(shared / "store", {"v1": V1}).open()
+    assert not (tmp_path / "elsewhere").exists()
+
+    mine = Store(shared / "mine", {"v1": V1})  # made by the daemon itself: fine
+    mine.open()
+    mine.write(KEY, payload())
+    mine.close()
+
+
+def test_a_symlink_of_roots_in_the_path_is_followed(tmp_path: Path) -> None:
+    (tmp_path / "flash").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "flash")
+    s = Store(tmp_path / "link" / "store", {"v1": V1})
+    s.open()
+    s.write(KEY, payload())
+    s.close()
+    assert (tmp_path / "flash" / "store" / KEY.relpath).is_file()
+
+
+@pytest.mark.parametrize(("shared", "dirs", "files"), [(False, 0o700, 0o600), (True, 0o755, 0o644)])
+def test_the_stores_modes_follow_who_may_read_the_mount(
+    tmp_path: Path, shared: bool, dirs: int, files: int
+) -> None:
+    os.umask(0o077 if shared else 0o022)  # whatever the umask says
+    try:
+        s = Store(tmp_path / "store", {"v1": V1}, shared=shared)
+        s.open()
+        s.write(KEY, payload())
+        index = s.cache_dir("index")  # the daemon's alone, whatever the policy
+        s.close()
+    finally:
+        os.umask(0o022)
+    assert index is not None and stat.S_IMODE(os.stat(index).st_mode) == 0o700
+    root = tmp_path / "store"
+    entry = root / KEY.relpath
+    for directory in (root, root / "v1", entry.parent.parent, entry.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == dirs, directory
+    assert stat.S_IMODE(entry.stat().st_mode) == files
+
+    # The policy changes with the config: the store follows at the next start.
+    again = Store(root, {"v1": V1}, shared=not shared)
+    again.open()
+    again.close()
+    assert stat.S_IMODE(root.stat().st_mode) == (0o755 if not shared else 0o700)
+
+
+def test_the_one_daemon_lock_survives_the_stores_contents_being_removed(tmp_path: Path) -> None:
+    locks = str(tmp_path / "locks")
+    first = Store(tmp_path / "store", {"v1": V1}, lock_dir=locks)
+    first.open()
+    for name in os.listdir(tmp_path / "store"):
+        path = tmp_path / "store" / name
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+    second = Store(tmp_path / "store", {"v1": V1}, lock_dir=locks)
+    with pytest.raises(StoreError, match="in use by another decodefs daemon"):
+        second.open()
+    subprocess.run(["rm", "-rf", str(tmp_path / "store")], check=True)  # the store itself too
+    with pytest.raises(StoreError, match="in use by another decodefs daemon"):
+        Store(tmp_path / "store", {"v1": V1}, lock_dir=locks).open()
+    first.close()
+    third = Store(tmp_path / "store", {"v1": V1}, lock_dir=locks)
+    third.open()  # free once the first is gone
+    third.close()
+
+
+def test_a_store_removed_at_runtime_is_noticed_and_made_again(tmp_path: Path) -> None:
+    s = Store(tmp_path / "store", {"v1": V1})
+    s.open()
+    s.write(KEY, payload(1))
+    generation = s.generation
+    assert not s.check()  # nothing happened
+
+    subprocess.run(["rm", "-rf", str(tmp_path / "store")], check=True)
+    assert s.check()
+    assert s.generation != generation  # every entry verified before is gone
+    assert s.writable and s.usage().entries == 0
+    assert read(s, KEY) is None
+    s.write(KEY, payload(2))
+    assert read(s, KEY) == payload(2)
+    assert (tmp_path / "store" / KEY.relpath).is_file()
+    assert s.usage().entries == 1
+    s.close()
+
+
+def test_a_store_that_cannot_be_made_again_is_not_writable_until_it_can(tmp_path: Path) -> None:
+    parent = tmp_path / "parent"
+    s = Store(parent / "store", {"v1": V1})
+    s.open()
+    s.write(KEY, payload(1))
+    subprocess.run(["rm", "-rf", str(parent)], check=True)
+    (tmp_path / "parent").write_text("now a file: the store cannot be made here")
+    assert s.check()
+    assert not s.writable and s.usage().entries == 0
+    with pytest.raises(StoreWriteError):
+        s.write(KEY, payload(1))
+    assert not s.check()  # still impossible: no change
+    (tmp_path / "parent").unlink()
+    assert s.check()
+    assert s.writable
+    s.write(KEY, payload(3))
+    assert read(s, KEY) == payload(3)
+    s.close()
+
+
+@needs_root
+def test_a_store_that_fails_read_only_at_runtime_keeps_serving_hits(
+    ext4: Callable[[str], Path],
+) -> None:
+    root = ext4("16M")
+    s = Store(root / "store", {"v1": V1})
+    s.open()
+    s.write(KEY, payload(1))
+    fail_read_only(root)
+    with pytest.raises(StoreWriteError, match="EROFS"):
+        s.write(EntryKey("v1", 16, "other"), payload(2))
+    assert not s.writable and not s.check()  # still read-only: nothing changes
+    assert read(s, KEY) == payload(1)  # hits go on
+    s.close()
+
+
+@needs_root
+def test_a_store_read_only_or_full_at_start_is_written_once_it_can_be(tmpfs: Tmpfs) -> None:
+    root = tmpfs("1m")
+    made = Store(root / "store", {"v1": V1})
+    made.open()
+    made.close()
+    subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
+    s = Store(root / "store", {"v1": V1})
+    s.open()
+    assert not s.writable and not s.check()
+    subprocess.run(["mount", "-o", "remount,rw", str(root)], check=True)
+    assert s.check() and s.writable
+    s.write(KEY, payload(1))
+    assert read(s, KEY) == payload(1)
+    s.close()
+
+    subprocess.run(["dd", "if=/dev/zero", f"of={root}/filler", "bs=4k"], capture_output=True)
+    full = Store(root / "store", {"v1": V1})
+    full.open()  # full at start: serves, does not write
+    assert not full.writable and not full.check()
+    with pytest.raises(StoreWriteError, match="ENOSPC"):
+        full.write(EntryKey("v1", 16, "other"), payload(2))
+    (root / "filler").unlink()
+    assert full.check() and full.writable
+    full.write(EntryKey("v1", 16, "third"), payload(3))
+    assert read(full, EntryKey("v1", 16, "third")) == payload(3)
+    assert full.wait_for_usage().entries == 2
+    full.close()

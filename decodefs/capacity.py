@@ -1,0 +1,340 @@
+"""The store's capacity: usage counters, limits, reservations, pins and LRU eviction.
+
+Usage comes from the catalog (catalog.py), so it is known at start without a
+scan. Past ``max_bytes`` (or below ``min_free_fraction`` of the filesystem
+free), least-recently-used entries are evicted before a new one is written,
+except pinned ones: a caller pins a key while it relies on its file. Writers
+reserve their room first, so concurrent writers never each find the same
+free space. This module knows the catalog and entry keys; it does no I/O of
+its own beyond the callables the store hands it (statvfs, unlink).
+
+Concurrency: every method may be called from any thread. Four locks, never one
+held while taking another out of this order:
+``_evict_lock`` (one evictor at a time) before ``_pin_lock`` (pins, and the
+decision to evict an unpinned entry; the event loop takes it to pin, so it is
+held only for dictionary operations, never across a system call or SQLite)
+and ``_count_lock`` (the counters and reservations together with the catalog
+rows they mirror; held across SQLite, never taken by the event loop);
+``_access_lock`` guards pending accesses alone. ``usage()`` reads the
+counters without a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+from .catalog import Catalog
+from .entry import EntryKey
+
+__all__ = ["Capacity", "StoreUsage"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_EVICT_BATCH: Final = 64
+_FILL_BATCH: Final = 2000
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    entries: int
+    bytes: int
+    complete: bool  # False while a scan is still filling the catalog
+    evictions: int = 0
+
+
+class Capacity:
+    def __init__(
+        self,
+        *,
+        max_bytes: int | None,
+        min_free_fraction: float | None,
+        statvfs: Callable[[], os.statvfs_result],
+        unlink: Callable[[EntryKey], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.min_free_fraction = min_free_fraction
+        self._statvfs = statvfs
+        self._unlink = unlink
+        self._clock = clock  # wall-clock seconds: last access times outlive the daemon
+        self._evict_lock = threading.Lock()
+        self._pin_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._access_lock = threading.Lock()
+        self._catalog: Catalog | None = None
+        self._entries = 0
+        self._bytes = 0
+        self._reserved = 0
+        self._reservations: dict[EntryKey, int] = {}
+        self._filled = True
+        self._removed_while_filling: set[EntryKey] = set()
+        self._pins: dict[EntryKey, int] = {}
+        self._accesses: dict[EntryKey, float] = {}
+        self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
+        self.evictions = 0
+
+    @property
+    def limited(self) -> bool:
+        return self.max_bytes is not None or self.min_free_fraction is not None
+
+    # -- the catalog behind the counters ----------------------------------------------
+
+    def attach(self, catalog: Catalog, *, filled: bool) -> None:
+        """Count from ``catalog`` from now on (at open, and when the store is made again)."""
+        entries, nbytes = catalog.totals()
+        with self._count_lock:
+            self._catalog = catalog
+            self._entries, self._bytes = entries, nbytes
+            self._filled = filled
+            self._removed_while_filling.clear()
+        with self._access_lock:
+            self._accesses.clear()
+
+    def detach(self) -> Catalog | None:
+        """Stop counting (the store is gone): usage reads zero until ``attach``."""
+        with self._count_lock:
+            catalog, self._catalog = self._catalog, None
+            self._entries = self._bytes = 0
+            self._filled = True
+        with self._access_lock:
+            self._accesses.clear()
+        return catalog
+
+    def recount(self) -> None:
+        """Take the totals from the catalog again (a version was discarded)."""
+        with self._count_lock:
+            if self._catalog is not None:
+                self._entries, self._bytes = self._catalog.totals()
+
+    def fill(self, rows: Iterable[tuple[EntryKey, int, float]], closing: threading.Event) -> bool:
+        """Add rows a scan of the store found; True if the scan ran to its end."""
+        catalog = self._catalog
+        if catalog is None:
+            return False
+        batch: list[tuple[str, int, str, int, float]] = []
+        for key, nbytes, mtime in rows:
+            if closing.is_set():
+                return False  # the next start fills it again
+            batch.append((key.version, key.size, key.uuid, nbytes, mtime))
+            if len(batch) >= _FILL_BATCH:
+                catalog.fill(batch)
+                batch.clear()
+        catalog.fill(batch)
+        return True
+
+    def finish_fill(self, exists: Callable[[EntryKey], bool], *, durable: bool) -> None:
+        """The scan has ended: usage is exact from now on."""
+        with self._count_lock:
+            catalog = self._catalog
+            if catalog is None:
+                return
+            # Files the scan listed but that were evicted or removed before
+            # their row went in must not come back as rows.
+            for key in self._removed_while_filling:
+                if not exists(key):
+                    catalog.remove(key.version, key.size, key.uuid)
+            self._removed_while_filling.clear()
+            if durable:
+                catalog.mark_filled()
+            # Writes and evictions went on meanwhile; the catalog is the truth.
+            self._entries, self._bytes = catalog.totals()
+            self._filled = True
+
+    def give_up_fill(self) -> None:
+        self._filled = True
+
+    def stored_uuids(self, version: str, size: int) -> set[str]:
+        catalog = self._catalog
+        return set() if catalog is None else catalog.uuids(version, size)
+
+    # -- usage ---------------------------------------------------------------------
+
+    def usage(self) -> StoreUsage:
+        # No lock: plain int reads; a momentary mismatch is harmless in a status file.
+        return StoreUsage(self._entries, self._bytes, self._filled, self.evictions)
+
+    def would_evict(self, incoming: int) -> bool:
+        """Whether writing ``incoming`` more bytes would evict something first."""
+        return self.limited and self._shortfall(incoming) > 0
+
+    # -- pins and accesses -----------------------------------------------------------
+
+    def pin(self, key: EntryKey) -> None:
+        """Keep ``key``'s file from eviction until unpin. Cheap: safe on the event loop."""
+        pins = self._pins
+        with self._pin_lock:
+            pins[key] = pins.get(key, 0) + 1
+
+    def unpin(self, key: EntryKey) -> None:
+        pins = self._pins
+        with self._pin_lock:
+            count = pins.pop(key, 1) - 1
+            if count > 0:
+                pins[key] = count
+
+    def pinned(self, key: EntryKey) -> bool:
+        return bool(self._pins.get(key))
+
+    def record_access(self, key: EntryKey, limit: int | None = None) -> bool:
+        """Note a hit for LRU; written to the catalog by flush_accesses. Cheap.
+
+        With ``limit``, a new key is noted only while fewer than ``limit`` are
+        pending; returns whether it was noted.
+        """
+        now = self._clock()
+        with self._access_lock:
+            if limit is not None and len(self._accesses) >= limit and key not in self._accesses:
+                return False
+            self._accesses[key] = now
+        return True
+
+    def flush_accesses(self) -> None:
+        with self._access_lock:
+            accesses, self._accesses = self._accesses, {}
+        catalog = self._catalog
+        if accesses and catalog is not None:
+            try:
+                catalog.touch((k.version, k.size, k.uuid, t) for k, t in accesses.items())
+            except sqlite3.Error as exc:
+                log.warning("cannot record %d accesses in the catalog: %s", len(accesses), exc)
+
+    # -- writes ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def room(self, key: EntryKey, incoming: int, *, may_evict: bool) -> Iterator[None]:
+        """Hold room for ``incoming`` bytes of ``key``, evicting least-recently-used,
+        unpinned entries first if a limit needs it; raises OSError (EDQUOT, ENOSPC)
+        if there is none. The room is released when ``commit`` counts the entry
+        or the block ends."""
+        if self.limited:
+            with self._evict_lock:
+                need = self._shortfall(incoming)
+                if need > 0:
+                    if not may_evict:
+                        raise OSError(errno.EDQUOT, "the store is at its capacity limit")
+                    if need > self._bytes:
+                        # Other data filled the filesystem: evicting everything would
+                        # still not make room, so evict nothing.
+                        raise OSError(
+                            errno.ENOSPC,
+                            f"no room even if every entry were evicted ({need:,} bytes short)",
+                        )
+                    self._evict_for(key, incoming)
+                with self._count_lock:
+                    self._reservations[key] = incoming
+                    self._reserved += incoming
+        try:
+            yield
+        finally:
+            with self._count_lock:
+                self._reserved -= self._reservations.pop(key, 0)
+
+    def commit(self, key: EntryKey, nbytes: int, place: Callable[[], None]) -> None:
+        """Record ``key`` in the catalog, then ``place`` its file (a rename), then count it.
+
+        The row is committed (and synced) before the file appears, so the
+        catalog stays a superset of the files; if ``place`` fails, a new row
+        is dropped again. Raises OSError.
+        """
+        with self._count_lock:
+            catalog = self._catalog
+            if catalog is None:
+                raise OSError(errno.ENOENT, "the store is gone")
+            new = _catalog_call(catalog.put, key.version, key.size, key.uuid, nbytes, self._clock())
+            try:
+                place()
+            except OSError:
+                if new:
+                    _catalog_call(catalog.remove, key.version, key.size, key.uuid)
+                raise
+            if new:
+                self._entries += 1
+                self._bytes += nbytes
+            self._reserved -= self._reservations.pop(key, 0)  # with the count, at once
+
+    def forget(self, key: EntryKey) -> None:
+        """Drop ``key``'s row (after its file is gone) and uncount it; OSError on failure."""
+        with self._count_lock:
+            catalog = self._catalog
+            if catalog is None:
+                return
+            nbytes = _catalog_call(catalog.remove, key.version, key.size, key.uuid)
+            if not self._filled:
+                self._removed_while_filling.add(key)
+            if nbytes is not None:
+                self._entries -= 1
+                self._bytes -= nbytes
+
+    # -- eviction --------------------------------------------------------------------
+
+    def _shortfall(self, incoming: int) -> int:
+        """Bytes to free before ``incoming`` more fit within the limits (<= 0: none).
+
+        Room reserved by writes in progress counts as used.
+        """
+        need = 0
+        if self.max_bytes is not None:
+            need = self._bytes + self._reserved + incoming - self.max_bytes
+        if self.min_free_fraction is not None:
+            vfs = self._statvfs()
+            free = vfs.f_bavail * vfs.f_frsize - incoming - self._reserved
+            need = max(need, int(self.min_free_fraction * vfs.f_blocks * vfs.f_frsize) - free)
+        return need
+
+    def _evict_for(self, key: EntryKey, incoming: int) -> None:
+        catalog = self._catalog
+        if catalog is None:
+            raise OSError(errno.ENOENT, "the store is gone")
+        self.flush_accesses()  # so that recent hits are not the oldest
+        skipped = 0  # pinned rows stay at the front of the LRU order
+        while self._shortfall(incoming) > 0:
+            rows = _catalog_call(catalog.oldest, _EVICT_BATCH, skipped)
+            if not rows:
+                raise OSError(
+                    errno.EDQUOT,
+                    "the store is at its capacity limit and every entry left is in use",
+                )
+            for row in rows:
+                victim = EntryKey(row.version, row.size, row.uuid)
+                if victim == key or not self._evict(victim):
+                    skipped += 1
+                if self._shortfall(incoming) <= 0:
+                    break
+
+    def _evict(self, key: EntryKey) -> bool:
+        """Unlink ``key`` unless pinned, then drop its row; raises OSError if the
+        catalog fails (eviction must stop: it could not tell what it freed).
+
+        The pin check and the unlink are not atomic: a reader that pins the
+        key in between may find its verified file gone. The engine then
+        decodes it again (its reads fail open), which is what that reader
+        would have met a moment later anyway; in exchange no system call ever
+        runs under the lock the event loop takes.
+        """
+        with self._pin_lock:
+            if self._pins.get(key):
+                return False
+        self.evicted.append(key)  # before the unlink: an open from now on re-verifies
+        self._unlink(key)
+        self.forget(key)
+        self.evictions += 1
+        return True
+
+
+def _catalog_call(fn: Callable[..., T], *args: object) -> T:
+    """A catalog call whose failure is an OSError, like any other storage failure."""
+    try:
+        return fn(*args)
+    except sqlite3.Error as exc:
+        raise OSError(errno.EIO, f"catalog: {exc}") from exc
