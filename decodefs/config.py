@@ -40,6 +40,7 @@ _BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 <<
 
 Duplicates = Literal["error", "skip"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+UnlistedSizes = Literal["owner", "everyone"]
 
 
 class ConfigError(Exception):
@@ -67,12 +68,16 @@ class Config:
     mountpoint: Path | None = None
     allow_other: bool = False
     max_store_bytes: int | None = None
-    min_free_fraction: float | None = None
+    # Keep this much of the store's filesystem free (0: no such limit): one user
+    # asking for many arrays can never fill the flash.
+    min_free_fraction: float | None = 0.05
     min_size: int = 8
     max_size: int = 4096
     decode_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     io_workers: int = 8
     memory_cache_bytes: int = 512 << 20
+    decode_memory_bytes: int = 1 << 30
+    unlisted_sizes: UnlistedSizes = "owner"
     max_pixels: int = DEFAULT_MAX_PIXELS
     error_cache_seconds: float = 10.0
     log_level: LogLevel = "info"
@@ -91,6 +96,8 @@ class Config:
             "decode_workers": self.decode_workers,
             "io_workers": self.io_workers,
             "memory_cache_bytes": self.memory_cache_bytes,
+            "decode_memory_bytes": self.decode_memory_bytes,
+            "unlisted_sizes": self.unlisted_sizes,
             "max_pixels": self.max_pixels,
             "error_cache_seconds": self.error_cache_seconds,
             "log_level": self.log_level,
@@ -162,6 +169,8 @@ _TOP_KEYS: Final = (
     "decode_workers",
     "io_workers",
     "memory_cache_bytes",
+    "decode_memory_bytes",
+    "unlisted_sizes",
     "max_pixels",
     "error_cache_seconds",
     "log_level",
@@ -213,12 +222,13 @@ class _Parser:
             max_store_bytes = self.byte_size(raw, "max_store_bytes", 0)
             if max_store_bytes <= 0:
                 raise ConfigError("max_store_bytes: must be positive (leave it out for no limit)")
-        min_free_fraction = None
+        min_free_fraction: float | None = defaults.min_free_fraction
         if "min_free_fraction" in raw:
-            min_free_fraction = self.number(raw, "min_free_fraction", 0.0)
-            if not 0 < min_free_fraction < 1:
+            min_free_fraction = self.number(raw, "min_free_fraction", 0.0) or None
+            if min_free_fraction is not None and not 0 < min_free_fraction < 1:
                 raise ConfigError(
-                    f"min_free_fraction: {min_free_fraction} is not between 0 and 1 (e.g. 0.1)"
+                    f"min_free_fraction: {min_free_fraction} is not between 0 and 1 "
+                    "(e.g. 0.1; 0 for no such limit)"
                 )
         return Config(
             store=store,
@@ -236,6 +246,13 @@ class _Parser:
             io_workers=self.integer(raw, "io_workers", defaults.io_workers, low=1, high=256),
             memory_cache_bytes=self.byte_size(
                 raw, "memory_cache_bytes", defaults.memory_cache_bytes
+            ),
+            decode_memory_bytes=self.byte_size(
+                raw, "decode_memory_bytes", defaults.decode_memory_bytes
+            ),
+            unlisted_sizes=cast(
+                UnlistedSizes,
+                self.choice(raw, "unlisted_sizes", defaults.unlisted_sizes, ("owner", "everyone")),
             ),
             # Pillow's Image.open refuses more than twice its default on its own.
             max_pixels=self.integer(

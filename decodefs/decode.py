@@ -27,7 +27,9 @@ __all__ = [
     "DecodeSettings",
     "Fingerprint",
     "decode_image",
+    "decode_peak_bytes",
     "decoder_fingerprint",
+    "image_dimensions",
     "npy_bytes",
     "npy_file_size",
     "npy_header",
@@ -134,6 +136,29 @@ def decode_image(
     if array.shape != (size, size, 3) or array.dtype != np.uint8:
         raise DecodeError(f"decoded to {array.dtype}{array.shape}, not uint8({size}, {size}, 3)")
     return np.ascontiguousarray(array)
+
+
+def image_dimensions(source: ImageSource) -> tuple[int, int]:
+    """(width, height) of an original from its header alone; DecodeError if it has none."""
+    try:
+        with Image.open(source) as im:
+            return im.size
+    except Image.DecompressionBombError as exc:
+        raise DecodeError(f"decompression bomb: {exc}") from exc
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def decode_peak_bytes(width: int, height: int) -> int:
+    """The most memory ``decode_image`` takes for an original of this many pixels.
+
+    Pillow holds every decoded pixel in 4 bytes (RGB as RGBX, palettes and
+    16-bit images expanded), and ``convert("RGB")`` makes a second image of
+    the same size before the resize, which is small next to them.
+    """
+    return 8 * width * height
 
 
 def _fit(rgb: Image.Image, size: int, settings: DecodeSettings) -> Image.Image:

@@ -27,6 +27,7 @@ import enum
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,15 @@ import cachetools
 import trio
 
 from .config import Config
-from .decode import DecodeError, decode_image, npy_bytes, npy_file_size, npy_layout_problem
+from .decode import (
+    DecodeError,
+    decode_image,
+    decode_peak_bytes,
+    image_dimensions,
+    npy_bytes,
+    npy_file_size,
+    npy_layout_problem,
+)
 from .entry import EntryKey
 from .memory import HeldArray, MemoryBudget, MemoryCache
 from .metrics import LogThrottle, Metrics
@@ -154,6 +163,7 @@ class Engine:
         self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
         self._sources = sources
         self._clock = clock
+        self._owner = os.geteuid()
         self._decode_limiter = trio.CapacityLimiter(config.decode_workers)
         # Decode threads are capped by _decode_limiter; their trio limiter must not cap them again.
         self._pool_threads = trio.CapacityLimiter(math.inf)
@@ -166,6 +176,8 @@ class Engine:
         self._verified: dict[tuple[str, int], _Bitmap] = {}
         self._store_generation = store.generation
         self.memory = MemoryBudget(config.memory_cache_bytes)
+        # What decodes take while they run: 8 bytes a pixel (decode.decode_peak_bytes).
+        self.decode_memory = MemoryBudget(config.decode_memory_bytes)
         self._memory_cache = MemoryCache(self.memory)
         # Originals that failed to decode, answered EIO until their entry expires.
         self._failures: cachetools.TTLCache[EntryKey, str] = cachetools.TTLCache(
@@ -207,7 +219,14 @@ class Engine:
     # -- arrays -------------------------------------------------------------
 
     async def open(
-        self, version: str, size: int, index: int, *, warm: bool = False, recheck: bool = False
+        self,
+        version: str,
+        size: int,
+        index: int,
+        *,
+        warm: bool = False,
+        recheck: bool = False,
+        uid: int | None = None,
     ) -> Handle:
         """A handle for the array of original ``index``; decodes at most once per key.
 
@@ -216,11 +235,15 @@ class Engine:
         client filling the cache, not reading) decodes at low priority and
         never evicts; if the store will not take the array, the handle still
         serves it (a reader must never fail for the flag) and ``warm_not_stored``
-        counts it. ``recheck`` verifies the stored entry again even if it was
-        verified earlier in this daemon's life (a reader found it damaged). Any
-        user may ask: a recheck reads and hashes the file once, as reading it
-        would, joins one already running for the key, and waits for a store
-        read slot, so a flood of them costs no more than a flood of reads.
+        counts it. ``uid`` is who asks (None: the daemon's own user); with
+        ``unlisted_sizes = "owner"``, a size the version does not list is stored
+        only for the daemon's own user, and served to others from memory, so no
+        one user can fill the flash with sizes nobody configured. ``recheck``
+        verifies the stored entry again even if it was verified earlier in this
+        daemon's life (a reader found it damaged). Any user may ask: a recheck
+        reads and hashes the file once, as reading it would, joins one already
+        running for the key, and waits for a store read slot, so a flood of them
+        costs no more than a flood of reads.
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:
@@ -228,7 +251,10 @@ class Engine:
         self.store.capacity.pin(key)
         try:
             return await self._open_pinned(
-                key, index, Purpose.WARM_REQUEST if warm else Purpose.READ
+                key,
+                index,
+                Purpose.WARM_REQUEST if warm else Purpose.READ,
+                may_store=self._may_store(version, size, uid),
             )
         except BaseException:
             self.store.capacity.unpin(key)
@@ -236,6 +262,11 @@ class Engine:
 
     def close(self) -> None:
         self._warm_pool.shutdown()
+
+    def _may_store(self, version: str, size: int, uid: int | None) -> bool:
+        if uid is None or uid == self._owner or self.config.unlisted_sizes == "everyone":
+            return True
+        return size in self.config.versions[version].sizes
 
     def release(self, handle: Handle) -> None:
         if handle.held is not None:
@@ -360,6 +391,10 @@ class Engine:
             "memory_bytes": self.memory.used,
             "memory_limit_bytes": self.memory.limit,
             "memory_waits": m.memory_waits,
+            "decode_memory_bytes": self.decode_memory.used,
+            "decode_memory_limit_bytes": self.decode_memory.limit,
+            "decode_memory_waits": m.decode_memory_waits,
+            "unlisted_not_stored": m.unlisted_not_stored,
             "bytes_served": m.bytes_served,
             "inflight_decodes": m.inflight_decodes,
             "queued_decodes": m.queued_decodes,
@@ -383,7 +418,9 @@ class Engine:
 
     # -- internals ----------------------------------------------------------
 
-    async def _open_pinned(self, key: EntryKey, index: int, purpose: Purpose) -> Handle:
+    async def _open_pinned(
+        self, key: EntryKey, index: int, purpose: Purpose, *, may_store: bool = True
+    ) -> Handle:
         self._forget_evicted()
         reading = purpose is Purpose.READ
         length = npy_file_size(key.size)
@@ -402,7 +439,7 @@ class Engine:
         while True:
             flight = self._flights.get(key)
             if flight is None:
-                flight = await self._fly(key, index, purpose)
+                flight = await self._fly(key, index, purpose, may_store=may_store)
             else:
                 self.metrics.coalesced += reading
                 if reading and flight.job is not None:
@@ -429,11 +466,13 @@ class Engine:
             self.store.capacity.record_access(key)
         return Handle(key, length, held=outcome.held)  # the hold the flight made for us
 
-    async def _fly(self, key: EntryKey, index: int, purpose: Purpose) -> _Flight:
+    async def _fly(
+        self, key: EntryKey, index: int, purpose: Purpose, *, may_store: bool = True
+    ) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""
         flight = self._flights[key] = _Flight()
         try:
-            flight.outcome = await self._acquire(key, index, purpose, flight)
+            flight.outcome = await self._acquire(key, index, purpose, flight, may_store=may_store)
             if flight.outcome.stored:
                 self._verified_map(key.version, key.size).set(index, True)
         except Exception as exc:
@@ -476,9 +515,10 @@ class Engine:
             raise OriginalUndecodable(reason)
 
     async def _acquire(
-        self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight
+        self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool
     ) -> _Outcome:
-        """``key`` verified in the store, else freshly decoded (and stored if possible)."""
+        """``key`` verified in the store, else freshly decoded (and stored if possible
+        and ``may_store``)."""
         try:
             problem = await self._in_thread(self._read_limiter, self._verify_stored, key)
         except StoreReadError as exc:
@@ -505,6 +545,9 @@ class Engine:
         except BaseException:
             self.memory.release(granted)
             raise
+        if not may_store:  # served to its readers, never kept: the next asks decode again
+            self.metrics.unlisted_not_stored += 1
+            return _Outcome(held, decoded=True, refused="unlisted")
         try:
             # A warm never evicts what readers have stored.
             await self._in_thread(
@@ -530,8 +573,7 @@ class Engine:
         return _Outcome(None, decoded=True)
 
     async def _take_memory(self, nbytes: int) -> int:
-        if self.memory.used + nbytes > self.memory.limit:
-            self.metrics.memory_waits += 1
+        self.metrics.memory_waits += self.memory.would_wait(nbytes)
         return await self.memory.acquire(nbytes)
 
     def _verify_stored(self, key: EntryKey) -> str | None:
@@ -555,20 +597,29 @@ class Engine:
         max_pixels = self.config.max_pixels
         path = source.relpaths[index]
 
-        def work() -> tuple[bytes, float]:
+        def locate() -> int:
             # Worker thread: the source may be slow network storage.
             nonlocal path
             path = source.original_path(index)
+            return decode_peak_bytes(*image_dimensions(path))
+
+        def work() -> tuple[bytes, float]:
             started = time.perf_counter()
             array = decode_image(path, key.size, settings, max_pixels=max_pixels)
             return npy_bytes(array), time.perf_counter() - started
 
         try:
-            if purpose is Purpose.READ:
-                data, seconds = await self._run_decode(work)
-            else:
-                flight.job = self._warm_pool.submit(work)
-                data, seconds = await flight.job.wait()
+            peak = await self._in_thread(self._read_limiter, locate)
+            self.metrics.decode_memory_waits += self.decode_memory.would_wait(peak)
+            granted = await self.decode_memory.acquire(peak)  # a bigger one runs alone
+            try:
+                if purpose is Purpose.READ:
+                    data, seconds = await self._run_decode(work)
+                else:
+                    flight.job = self._warm_pool.submit(work)
+                    data, seconds = await flight.job.wait()
+            finally:
+                self.decode_memory.release(granted)
         except OriginalMissing as exc:
             self.metrics.errors["ENOENT"] += 1
             log.warning("original of %s is gone: %s", key, exc)

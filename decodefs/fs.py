@@ -170,7 +170,12 @@ class DecodeFS(pyfuse3.Operations):
                 raise RuntimeError(f"failpoint {_FAILPOINT_ENV} hit")
             request = OpenRequest.from_flags(flags)
             handle = await self._engine.open(
-                version, node.size, node.number, warm=request.warm, recheck=request.recheck
+                version,
+                node.size,
+                node.number,
+                warm=request.warm,
+                recheck=request.recheck,
+                uid=ctx.uid,
             )
             self._handles[fh] = handle
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)

@@ -31,6 +31,10 @@ class MemoryBudget:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def would_wait(self, nbytes: int) -> bool:
+        """Whether ``acquire(nbytes)`` would wait now (cached arrays aside)."""
+        return bool(self._waiting) or not self._fits(min(nbytes, self.limit))
+
     async def acquire(self, nbytes: int) -> int:
         """Take ``nbytes`` (at most the whole budget, which one array may need);
         returns what was taken, to give back to ``release``."""

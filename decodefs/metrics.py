@@ -71,6 +71,8 @@ class Metrics:
     warm_decodes: int = 0  # decodes that warm requests (O_NONBLOCK opens, decodefs warm) ran
     warm_not_stored: int = 0  # warm requests whose array the store would not take
     memory_waits: int = 0  # decodes that waited for the memory budget
+    decode_memory_waits: int = 0  # decodes that waited for decode memory (decode_memory_bytes)
+    unlisted_not_stored: int = 0  # arrays of unlisted sizes served from memory (unlisted_sizes)
     direct_hits: int = 0  # arrays readers read straight from the store (read_array) and reported
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
     queued_decodes: int = 0  # decodes waiting for a pool slot
@@ -124,6 +126,8 @@ _COUNTERS: Final = {
     "warm_decodes": "Decodes that warm requests (decodefs warm, O_NONBLOCK opens) ran",
     "warm_not_stored": "Warm requests whose array the store would not take",
     "memory_waits": "Decodes that waited for the memory budget",
+    "decode_memory_waits": "Decodes that waited for decode memory",
+    "unlisted_not_stored": "Arrays of sizes no version lists, served from memory to other users",
     "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",
     "bytes_served": "Bytes delivered in READ replies",
 }
@@ -136,6 +140,8 @@ _GAUGES: Final = {
     "memory_cache_entries": "Arrays held in memory because the store refused them",
     "memory_bytes": "Bytes of arrays in memory: decodes in flight and arrays served from memory",
     "memory_limit_bytes": "The budget for arrays in memory (memory_cache_bytes)",
+    "decode_memory_bytes": "Bytes that decodes running now may take (decode_peak_bytes)",
+    "decode_memory_limit_bytes": "The budget for decodes running at once (decode_memory_bytes)",
     "uptime_seconds": "Seconds since the daemon started",
 }
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,22 @@ def mounts(tmp_path: Path) -> Iterator[MountFactory]:
         yield _make_factory(tmp_path, created)
     finally:
         _teardown(created)
+
+
+@pytest.fixture
+def public_mounts() -> Iterator[MountFactory]:
+    """Like `mounts`, in a temporary directory every user may traverse (pytest's
+    tmp_path is root's alone), for tests that read as another user."""
+    base = Path(tempfile.mkdtemp(prefix="decodefs-public-"))
+    os.chmod(base, 0o755)
+    created: list[Mount] = []
+    try:
+        yield _make_factory(base, created)
+    finally:
+        try:
+            _teardown(created)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

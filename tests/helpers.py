@@ -278,3 +278,20 @@ def abort_fuse_connection(mountpoint: Path) -> None:
         subprocess.run(["mount", "-t", "fusectl", "fusectl", str(connections)], check=False)
     with contextlib.suppress(OSError):
         (connections / str(os.minor(os.stat(mountpoint).st_dev)) / "abort").write_text("1")
+
+
+NOBODY = 65534  # another local user, with no rights of its own
+
+
+def as_nobody(*command: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
+    """Run ``command`` as another, unprivileged local user (needs root)."""
+    return subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *map(str, command)],
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
+def python_as_nobody(script: str, *args: str | Path) -> subprocess.CompletedProcess[bytes]:
+    """Run a Python ``script`` (with decodefs importable) as another local user."""
+    return as_nobody(sys.executable, "-c", script, *args)

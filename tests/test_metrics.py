@@ -20,6 +20,8 @@ def snapshot() -> dict[str, object]:
         "corrupt_entries": 1, "evictions": 3, "store_write_errors": 0, "memory_fallbacks": 0,
         "background_decodes": 0, "warm_decodes": 0, "warm_not_stored": 0, "memory_waits": 0,
         "direct_hits": 0, "bytes_served": 12345, "memory_bytes": 0, "memory_limit_bytes": 1,
+        "decode_memory_waits": 0, "unlisted_not_stored": 0, "decode_memory_bytes": 0,
+        "decode_memory_limit_bytes": 1,
         "store_bytes": 999, "store_entries": 7,
         "inflight_decodes": 1, "queued_decodes": 2, "memory_cache_bytes": 0,
         "memory_cache_entries": 0, "uptime_seconds": 1.5, "store_writable": True,

@@ -1,0 +1,143 @@
+"""What another local user can and cannot do to a root daemon, on real mounts.
+
+Each test reads as user ``nobody`` (setpriv), through the mount and straight
+from the store, with ``allow_other`` off and on: the store's modes must say
+what the mount says.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+
+from tests.conftest import MountFactory, needs_root
+from tests.helpers import (
+    NOBODY,
+    as_nobody,
+    decodefs,
+    errno_of,
+    python_as_nobody,
+    reference_npy,
+    write_config,
+)
+
+pytestmark = needs_root
+
+READ_ARRAY = (
+    "import sys; from decodefs import read_array; "
+    "sys.stdout.buffer.write(read_array(sys.argv[1]).tobytes())"
+)
+
+
+def entry_in_store(store: Path, size: int, uuid: str) -> Path:
+    return store / "v1" / str(size) / uuid[:2] / f"{uuid}.npy"
+
+
+def test_with_allow_other_off_another_user_reads_neither_the_mount_nor_the_store(
+    public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = public_mounts({"v1": photos_dir}, allow_other=False)
+    uuid = sorted(photos)[0]
+    path = mount.path("v1", "64", f"{uuid}.npy")
+    assert path.read_bytes() == reference_npy(photos[uuid], 64)  # stored, by root
+    store = mount.config.parent / "store"
+    stored = entry_in_store(store, 64, uuid)
+    assert stat.S_IMODE(store.stat().st_mode) == 0o700
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+
+    commands: list[list[str | Path]] = [["cat", path], ["cat", stored], ["ls", store]]
+    for command in commands:
+        result = as_nobody(*command)
+        assert result.returncode != 0 and b"Permission denied" in result.stderr, command
+    result = python_as_nobody(READ_ARRAY, path)
+    assert result.returncode != 0 and b"PermissionError" in result.stderr
+
+
+def test_with_allow_other_on_another_user_reads_arrays_but_writes_nothing(
+    public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = public_mounts({"v1": photos_dir}, allow_other=True, sizes=[64])
+    first, second = sorted(photos)[:2]
+    path = mount.path("v1", "64", f"{first}.npy")
+    want = reference_npy(photos[first], 64)
+    assert as_nobody("cat", path).stdout == want  # a miss, decoded for nobody
+    store = mount.config.parent / "store"
+    stored = entry_in_store(store, 64, first)
+    assert stat.S_IMODE(store.stat().st_mode) == 0o755
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o644
+    assert as_nobody("cat", stored).stdout[: len(want)] == want  # the same policy as the mount
+
+    hits = mount.stats()["hits"]
+    result = python_as_nobody(READ_ARRAY, path)  # straight from the store, not the daemon
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == np.load(io.BytesIO(want)).tobytes()
+    assert mount.stats()["hits"] == hits
+
+    # Nothing can be written, through the mount or into the store.
+    other = mount.path("v1", "64", f"{second}.npy")
+    writes: list[list[str | Path]] = [
+        ["sh", "-c", f"echo x >> '{other}'"],
+        ["touch", mount.path("v1", "64", "new.npy")],
+        ["rm", "-f", path],
+        ["touch", store / "v1" / "planted"],
+        ["ln", "-s", "/etc", store / "v1" / "64" / "zz"],
+        ["sh", "-c", f"echo x >> '{stored}'"],
+    ]
+    for command in writes:
+        result = as_nobody(*command)
+        assert result.returncode != 0, command
+        assert b"Read-only file system" in result.stderr or b"Permission denied" in result.stderr
+    assert errno_of(open, other, "r+b") == errno.EROFS
+    assert stored.read_bytes()[: len(want)] == want
+
+
+def test_another_user_cannot_fill_the_flash_with_sizes_nobody_configured(
+    public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = public_mounts({"v1": photos_dir}, allow_other=True, sizes=[64])
+    uuid = sorted(photos)[0]
+    for size in [64, *range(100, 110)]:  # one listed size and ten sizes nobody listed
+        result = as_nobody("cat", mount.path("v1", str(size), f"{uuid}.npy"))
+        assert result.stdout == reference_npy(photos[uuid], size), size
+    stats = mount.stats()
+    assert stats["store_entries"] == 1  # only the listed size went to flash
+    assert stats["unlisted_not_stored"] == 10
+    assert sorted(p.name for p in (mount.config.parent / "store" / "v1").iterdir()) == [
+        ".fingerprint.json",
+        "64",
+    ]
+    # The daemon's own user (the admin, a warm) still stores any size.
+    assert mount.path("v1", "100", f"{uuid}.npy").read_bytes() == reference_npy(photos[uuid], 100)
+    assert mount.stats()["store_entries"] == 2
+
+
+def test_a_store_another_user_prepared_is_refused_before_anything_is_mounted(
+    tmp_path: Path, photos_dir: Path
+) -> None:
+    base = tmp_path / "shared"
+    base.mkdir()
+    os.chmod(base, 0o1777)  # like /tmp
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    store = base / "store"  # the other user got there first, with traps inside
+    store.mkdir()
+    (store / ".tmp").symlink_to(victim)
+    (store / "v1").symlink_to(victim)
+    for path in (store, store / ".tmp", store / "v1"):
+        os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    config = write_config(tmp_path / "c.toml", store, {"v1": photos_dir})
+    result = decodefs("mount", mountpoint, "--config", config, "--log-file", tmp_path / "log")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("decodefs: error: store: ")
+    assert f"belongs to uid {NOBODY}" in lines[0] and "Traceback" not in result.stderr
+    assert not os.path.ismount(mountpoint)
+    assert os.listdir(victim) == ["precious"]
