@@ -39,6 +39,7 @@ _BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 Duplicates = Literal["error", "skip"]
+Layout = Literal["uuid", "mirror"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 UnlistedSizes = Literal["owner", "everyone"]
 
@@ -58,6 +59,8 @@ class VersionConfig:
     extensions: frozenset[str]
     duplicates: Duplicates
     warm: bool = False
+    # "uuid": <size>/<uuid>.npy by file stem; "mirror": the source's own relative paths.
+    layout: Layout = "uuid"
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class Config:
                     "extensions": sorted(v.extensions),
                     "duplicates": v.duplicates,
                     "warm": v.warm,
+                    "layout": v.layout,
                 }
                 for name, v in self.versions.items()
             },
@@ -186,6 +190,7 @@ _VERSION_KEYS: Final = (
     "extensions",
     "duplicates",
     "warm",
+    "layout",
 )
 
 
@@ -310,6 +315,7 @@ class _Parser:
                 Duplicates, self.choice(table, "duplicates", "error", ("error", "skip"), key)
             ),
             warm=self.boolean(table, "warm", False, key),
+            layout=cast(Layout, self.choice(table, "layout", "uuid", ("uuid", "mirror"), key)),
         )
 
     def path(self, value: object, key: str) -> Path:

@@ -5,6 +5,13 @@ its stem; names starting with '.' are skipped (editor and macOS litter); a
 symlink is followed only when it resolves inside the source. This module knows
 nothing of decoding, the store or FUSE.
 
+A version with ``layout = "mirror"`` is indexed by relative path instead: an
+original's key (what the uuid is elsewhere) is its path without the extension
+(``cat/0001``), every directory is a folder (``MirrorFolders``), and a
+symlinked directory shows under the link's own path, as
+``os.walk(followlinks=True)`` would, except that a directory is never entered
+again below itself.
+
 An index can be cached as JSON in a directory the caller names. It is reused
 while every directory of the source has the mtime (and inode) it had when it
 was listed: adding, removing or renaming an entry changes its directory's
@@ -24,18 +31,30 @@ import stat
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple
 
-__all__ = ["NAME_MAX", "OriginalMissing", "SourceError", "SourceIndex", "scan_source"]
+__all__ = [
+    "NAME_MAX",
+    "Folder",
+    "MirrorFolders",
+    "OriginalMissing",
+    "SourceError",
+    "SourceIndex",
+    "scan_source",
+]
 
 log = logging.getLogger(__name__)
 
 NAME_MAX: Final = 255
-_NPY_SUFFIX_LEN: Final = len(".npy")
+_NPY: Final = ".npy"
+_NPY_SUFFIX_LEN: Final = len(_NPY)
 _CACHE_FORMAT: Final = 1
 # A directory changed this close to the scan may have changed again within
 # its filesystem's mtime granularity (seconds on some network filesystems).
 _MTIME_SLACK_NS: Final = 2_000_000_000
+
+
+Layout = Literal["uuid", "mirror"]
 
 
 class SourceError(Exception):
@@ -46,9 +65,95 @@ class OriginalMissing(Exception):
     """The original behind a uuid is gone, or now leads outside the source."""
 
 
+class Folder(NamedTuple):
+    """A directory of a mirror version."""
+
+    path: str  # relative to the source, "/"-separated; "" for the source itself
+    parent: int  # the folder it is in (the source itself: 0)
+    subfolders: tuple[tuple[str, int], ...]  # (name, folder index), sorted by name
+    files: range  # the indices of the originals directly in it, sorted by name
+
+
+class MirrorFolders:
+    """The folders of a mirror version and the originals each one holds.
+
+    Folder 0 is the source itself; folders are in the order of their paths'
+    components, so a parent comes before its children. Keys (relative paths
+    without the extension) are sorted by (folder, name): each folder's
+    originals are one run of indices, and within a run the keys are sorted.
+    """
+
+    def __init__(self, paths: Sequence[str], keys: Sequence[str]) -> None:
+        """Raises ValueError unless ``paths`` and ``keys`` are a tree this module
+        could have indexed (names, order, parents, lengths)."""
+        self._positions: dict[str, int] = {}
+        children: list[list[tuple[str, int]]] = []
+        parents: list[int] = []
+        previous: list[str] = []
+        for i, path in enumerate(paths):
+            if not isinstance(path, str):
+                raise ValueError("a folder is not a string")
+            order = _components(path)
+            parent_path, _, name = path.rpartition("/")
+            if i == 0:
+                parent = 0
+                if path != "":
+                    raise ValueError("the first folder is not the source itself")
+            else:
+                parent = self._positions.get(parent_path, -1)
+                named = _valid_name(name) and len(os.fsencode(name)) <= NAME_MAX
+                if parent < 0 or not named or order <= previous:
+                    raise ValueError(f"folder {path!r} is not a folder decodefs lists")
+                children[parent].append((name, i))
+            self._positions[path] = i
+            parents.append(parent)
+            children.append([])
+            previous = order
+        if not paths:
+            raise ValueError("there is no root folder")
+        starts = [0] * len(paths)
+        stops = [0] * len(paths)
+        last = (-1, "")
+        for index, key in enumerate(keys):
+            folder, _, name = key.rpartition("/")
+            position = self._positions.get(folder, -1)
+            if position < 0 or not _valid_name(name) or (position, name) <= last:
+                raise ValueError(f"key {key!r} is not a key decodefs lists, or out of order")
+            if _store_name_bytes(key) > NAME_MAX:
+                raise ValueError(f"key {key!r} is too long for a file name")
+            if position != last[0]:
+                starts[position] = index
+            stops[position] = index + 1
+            last = (position, name)
+        self.folders: tuple[Folder, ...] = tuple(
+            Folder(path, parents[i], tuple(children[i]), range(starts[i], stops[i]))
+            for i, path in enumerate(paths)
+        )
+        for holder in self.folders:
+            for name, _ in holder.subfolders:
+                if name.endswith(_NPY) and len(name) > len(_NPY):
+                    stem = name[: -len(_NPY)]
+                    key = f"{holder.path}/{stem}" if holder.path else stem
+                    at = bisect.bisect_left(keys, key, holder.files.start, holder.files.stop)
+                    if at < holder.files.stop and keys[at] == key:
+                        raise ValueError(f"folder {name!r} and original {key!r} share a name")
+
+    def __len__(self) -> int:
+        return len(self.folders)
+
+    @property
+    def paths(self) -> list[str]:
+        return [folder.path for folder in self.folders]
+
+    def find(self, path: str) -> int | None:
+        """The index of the folder at ``path`` ("" for the source itself)."""
+        return self._positions.get(path)
+
+
 @dataclass(frozen=True)
 class SourceIndex:
-    """The originals of one version, sorted by uuid.
+    """The originals of one version, sorted by uuid (a mirror version: by folder
+    and name, see MirrorFolders).
 
     Indices are stable for the life of the object, so callers may use them as
     compact keys (the fs layer packs them into inode numbers).
@@ -63,6 +168,7 @@ class SourceIndex:
     symlinks_outside: int = 0
     skipped_names: int = 0
     from_cache: bool = False
+    mirror: MirrorFolders | None = None  # the folders of a mirror version
     _positions: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +191,10 @@ class SourceIndex:
             raise OriginalMissing(f"{path} no longer exists")
         return real
 
+    @property
+    def layout(self) -> Layout:
+        return "uuid" if self.mirror is None else "mirror"
+
     def prefix_range(self, prefix: str) -> range:
         """Indices of uuids whose first two characters are ``prefix``."""
         if not 1 <= len(prefix) <= 2:
@@ -103,9 +213,11 @@ def scan_source(
     extensions: Iterable[str],
     duplicates: Literal["error", "skip"] = "error",
     cache_dir: str | None = None,
+    layout: Layout = "uuid",
 ) -> SourceIndex:
-    """Index every original under ``root`` by its stem: from the cache in
-    ``cache_dir`` while the tree is unchanged, else by walking it (and caching)."""
+    """Index every original under ``root`` by its stem (``layout = "mirror"``: by
+    its relative path): from the cache in ``cache_dir`` while the tree is
+    unchanged, else by walking it (and caching)."""
     started = time.monotonic()
     root_real = os.path.realpath(root)
     if not os.path.isdir(root_real):
@@ -117,10 +229,12 @@ def scan_source(
         "extensions": sorted(extension_set),
         "duplicates": duplicates,
     }
+    if layout != "uuid":  # so that caches written before layouts existed stay valid
+        key["layout"] = layout
     cache = os.path.join(cache_dir, f"{version}.json") if cache_dir else None
-    index = _load_cache(version, cache, key, root_real) if cache else None
+    index = _load_cache(version, cache, key, root_real, layout) if cache else None
     if index is None:
-        index, dirs, complete = _walk(version, root_real, extension_set, duplicates)
+        index, dirs, complete = _walk(version, root_real, extension_set, duplicates, layout)
         if cache and complete:  # a listing that failed may succeed next time: walk again
             _save_cache(cache, key, index, dirs)
     log.info(
@@ -135,26 +249,46 @@ def scan_source(
 
 
 def _walk(
-    version: str, root: str, extensions: frozenset[str], duplicates: Literal["error", "skip"]
+    version: str,
+    root: str,
+    extensions: frozenset[str],
+    duplicates: Literal["error", "skip"],
+    layout: Layout = "uuid",
 ) -> tuple[SourceIndex, dict[str, list[int]], bool]:
     """The index, the directories it depends on, and whether every listing succeeded."""
-    walker = _Walker(root, extensions)
+    mirror = layout == "mirror"
+    walker = _Walker(root, extensions, mirror=mirror)
     walker.walk()
     walker.merge_aliases()
+    if mirror:
+        # A folder "x.npy" and an original "x.jpg" beside it would have one name in the mount.
+        for folder in walker.folders:
+            if folder.endswith(_NPY) and len(folder.rpartition("/")[2]) > len(_NPY):
+                paths = walker.found.get(folder[: -len(_NPY)])
+                if paths is not None:
+                    paths.append(f"{folder}/")
+    what = "key" if mirror else "uuid"
     clashes = {uuid: sorted(paths) for uuid, paths in walker.found.items() if len(paths) > 1}
     if clashes and duplicates == "error":
         example_uuid = min(clashes)
         example = ", ".join(clashes[example_uuid][:3])
         raise SourceError(
-            f"versions.{version}.source: {len(clashes)} uuid(s) have more than one original "
+            f"versions.{version}.source: {len(clashes)} {what}(s) have more than one original "
             f"(e.g. {example_uuid!r}: {example}); rename them, or set "
             f'versions.{version}.duplicates = "skip" to leave them out'
         )
     for uuid, paths in sorted(clashes.items()):
         log.warning(
-            "version %s: uuid %r has %d originals %s; left out", version, uuid, len(paths), paths
+            "version %s: %s %r has %d originals %s; left out",
+            version,
+            what,
+            uuid,
+            len(paths),
+            paths,
         )
-    uuids = sorted(u for u, paths in walker.found.items() if len(paths) == 1)
+    unique = (u for u, paths in walker.found.items() if len(paths) == 1)
+    uuids = sorted(unique, key=_mirror_order) if mirror else sorted(unique)
+    folders = MirrorFolders(sorted(walker.folders, key=_components), uuids) if mirror else None
     index = SourceIndex(
         version=version,
         root=root,
@@ -164,11 +298,14 @@ def _walk(
         duplicates=clashes,
         symlinks_outside=walker.symlinks_outside,
         skipped_names=walker.skipped_names,
+        mirror=folders,
     )
     return index, walker.dirs, walker.listing_errors == 0
 
 
-def _load_cache(version: str, path: str, key: dict[str, object], root: str) -> SourceIndex | None:
+def _load_cache(
+    version: str, path: str, key: dict[str, object], root: str, layout: Layout = "uuid"
+) -> SourceIndex | None:
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_uid != os.getuid():
@@ -176,7 +313,12 @@ def _load_cache(version: str, path: str, key: dict[str, object], root: str) -> S
             cached = json.loads(f.read())
         if not isinstance(cached, dict) or cached.get("key") != key:
             return None
-        _check_cached(cached)
+        mirror = None
+        if layout == "mirror":
+            _check_cached_mirror(cached)
+            mirror = MirrorFolders(cached["folders"], cached["uuids"])
+        else:
+            _check_cached(cached)
         scanned_at = int(cached["scanned_at_ns"])
         for relative, (mtime_ns, inode) in cached["dirs"].items():
             st = os.stat(os.path.join(root, relative))
@@ -197,6 +339,7 @@ def _load_cache(version: str, path: str, key: dict[str, object], root: str) -> S
             symlinks_outside=int(cached["symlinks_outside"]),
             skipped_names=int(cached["skipped_names"]),
             from_cache=True,
+            mirror=mirror,
         )
     except FileNotFoundError:
         return None
@@ -242,6 +385,32 @@ def _check_cached(cached: dict[str, object]) -> None:
         raise ValueError("a path leads outside the source")
 
 
+def _check_cached_mirror(cached: dict[str, object]) -> None:
+    """Raise ValueError unless ``cached`` is a mirror index this module could have
+    written. MirrorFolders checks the keys and folders; here each path must be
+    its key plus an extension, so nothing leads outside the source."""
+    uuids, relpaths, dirs = cached["uuids"], cached["relpaths"], cached["dirs"]
+    if not (isinstance(uuids, list) and isinstance(relpaths, list) and len(uuids) == len(relpaths)):
+        raise ValueError("keys and relpaths are not two lists of one length")
+    if not (isinstance(dirs, dict) and isinstance(cached["duplicates"], dict)):
+        raise ValueError("dirs or duplicates is not a mapping")
+    if not isinstance(cached["folders"], list):
+        raise ValueError("folders is not a list")
+    if not all(isinstance(v, list) and len(v) == 2 for v in dirs.values()) or not all(
+        type(n) is int for v in dirs.values() for n in v
+    ):
+        raise ValueError("a directory's mtime and inode are not two integers")
+    if _outside(_joined(list(dirs))):
+        raise ValueError("a directory leads outside the source")
+    _joined(uuids)  # raises TypeError for anything but strings, ValueError for a NUL
+    for key, relpath in zip(uuids, relpaths, strict=True):
+        if not isinstance(relpath, str) or not relpath.startswith(key):
+            raise ValueError(f"{relpath!r} is not the path of key {key!r}")
+        dot, extension = relpath[len(key) : len(key) + 1], relpath[len(key) + 1 :]
+        if dot != "." or not extension.isalnum():
+            raise ValueError(f"{relpath!r} is not the path of key {key!r}")
+
+
 def _outside(joined: str) -> bool:
     """Whether a path of NUL-joined relative paths is absolute or has a ".." component."""
     if joined.startswith("/") or "\0/" in joined:
@@ -264,7 +433,7 @@ def _joined(strings: list[object]) -> str:
 def _save_cache(
     path: str, key: dict[str, object], index: SourceIndex, dirs: dict[str, list[int]]
 ) -> None:
-    value = {
+    value: dict[str, object] = {
         "key": key,
         "scanned_at_ns": index.scanned_at_ns,
         "dirs": dirs,
@@ -274,6 +443,8 @@ def _save_cache(
         "symlinks_outside": index.symlinks_outside,
         "skipped_names": index.skipped_names,
     }
+    if index.mirror is not None:
+        value["folders"] = index.mirror.paths
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -286,10 +457,16 @@ def _save_cache(
 
 
 class _Walker:
-    def __init__(self, root: str, extensions: frozenset[str]) -> None:
+    """Lists the source. By default a directory is entered once, however many
+    symlinks lead to it; with ``mirror``, once per path that leads to it, but
+    never again below itself (a symlink to an ancestor is a cycle)."""
+
+    def __init__(self, root: str, extensions: frozenset[str], *, mirror: bool = False) -> None:
         self.root = root
         self.extensions = extensions
-        self.found: dict[str, list[str]] = {}
+        self.mirror = mirror
+        self.found: dict[str, list[str]] = {}  # uuid (mirror: key) -> relative paths
+        self.folders: list[str] = []  # mirror: every directory listed, by its relative path
         self.symlinks_outside = 0
         self.skipped_names = 0
         # Relative path -> [mtime_ns, inode] when listed: the directories the index
@@ -301,10 +478,14 @@ class _Walker:
 
     def walk(self) -> None:
         root_stat = os.stat(self.root)
-        self._seen_dirs.add((root_stat.st_dev, root_stat.st_ino))
-        pending = [self.root]
+        root_id = (root_stat.st_dev, root_stat.st_ino)
+        self._seen_dirs.add(root_id)
+        # (directory, the directories on its path: (st_dev, st_ino), itself included)
+        pending: list[tuple[str, frozenset[tuple[int, int]]]] = [(self.root, frozenset({root_id}))]
         while pending:
-            directory = pending.pop()
+            directory, ancestors = pending.pop()
+            if self.mirror:
+                self.folders.append(directory[self._prefix :])
             try:
                 # Its mtime before listing: a change made during the walk then
                 # shows up as a mismatch when the cache is next checked.
@@ -319,21 +500,31 @@ class _Walker:
                 if entry.name.startswith("."):
                     continue
                 try:
-                    self._entry(entry, pending)
+                    self._entry(entry, pending, ancestors)
                 except OSError as exc:
                     self.listing_errors += 1
                     log.warning("cannot index %s: %s; left out", entry.path, exc)
 
-    def _entry(self, entry: os.DirEntry[str], pending: list[str]) -> None:
+    def _entry(self, entry: os.DirEntry[str], pending: _Pending, ancestors: _Ancestors) -> None:
         if entry.is_symlink():
-            self._symlink(entry, pending)
+            self._symlink(entry, pending, ancestors)
         elif entry.is_dir(follow_symlinks=False):
-            st = entry.stat(follow_symlinks=False)
-            if (st.st_dev, st.st_ino) not in self._seen_dirs:
-                self._seen_dirs.add((st.st_dev, st.st_ino))
-                pending.append(entry.path)
+            self._enter(entry.path, entry.stat(follow_symlinks=False), pending, ancestors)
         elif entry.is_file(follow_symlinks=False):
             self._file(entry.path, entry.name)
+
+    def _enter(
+        self, path: str, st: os.stat_result, pending: _Pending, ancestors: _Ancestors
+    ) -> None:
+        directory = (st.st_dev, st.st_ino)
+        if self.mirror:
+            if directory in ancestors:
+                log.debug("not entering %s: it leads back to a directory above it", path)
+                return
+            pending.append((path, ancestors | {directory}))
+        elif directory not in self._seen_dirs:
+            self._seen_dirs.add(directory)
+            pending.append((path, ancestors))
 
     def merge_aliases(self) -> None:
         """A symlink and its target with one stem are one original, not a clash."""
@@ -346,7 +537,7 @@ class _Walker:
                 if len(by_file) < len(paths):
                     self.found[stem] = sorted(by_file.values())
 
-    def _symlink(self, entry: os.DirEntry[str], pending: list[str]) -> None:
+    def _symlink(self, entry: os.DirEntry[str], pending: _Pending, ancestors: _Ancestors) -> None:
         target = os.path.realpath(entry.path)
         if not _inside(target, self.root):
             self.symlinks_outside += 1
@@ -358,9 +549,7 @@ class _Walker:
         except OSError:
             return  # dangling
         if stat.S_ISDIR(st.st_mode):
-            if (st.st_dev, st.st_ino) not in self._seen_dirs:
-                self._seen_dirs.add((st.st_dev, st.st_ino))
-                pending.append(entry.path)
+            self._enter(entry.path, st, pending, ancestors)
         elif stat.S_ISREG(st.st_mode):
             self._file(entry.path, entry.name)
 
@@ -383,11 +572,44 @@ class _Walker:
         stem, dot, extension = name.rpartition(".")
         if not dot or not stem or extension.lower() not in self.extensions:
             return
-        if len(os.fsencode(stem)) + _NPY_SUFFIX_LEN > NAME_MAX:
+        relative = path[self._prefix :]
+        key = relative[: -len(extension) - 1] if self.mirror else stem
+        if _store_name_bytes(key) > NAME_MAX:
             self.skipped_names += 1
-            log.warning("skipping %s: its uuid is too long for a file name", path)
+            log.warning(
+                "skipping %s: its %s is too long for a file name",
+                path,
+                "key" if self.mirror else "uuid",
+            )
             return
-        self.found.setdefault(stem, []).append(path[self._prefix :])
+        self.found.setdefault(key, []).append(relative)
+
+
+_Pending = list[tuple[str, frozenset[tuple[int, int]]]]
+_Ancestors = frozenset[tuple[int, int]]
+
+
+def _store_name_bytes(key: str) -> int:
+    """The length of the store's file name for ``key`` (entry.EntryKey.file_name):
+    ``<key>.npy``, and for a key with "/", each "%" and "/" escaped in three bytes."""
+    escapes = key.count("/") + key.count("%") if "/" in key else 0
+    return len(os.fsencode(key)) + 2 * escapes + _NPY_SUFFIX_LEN
+
+
+def _components(path: str) -> list[str]:
+    """The order of a mirror's folders: by their paths' components."""
+    return path.split("/") if path else []
+
+
+def _mirror_order(key: str) -> tuple[list[str], str]:
+    """The order of a mirror's keys: by folder, then by name within it."""
+    folder, _, name = key.rpartition("/")
+    return _components(folder), name
+
+
+def _valid_name(name: str) -> bool:
+    """Whether ``name`` is a folder or file name a mirror lists (one path component)."""
+    return bool(name) and name[0] != "." and "\0" not in name and "/" not in name
 
 
 def _inside(path: str, root: str) -> bool:
