@@ -8,6 +8,14 @@ integrity on any filesystem, a file moved to another key's path fails, and
 The daemon's store, ``decodefs verify`` and ``read_array`` all check entries
 here. This module reads only through a descriptor it is given, and knows
 nothing of images.
+
+Where an entry lives: ``<version>/<size>/<shard>/<file name>``. A key without
+``/`` (a uuid) has shard ``uuid[:2]`` and file name ``<uuid>.npy``. A key with
+``/`` (a mirror version's relative path) has shard ``%`` + the first two hex
+digits of the key's xxh3-64, and its file name is the key with ``%`` escaped as
+``%25`` and ``/`` as ``%2F``, plus ``.npy``. A shard of three characters is
+never a uuid's first two, so the two kinds of file never share a directory,
+and every file name gives back its key (``EntryKey.from_store_path``).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ STALE: Final = "decoded with other settings or libraries"
 _CHECKSUM_MISMATCH: Final = "checksum mismatch (damaged, or another entry's file)"
 _HEAD: Final = 4096  # enough for any .npy header of ours
 _PIECE: Final = 1 << 20
+_PATH_SHARD: Final = "%"  # starts the shard of a key with "/": never a uuid's shard
 
 
 class EntryKey(NamedTuple):
@@ -39,8 +48,39 @@ class EntryKey(NamedTuple):
 
     @property
     def relpath(self) -> str:
-        """Where the entry lives under the store: ``<version>/<size>/<uu>/<uuid>.npy``."""
-        return f"{self.version}/{self.size}/{self.uuid[:2]}/{self.uuid}.npy"
+        """Where the entry lives under the store: ``<version>/<size>/<uu>/<uuid>.npy``
+        for a uuid; see the module's docstring for a key with ``/``."""
+        return f"{self.version}/{self.size}/{self.shard}/{self.file_name}"
+
+    @property
+    def shard(self) -> str:
+        """The directory under ``<version>/<size>/`` that holds the entry."""
+        if "/" in self.uuid:
+            return _PATH_SHARD + xxhash.xxh3_64_hexdigest(os.fsencode(self.uuid))[:2]
+        return self.uuid[:2]
+
+    @property
+    def file_name(self) -> str:
+        """The entry's file name in its shard: one path component for any key."""
+        if "/" in self.uuid:
+            return self.uuid.replace("%", "%25").replace("/", "%2F") + ".npy"
+        return f"{self.uuid}.npy"
+
+    @classmethod
+    def from_store_path(cls, version: str, size: int, shard: str, name: str) -> EntryKey | None:
+        """The key whose entry is the file ``name`` in ``shard`` of ``<version>/<size>/``;
+        None if the name is no entry's (in a shard of keys with ``/``: not the
+        canonical escape of such a key, or not the shard its key hashes to)."""
+        if not name.endswith(".npy"):
+            return None
+        stem = name[: -len(".npy")]
+        if not shard.startswith(_PATH_SHARD):
+            return cls(version, size, stem)
+        uuid = _unescape(stem)
+        if uuid is None or "/" not in uuid:
+            return None
+        key = cls(version, size, uuid)
+        return key if key.shard == shard else None
 
     def checksum(self, payload: bytes | bytearray | memoryview) -> int:
         """xxh3-64 of ``payload``, seeded so only this key's file verifies."""
@@ -52,6 +92,18 @@ class EntryKey(NamedTuple):
 
     def _seed(self) -> int:
         return xxhash.xxh3_64_intdigest(os.fsencode(str(self)))
+
+
+def _unescape(name: str) -> str | None:
+    """The key a file name in a shard of keys with "/" escapes; None unless canonical."""
+    pieces = name.split("%")
+    key = [pieces[0]]
+    for piece in pieces[1:]:
+        escaped = {"25": "%", "2F": "/"}.get(piece[:2])
+        if escaped is None:
+            return None
+        key += (escaped, piece[2:])
+    return "".join(key)
 
 
 def encode_trailer(key: EntryKey, payload: bytes | memoryview, digest: bytes) -> bytes:

@@ -10,6 +10,7 @@ Layout::
     <store>/.trash/                   discarded versions, deleted in the background
     <store>/<version>/.fingerprint.json
     <store>/<version>/<size>/<uuid[:2]>/<uuid>.npy     (entry.py: the file format)
+    <store>/<version>/<size>/%<hh>/<escaped key>.npy   a key with "/" (entry.py)
 
 Writes go to ``.tmp`` and are renamed into place: a crash leaves no entry or a
 whole one. There is no fsync, because a torn entry after a power cut fails its
@@ -332,7 +333,7 @@ class Store:
                             key,
                             nbytes,
                             lambda: os.rename(
-                                name, f"{key.uuid}.npy", src_dir_fd=tmp_dir, dst_dir_fd=shard
+                                name, key.file_name, src_dir_fd=tmp_dir, dst_dir_fd=shard
                             ),
                         )
                     finally:
@@ -491,7 +492,7 @@ class Store:
     def _entry_dir(self, root: int, key: EntryKey) -> int:
         """The directory of ``key``'s entry, made if missing (a descriptor to close)."""
         fd = root
-        for name in (key.version, str(key.size), key.uuid[:2]):
+        for name in (key.version, str(key.size), key.shard):
             try:
                 child = os.open(name, _DIR, dir_fd=fd)
             except FileNotFoundError:
@@ -786,13 +787,15 @@ def iter_entries(
             try:
                 if not size_name.isdigit():
                     continue
-                for _, shard_fd in _subdirs(size_fd, None):
+                for shard, shard_fd in _subdirs(size_fd, None):
                     try:
                         found = list(_entry_files(shard_fd))
                     finally:
                         os.close(shard_fd)
                     for name, st in found:
-                        yield EntryKey(version, int(size_name), name[: -len(".npy")]), st
+                        key = EntryKey.from_store_path(version, int(size_name), shard, name)
+                        if key is not None:
+                            yield key, st
             finally:
                 os.close(size_fd)
 
