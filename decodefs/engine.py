@@ -51,7 +51,7 @@ from .memory import HeldArray, MemoryBudget, MemoryCache
 from .metrics import LogThrottle, Metrics
 from .pools import Job, LowPriorityPool
 from .protocol import parse_access_report
-from .source import OriginalMissing, SourceIndex
+from .source import MirrorFolders, OriginalMissing, SourceIndex
 from .store import CorruptEntry, Store, StoreReadError, StoreWriteError
 
 __all__ = [
@@ -205,6 +205,10 @@ class Engine:
     def uuids(self, version: str) -> Sequence[str]:
         """All uuids of a version, in index order (read-only)."""
         return self._sources[version].uuids
+
+    def mirror(self, version: str) -> MirrorFolders | None:
+        """The folders of a mirror version (None: a uuid version)."""
+        return self._sources[version].mirror
 
     def shard_range(self, version: str, shard: str) -> range:
         return self._sources[version].prefix_range(shard)
@@ -408,6 +412,7 @@ class Engine:
             "versions": {
                 name: {
                     "originals": len(src),
+                    "layout": src.layout,
                     "duplicates_left_out": len(src.duplicates),
                     "symlinks_outside_source": src.symlinks_outside,
                     "fingerprint": self.store.fingerprint_description(name),

@@ -136,22 +136,22 @@ class DecodeFS(pyfuse3.Operations):
     @_errno_boundary
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         node = Node.from_ino(fh)
+        for next_id, name, child in self._tree.children(node, start_id):
+            if not pyfuse3.readdir_reply(token, name, self._entry(child), next_id):
+                return
         arrays = self._tree.array_rows(node, start_id)
         if arrays is not None:
             # Every array of a directory has the same attributes but its inode;
             # readdir_reply copies them, so one object serves the whole listing.
             attributes = self._entry(arrays.sample)
             reply, uuids, base = pyfuse3.readdir_reply, arrays.uuids, arrays.base_ino
+            strip, delta = arrays.strip, arrays.offset_delta
             encoding = _FS_ENCODING  # as os.fsencode, without its per-call overhead
             for i in arrays.rows:
                 attributes.st_ino = base | i
-                name = uuids[i].encode(encoding, "surrogateescape") + b".npy"
-                if not reply(token, name, attributes, i + 1):
+                name = uuids[i][strip:].encode(encoding, "surrogateescape") + b".npy"
+                if not reply(token, name, attributes, i + delta):
                     return
-            return
-        for next_id, name, child in self._tree.children(node, start_id):
-            if not pyfuse3.readdir_reply(token, name, self._entry(child), next_id):
-                return
 
     async def releasedir(self, fh: int) -> None:
         pass

@@ -1,7 +1,8 @@
 """Inode numbers of the mount: a node packs into 64 bits, computed, never allocated.
 
     bits 60-63  kind      bits 48-59  version index (in sorted version order)
-    bits 35-47  size      bits  0-34  number: original index (or shard start index)
+    bits 35-47  size      bits  0-34  number: original index (or shard start index,
+                                      or a mirror version's folder index)
 
 Shared by the daemon's namespace (tree.py) and the client reader (reader.py),
 which learns an array's version and size from the inode the kernel reports.
@@ -25,6 +26,7 @@ class Kind(IntEnum):
     SIZE = 2
     SHARD = 3
     ENTRY = 4
+    FOLDER = 5  # a folder of a mirror version (its size directory is folder 0)
 
 
 _KINDS: Final = tuple(Kind)  # Kind(n) without the enum lookup, per request
@@ -36,7 +38,8 @@ class Node(NamedTuple):
     kind: Kind
     version: int = 0
     size: int = 0
-    number: int = 0  # an original's index, a shard's first index, a status file's number
+    number: int = 0  # an original's index, a shard's first index, a folder's index,
+    # a status file's number
 
     @property
     def ino(self) -> int:

@@ -5,6 +5,12 @@ millions of entries without a table here, lookup counts need no bookkeeping,
 and an entry has the same inode under ``<size>/`` and under ``<size>/<uu>/``
 (one page cache for both paths).
 
+A mirror version (source.MirrorFolders) has no shard directories: its size
+directory is the source's root folder, and each folder lists its subfolders,
+then its originals as ``<name>.npy``. In a folder, ``<name>.npy`` is the
+original ``<folder>/<name>`` if there is one, else (like any other name) a
+subfolder.
+
 This module is filesystem logic only: it does not import pyfuse3.
 """
 
@@ -21,6 +27,7 @@ from typing import Final, NamedTuple
 from . import protocol
 from .engine import Engine
 from .inodes import Kind, Node
+from .source import Folder, MirrorFolders
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
 
@@ -33,16 +40,20 @@ _STATUS_DIR_NAME: Final = protocol.STATUS_DIR.encode()
 ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1
 STATUS_DIR: Final = Node(Kind.SPECIAL, number=2)
 _FIRST_STATUS_FILE: Final = 3
+_DIRECTORY_KINDS: Final = (Kind.VERSION, Kind.SIZE, Kind.SHARD, Kind.FOLDER)
 
 
 class ArrayRows(NamedTuple):
-    """Entry ``i`` of ``rows`` is named uuids[i] + ".npy", has inode ``base_ino | i``
-    and the attributes of ``sample``; the listing resumes at offset i + 1."""
+    """Entry ``i`` of ``rows`` is named uuids[i][strip:] + ".npy", has inode
+    ``base_ino | i`` and the attributes of ``sample``; the listing resumes at
+    offset i + offset_delta."""
 
     sample: Node
     rows: range
     uuids: Sequence[str]
     base_ino: int
+    strip: int = 0  # a mirror folder's keys start with its path and a "/"
+    offset_delta: int = 1  # a mirror folder lists its subfolders first
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class Tree:
         self._versions = engine.version_names
         self._version_index = {name.encode(): i for i, name in enumerate(self._versions)}
         self._status_files = [name.encode() for name in status_files]
+        self._mirrors = tuple(engine.mirror(name) for name in self._versions)
         self._mounted_ns = time.time_ns()
 
     # -- names -> nodes -----------------------------------------------------
@@ -82,7 +94,12 @@ class Tree:
         if parent.kind == Kind.VERSION:
             size = self._parse_size(name)
             return Node(Kind.SIZE, parent.version, size) if size is not None else None
-        if parent.kind == Kind.SIZE:
+        if parent.kind in (Kind.SIZE, Kind.FOLDER):
+            mirror = self._mirrors[parent.version]
+            if mirror is not None:
+                return self._lookup_in_folder(parent, mirror, name)
+            if parent.kind == Kind.FOLDER:
+                return None
             entry = self._lookup_entry(parent, name)
             if entry is not None:
                 return entry
@@ -101,10 +118,13 @@ class Tree:
             return STATUS_DIR
         if node.kind == Kind.SIZE:
             return Node(Kind.VERSION, node.version)
+        folder = self._folder(node)
+        if folder is not None:
+            return self._folder_node(node.version, node.size, folder.parent)
         return Node(Kind.SIZE, node.version, node.size)  # shard (entries: their listed parent)
 
     def is_dir(self, node: Node) -> bool:
-        return node.kind in (Kind.VERSION, Kind.SIZE, Kind.SHARD) or node in (ROOT, STATUS_DIR)
+        return node.kind in _DIRECTORY_KINDS or node in (ROOT, STATUS_DIR)
 
     def status_file_name(self, node: Node) -> str | None:
         position = node.number - _FIRST_STATUS_FILE
@@ -124,6 +144,11 @@ class Tree:
             return False
         if node.kind == Kind.SIZE:
             return True
+        mirror = self._mirrors[node.version]
+        if node.kind == Kind.FOLDER:
+            return mirror is not None and 0 < node.number < len(mirror)
+        if node.kind == Kind.SHARD and mirror is not None:
+            return False
         return node.number < self._engine.count(self._versions[node.version])
 
     # -- listings -----------------------------------------------------------
@@ -131,8 +156,9 @@ class Tree:
     def children(self, node: Node, start: int) -> Iterator[tuple[int, bytes, Node]]:
         """(next offset, name, node) from offset ``start``; offsets are stable.
 
-        For the root, the status directory and version directories; size and
-        shard directories list their arrays through ``array_rows``.
+        For the root, the status directory, version directories and a mirror's
+        subfolders; size, shard and mirror folders list their arrays through
+        ``array_rows``, after these.
         """
         if node == ROOT:
             names = [v.encode() for v in self._versions] + [_STATUS_DIR_NAME]
@@ -151,11 +177,30 @@ class Tree:
             sizes = self._engine.sizes(self._versions[node.version])
             for i in range(start, len(sizes)):
                 yield i + 1, str(sizes[i]).encode(), Node(Kind.SIZE, node.version, sizes[i])
+        else:
+            folder = self._folder(node)
+            if folder is not None:
+                subfolders = folder.subfolders
+                for i in range(start, len(subfolders)):
+                    name, index = subfolders[i]
+                    yield (
+                        i + 1,
+                        os.fsencode(name),
+                        self._folder_node(node.version, node.size, index),
+                    )
 
     def array_rows(self, node: Node, start: int) -> ArrayRows | None:
-        """For a size or shard directory, what its listing needs from ``start``;
-        None for other directories. The fast path for hundreds of thousands of
-        arrays: the caller loops over ``rows`` with no object per entry."""
+        """For a size, shard or mirror folder, what its listing of arrays needs from
+        ``start``; None for other directories. The fast path for hundreds of
+        thousands of arrays: the caller loops over ``rows`` with no object per entry."""
+        sample = Node(Kind.ENTRY, node.version, node.size, 0)
+        uuids = self._engine.uuids(self._versions[node.version])
+        folder = self._folder(node)
+        if folder is not None:
+            listed, files = len(folder.subfolders), folder.files  # offsets 1..listed: subfolders
+            rows = range(files.start + max(0, start - listed), files.stop)
+            strip = len(folder.path) + 1 if folder.path else 0
+            return ArrayRows(sample, rows, uuids, sample.ino, strip, listed - files.start + 1)
         if node.kind == Kind.SIZE:
             rows = range(start, self._engine.count(self._versions[node.version]))
         elif node.kind == Kind.SHARD:
@@ -163,8 +208,6 @@ class Tree:
             rows = range(max(start, shard.start), shard.stop)
         else:
             return None
-        sample = Node(Kind.ENTRY, node.version, node.size, 0)
-        uuids = self._engine.uuids(self._versions[node.version])
         return ArrayRows(sample, rows, uuids, sample.ino)
 
     # -- attributes ---------------------------------------------------------
@@ -179,7 +222,7 @@ class Tree:
         return Attributes(stat.S_IFREG | 0o444, status_size, time.time_ns(), 1)
 
     def _mtime(self, node: Node) -> int:
-        if node.kind in (Kind.SIZE, Kind.SHARD, Kind.ENTRY, Kind.VERSION):
+        if node.kind in (Kind.SIZE, Kind.SHARD, Kind.ENTRY, Kind.VERSION, Kind.FOLDER):
             return self._engine.scanned_at_ns(self._versions[node.version])
         return self._mounted_ns
 
@@ -203,6 +246,34 @@ class Tree:
         uuid = os.fsdecode(name[: -len(_NPY)])
         index = self._engine.find(self._versions[parent.version], uuid)
         return Node(Kind.ENTRY, parent.version, parent.size, index) if index is not None else None
+
+    def _folder(self, node: Node) -> Folder | None:
+        """The mirror folder ``node`` is (a size directory: the root folder), or None."""
+        if node.kind not in (Kind.SIZE, Kind.FOLDER):
+            return None
+        mirror = self._mirrors[node.version]
+        if mirror is None or node.number >= len(mirror):
+            return None
+        return mirror.folders[node.number]
+
+    @staticmethod
+    def _folder_node(version: int, size: int, index: int) -> Node:
+        if index == 0:
+            return Node(Kind.SIZE, version, size)
+        return Node(Kind.FOLDER, version, size, index)
+
+    def _lookup_in_folder(self, parent: Node, mirror: MirrorFolders, name: bytes) -> Node | None:
+        if parent.number >= len(mirror):
+            return None
+        folder = mirror.folders[parent.number]
+        prefix = f"{folder.path}/" if folder.path else ""
+        if name.endswith(_NPY) and len(name) > len(_NPY):
+            key = prefix + os.fsdecode(name[: -len(_NPY)])
+            index = self._engine.find(self._versions[parent.version], key)
+            if index is not None:
+                return Node(Kind.ENTRY, parent.version, parent.size, index)
+        child = mirror.find(prefix + os.fsdecode(name))
+        return None if child is None else self._folder_node(parent.version, parent.size, child)
 
     def _lookup_shard(self, parent: Node, name: bytes) -> Node | None:
         if not 1 <= len(name) <= 8:  # two characters, up to 4 UTF-8 bytes each
