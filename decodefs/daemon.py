@@ -191,7 +191,9 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
         notifier.notify(f"STATUS=indexing originals for {mountpoint}")
         index_cache = store.cache_dir("index")
         sources = {
-            name: scan_source(name, v.source, v.extensions, v.duplicates, index_cache)
+            name: scan_source(
+                name, v.source, v.extensions, v.duplicates, index_cache, layout=v.layout
+            )
             for name, v in config.versions.items()
         }
         engine = Engine(config, sources, store)
@@ -204,6 +206,7 @@ def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None =
             min_size=config.min_size,
             max_size=config.max_size,
             access_socket=access_socket,
+            mirrors=frozenset(n for n, v in config.versions.items() if v.layout == "mirror"),
         )
         status_files: dict[str, Callable[[], bytes]] = {
             STATS_FILE: lambda: _json(

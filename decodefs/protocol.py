@@ -55,7 +55,15 @@ STATUS_FILES: Final = (STATS_FILE, METRICS_FILE, CONFIG_FILE, STORE_FILE)
 
 
 class StoreStatus(NamedTuple):
-    """The content of store.json: what read_array needs to read the store directly."""
+    """The content of store.json: what read_array needs to read the store directly.
+
+    An array's key is its file's name without ".npy", except in a mirror version
+    (``layout = "mirror"``), where it is the file's path below
+    ``<mount>/<version>/<size>/`` without ".npy" (``cat/0001``). Mirror versions'
+    fingerprints are listed apart, under "mirror_versions": a reader that
+    predates layouts would take ``0001`` for the key, finds no fingerprint for
+    the version, and reads through the mount.
+    """
 
     store: str  # the store directory
     digests: Mapping[str, str]  # version -> the decoder fingerprint its entries carry (hex)
@@ -64,11 +72,13 @@ class StoreStatus(NamedTuple):
     min_size: int
     max_size: int
     access_socket: str | None  # where to report direct hits (None: nowhere)
+    mirrors: frozenset[str] = frozenset()  # versions whose keys are relative paths
 
     def to_json(self) -> bytes:
         value = {
             "store": self.store,
-            "versions": dict(self.digests),
+            "versions": {v: d for v, d in self.digests.items() if v not in self.mirrors},
+            "mirror_versions": {v: d for v, d in self.digests.items() if v in self.mirrors},
             "version_order": list(self.version_order),
             "inode_layout": self.inode_layout,
             "sizes": {"min": self.min_size, "max": self.max_size},
@@ -81,14 +91,16 @@ class StoreStatus(NamedTuple):
         """Raises ValueError (or KeyError, TypeError) for anything this daemon did not write."""
         value = json.loads(data)
         socket = value.get("access_socket")
+        mirrors = {str(v): str(d) for v, d in value.get("mirror_versions", {}).items()}
         return cls(
             store=str(value["store"]),
-            digests={str(v): str(d) for v, d in value["versions"].items()},
+            digests={**{str(v): str(d) for v, d in value["versions"].items()}, **mirrors},
             version_order=tuple(str(v) for v in value["version_order"]),
             inode_layout=int(value["inode_layout"]),
             min_size=int(value["sizes"]["min"]),
             max_size=int(value["sizes"]["max"]),
             access_socket=None if socket is None else str(socket),
+            mirrors=frozenset(mirrors),
         )
 
 

@@ -13,7 +13,10 @@ The path is looked up through the mount as given (the kernel answers from
 its caches), so a name the daemon does not serve fails as ``open`` would, and
 the array's version and size come from the inode the kernel reports
 (inodes.py), never from the path's text: symlinks and ``..`` mean what they
-mean to ``open``. A store is trusted only when the file's device is a
+mean to ``open``. An array's key is its file name without ".npy"; in a mirror
+version it is its path below ``<mount>/<version>/<size>/`` (protocol.StoreStatus),
+symlinks resolved as ``open`` resolves them, and used only if that path is the
+entry the kernel reported. A store is trusted only when the file's device is a
 ``fuse.decodefs`` mount in this process's mount table, and its directory and
 the entry file belong to the mount's owner and nobody else may write to them.
 Knows the store's file format and the inode layout; not the daemon.
@@ -74,6 +77,7 @@ class _Mount:
     min_size: int
     max_size: int
     access_socket: str | None
+    mirrors: frozenset[str]  # versions whose keys are paths below <version>/<size>/
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     if mount is not None and not _current(mount, st.st_dev):
         # Another mount since: the kernel reuses a device number after an unmount.
         mount = _mount_of(st.st_dev, again=True)
-    key = _key_of(mount, st, name) if isinstance(mount, _Mount) else None
+    key = _key_of(mount, st, name, path) if isinstance(mount, _Mount) else None
     if not isinstance(mount, _Mount) or key is None:
         return _load_any(path)
     array = _read_stored(mount, key)
@@ -174,6 +178,7 @@ def _find_mount(device: int) -> _Mount | _Refused | None:
                 min_size=status.min_size,
                 max_size=status.max_size,
                 access_socket=status.access_socket,
+                mirrors=status.mirrors,
             )
             store_st = os.stat(mount.store)
         except _STATUS_ERRORS:
@@ -200,8 +205,9 @@ def _decodefs_mount_points(device: int) -> list[str]:
     ]
 
 
-def _key_of(mount: _Mount, st: os.stat_result, name: str) -> EntryKey | None:
-    """The key of the file ``st`` named ``name`` on ``mount``, or None if it is no array."""
+def _key_of(mount: _Mount, st: os.stat_result, name: str, path: str) -> EntryKey | None:
+    """The key of the file ``st`` named ``name`` (at ``path``) on ``mount``, or None if
+    it is no array, or not one this process can name for sure."""
     try:
         node = Node.from_ino(st.st_ino)
     except IndexError:
@@ -212,7 +218,28 @@ def _key_of(mount: _Mount, st: os.stat_result, name: str) -> EntryKey | None:
         return None
     if not stat.S_ISREG(st.st_mode) or st.st_size != npy_file_size(node.size):
         return None
-    return EntryKey(mount.versions[node.version], node.size, name[: -len(".npy")])
+    version = mount.versions[node.version]
+    if version in mount.mirrors:
+        return _mirror_key(mount, st, path, version, node.size)
+    return EntryKey(version, node.size, name[: -len(".npy")])
+
+
+def _mirror_key(
+    mount: _Mount, st: os.stat_result, path: str, version: str, size: int
+) -> EntryKey | None:
+    """A mirror entry's key: its path below ``<mount>/<version>/<size>/``, without
+    ".npy"; None unless that path is still the entry ``st`` the kernel reported."""
+    real = os.path.realpath(path)  # symlinks and ".." as open() resolves them
+    below = os.path.join(mount.root, version, str(size), "")
+    if not (real.startswith(below) and real.endswith(".npy")):
+        return None
+    try:
+        again = os.stat(real)
+    except OSError:
+        return None
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+        return None  # a symlink on the way was changed meanwhile
+    return EntryKey(version, size, real[len(below) : -len(".npy")])
 
 
 # -- reading ------------------------------------------------------------------------
