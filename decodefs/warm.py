@@ -59,12 +59,14 @@ def warm(
     progress: bool = True,
     refusals: Callable[[], int] | None = None,
 ) -> WarmReport:
-    """Open every ``<directory>/<uuid>.npy`` (all listed there if ``uuids`` is None).
+    """Open every ``<directory>/<uuid>.npy`` (all there if ``uuids`` is None: every
+    ``.npy`` file below it, so a mirror version's folders too; a mirror's keys are
+    paths such as ``cat/0001``).
 
     ``refusals`` reads the daemon's ``warm_not_stored`` counter: once it grows,
     the store takes no more and the warm stops.
     """
-    names = sorted(os.listdir(directory)) if uuids is None else [f"{u}.npy" for u in uuids]
+    names = _arrays_below(directory) if uuids is None else [f"{u}.npy" for u in uuids]
     names = [n for n in names if n.endswith(".npy")]
     report = WarmReport(total=len(names))
     started = last_look = time.monotonic()
@@ -107,6 +109,16 @@ def warm(
     if report.store_full is None and not report.interrupted and store_refuses():
         report.store_full = _STORE_REFUSES
     return report
+
+
+def _arrays_below(directory: Path) -> list[str]:
+    """Every array's path below ``directory``, sorted. A uuid version lists no
+    subdirectories (shards are not listed), so this is one listing there."""
+    names: list[str] = []
+    for top, _, files in os.walk(directory):
+        prefix = os.path.relpath(top, directory) + "/" if top != str(directory) else ""
+        names += (prefix + name for name in files if name.endswith(".npy"))
+    return sorted(names)
 
 
 _STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})  # from an older daemon
