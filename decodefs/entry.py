@@ -74,7 +74,7 @@ class EntryKey(NamedTuple):
         if not name.endswith(".npy"):
             return None
         stem = name[: -len(".npy")]
-        if not shard.startswith(_PATH_SHARD):
+        if len(shard) <= 2:  # a uuid's shard (which may start with "%" too)
             return cls(version, size, stem)
         uuid = _unescape(stem)
         if uuid is None or "/" not in uuid:
