@@ -89,11 +89,11 @@ class MirrorFolders:
         self._positions: dict[str, int] = {}
         children: list[list[tuple[str, int]]] = []
         parents: list[int] = []
-        previous: list[str] = []
+        previous = ""
         for i, path in enumerate(paths):
             if not isinstance(path, str):
                 raise ValueError("a folder is not a string")
-            order = _components(path)
+            order = _folder_order(path)
             parent_path, _, name = path.rpartition("/")
             if i == 0:
                 parent = 0
@@ -113,18 +113,23 @@ class MirrorFolders:
             raise ValueError("there is no root folder")
         starts = [0] * len(paths)
         stops = [0] * len(paths)
-        last = (-1, "")
+        # One pass, kept lean: it checks a cached index of hundreds of thousands.
+        find = self._positions.get
+        last_position, last_name = -1, ""
         for index, key in enumerate(keys):
             folder, _, name = key.rpartition("/")
-            position = self._positions.get(folder, -1)
-            if position < 0 or not _valid_name(name) or (position, name) <= last:
-                raise ValueError(f"key {key!r} is not a key decodefs lists, or out of order")
-            if _store_name_bytes(key) > NAME_MAX:
-                raise ValueError(f"key {key!r} is too long for a file name")
-            if position != last[0]:
+            position = find(folder, -1)
+            if position != last_position:
+                if position < last_position or position < 0:
+                    raise ValueError(f"key {key!r} is in no folder, or out of order")
                 starts[position] = index
+                last_position = position
+            elif name <= last_name:
+                raise ValueError(f"key {key!r} is out of order, or twice")
+            if not name or name[0] == "." or "\0" in name or _store_name_bytes(key) > NAME_MAX:
+                raise ValueError(f"key {key!r} is not a name decodefs lists")
             stops[position] = index + 1
-            last = (position, name)
+            last_name = name
         self.folders: tuple[Folder, ...] = tuple(
             Folder(path, parents[i], tuple(children[i]), range(starts[i], stops[i]))
             for i, path in enumerate(paths)
@@ -287,8 +292,8 @@ def _walk(
             paths,
         )
     unique = (u for u, paths in walker.found.items() if len(paths) == 1)
-    uuids = sorted(unique, key=_mirror_order) if mirror else sorted(unique)
-    folders = MirrorFolders(sorted(walker.folders, key=_components), uuids) if mirror else None
+    uuids = _mirror_sorted(unique) if mirror else sorted(unique)
+    folders = MirrorFolders(sorted(walker.folders, key=_folder_order), uuids) if mirror else None
     index = SourceIndex(
         version=version,
         root=root,
@@ -592,19 +597,27 @@ _Ancestors = frozenset[tuple[int, int]]
 def _store_name_bytes(key: str) -> int:
     """The length of the store's file name for ``key`` (entry.EntryKey.file_name):
     ``<key>.npy``, and for a key with "/", each "%" and "/" escaped in three bytes."""
-    escapes = key.count("/") + key.count("%") if "/" in key else 0
-    return len(os.fsencode(key)) + 2 * escapes + _NPY_SUFFIX_LEN
+    length = len(key) if key.isascii() else len(os.fsencode(key))
+    if "/" in key:
+        length += 2 * (key.count("/") + key.count("%"))
+    return length + _NPY_SUFFIX_LEN
 
 
-def _components(path: str) -> list[str]:
-    """The order of a mirror's folders: by their paths' components."""
-    return path.split("/") if path else []
+def _folder_order(path: str) -> str:
+    """The order of a mirror's folders: by their paths' components (NUL sorts before
+    any character a name may hold, so a parent comes first, then its children)."""
+    return path.replace("/", "\0")
 
 
-def _mirror_order(key: str) -> tuple[list[str], str]:
-    """The order of a mirror's keys: by folder, then by name within it."""
-    folder, _, name = key.rpartition("/")
-    return _components(folder), name
+def _mirror_sorted(keys: Iterable[str]) -> list[str]:
+    """A mirror's keys in its order: by folder, then by name within each folder
+    (where every key starts with the folder's path, so plainly sorted)."""
+    by_folder: dict[str, list[str]] = {}
+    for key in keys:
+        by_folder.setdefault(key.rpartition("/")[0], []).append(key)
+    return [
+        key for folder in sorted(by_folder, key=_folder_order) for key in sorted(by_folder[folder])
+    ]
 
 
 def _valid_name(name: str) -> bool:
