@@ -360,6 +360,28 @@ def test_a_file_in_another_keys_shard_gives_no_key() -> None:
     assert EntryKey.from_store_path("v1", 16, other, key.file_name) is None
 
 
+def test_eviction_removes_a_mirror_entry_by_its_key(tmp_path: Path) -> None:
+    entry_bytes = len(payload(0)) + 40
+    ticks = iter(range(1_000_000))
+    store = Store(
+        tmp_path / "store", {"v1": V1}, max_bytes=2 * entry_bytes, clock=lambda: next(ticks)
+    )
+    store.open()
+    try:
+        cat, dog, bird = (EntryKey("v1", 16, f"{c}/0001") for c in ("cat", "dog", "bird"))
+        store.write(cat, payload(1))
+        store.write(dog, payload(2))
+        store.capacity.record_access(cat)  # dog is now the least recently used
+        store.write(bird, payload(3))
+        root = Path(store.root)
+        assert not (root / dog.relpath).exists()
+        assert (root / cat.relpath).exists() and (root / bird.relpath).exists()
+        assert list(store.capacity.evicted) == [dog]
+        assert store.stored_uuids("v1", 16) == {"cat/0001", "bird/0001"}
+    finally:
+        store.close()
+
+
 def test_an_entry_moved_to_another_keys_path_fails(tmp_path: Path) -> None:
     with opened_store(tmp_path / "store") as store:
         cat, dog = EntryKey("v1", 16, "cat/0001"), EntryKey("v1", 16, "dog/0001")

@@ -277,6 +277,18 @@ def test_a_restart_serves_stored_arrays_without_decoding(
     assert stats["store_entries"] == len(classes)
 
 
+def test_the_background_warm_fills_a_mirror_version(
+    mounts: MountFactory, classes: dict[str, Path]
+) -> None:
+    mount = mirror_mount(mounts, source(classes), version_warm=True)
+    wait_until(lambda: mount.stats()["background_decodes"] == len(classes), "the warm", timeout=120)
+    for key, original in classes.items():
+        assert array(mount, key).read_bytes() == reference_npy(original, SIZE), key
+    stats = mount.stats()
+    assert stats["misses"] == 0 and stats["hits"] == len(classes)
+    assert stats["decodes"] == stats["store_entries"] == len(classes)
+
+
 def test_warm_and_verify_over_a_mirror_version(
     mounts: MountFactory, classes: dict[str, Path], tmp_path: Path
 ) -> None:
