@@ -119,9 +119,11 @@ class MirrorFolders:
         for index, key in enumerate(keys):
             folder, _, name = key.rpartition("/")
             position = find(folder, -1)
+            if position < 0:
+                raise ValueError(f"key {key!r} is in no folder")
             if position != last_position:
-                if position < last_position or position < 0:
-                    raise ValueError(f"key {key!r} is in no folder, or out of order")
+                if position < last_position:
+                    raise ValueError(f"key {key!r} is out of order")
                 starts[position] = index
                 last_position = position
             elif name <= last_name:

@@ -226,6 +226,7 @@ def test_the_mirror_index_is_cached_apart_from_the_uuid_index(tmp_path: Path) ->
         lambda c: c["folders"].append("../up"),  # a folder outside
         lambda c: c["folders"].append("cat/.hidden"),
         lambda c: c["folders"].remove("cat"),  # a key in a folder that is not one
+        lambda c: (c["uuids"].insert(0, "nope/0"), c["relpaths"].insert(0, "nope/0.jpg")),
         lambda c: c["uuids"].reverse(),  # out of order
         lambda c: c["uuids"].__setitem__(1, c["uuids"][0]),  # twice
         lambda c: c["folders"].__setitem__(0, "cat"),  # no root
