@@ -54,7 +54,6 @@ STORE_FILE: Final = "store.json"  # where the store is, for read_array (see read
 STATUS_FILES: Final = (STATS_FILE, METRICS_FILE, CONFIG_FILE, STORE_FILE)
 
 
-
 class StoreStatus(NamedTuple):
     """The content of store.json: what read_array needs to read the store directly."""
 
