@@ -4,9 +4,10 @@ Each entry is opened with O_NONBLOCK and closed without being read. The
 daemon takes that as a warm request: it decodes and stores the array on open
 (single-flight and accounting hold) on its low-priority threads, so training
 readers go first, and it never evicts for it: a full store answers EDQUOT
-(or ENOSPC, EROFS) and the warm stops. No data lands in this process or the
-page cache. Entries already stored cost one open, so an interrupted warm
-resumes when run again.
+(or ENOSPC, EROFS) and the warm stops; so does a daemon that is gone
+(ENOTCONN, ECONNABORTED). No data lands in this process or the page cache.
+Entries already stored cost one open, so an interrupted warm resumes when
+run again.
 """
 
 from __future__ import annotations
@@ -33,15 +34,24 @@ class WarmReport:
     seconds: float = 0.0
     interrupted: bool = False
     store_full: str | None = None  # why the store stopped taking arrays, if it did
+    daemon_gone: str | None = None  # why the mount stopped answering, if it did
 
 
 def read_uuid_list(path: Path) -> list[str]:
-    """One uuid per line; blank lines and '#' comments skipped; "<uuid>.npy" accepted."""
+    """One uuid per line; blank lines and '#' comments skipped; "<uuid>.npy" accepted.
+
+    Raises OSError or UnicodeDecodeError for a file that cannot be read as
+    UTF-8 text, ValueError naming the first line that cannot be a uuid.
+    """
     uuids = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if line:
-            uuids.append(line[: -len(".npy")] if line.endswith(".npy") else line)
+        if not line:
+            continue
+        uuid = line[: -len(".npy")] if line.endswith(".npy") else line
+        if "/" in uuid or "\0" in uuid or uuid in (".", ".."):
+            raise ValueError(f"line {number}: {line!r} is not a uuid (one file name, no '/')")
+        uuids.append(uuid)
     return uuids
 
 
@@ -68,6 +78,10 @@ def warm(
                 report.store_full = error.strerror or str(error)
                 pool.shutdown(wait=True, cancel_futures=True)
                 break
+            elif error.errno in _DAEMON_GONE:
+                report.daemon_gone = error.strerror or str(error)
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
             else:
                 report.failed[uuid] = error.strerror or str(error)
             bar.update(1)
@@ -82,6 +96,7 @@ def warm(
 
 
 _STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})
+_DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
 
 
 def _touch(path: Path) -> OSError | None:
