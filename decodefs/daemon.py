@@ -45,18 +45,19 @@ __all__ = [
     "prepare_mountpoint",
     "serve",
     "spawn",
+    "store_warning",
     "unmount",
 ]
 
 log = logging.getLogger(__name__)
 
-_PROBE_TIMEOUT: Final = 5.0
+PROBE_TIMEOUT: Final = 5.0
 # After SIGTERM, how long readers holding an open file are still served.
 SHUTDOWN_GRACE: Final = 10.0
 
 
 class MountError(Exception):
-    """A mount point problem the user must resolve (already mounted, not a directory)."""
+    """A mount point problem the user must resolve (already mounted, not a directory, not empty)."""
 
 
 def find_mount(mountpoint: str | os.PathLike[str]) -> MountInfo | None:
@@ -84,7 +85,7 @@ def probe(mountpoint: str) -> str:
     # A daemon thread: a hung mount may never answer, and must not hold up exit.
     thread = threading.Thread(target=call, name="mount-probe", daemon=True)
     thread.start()
-    thread.join(_PROBE_TIMEOUT)
+    thread.join(PROBE_TIMEOUT)
     if not outcome:
         return "hung"
     error = outcome[0]
@@ -95,8 +96,13 @@ def probe(mountpoint: str) -> str:
     return "live"
 
 
-def prepare_mountpoint(mountpoint: str) -> None:
-    """Make ``mountpoint`` ready to mount on: clear a dead decodefs mount, refuse a live one."""
+def prepare_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
+    """Make ``mountpoint`` ready to mount on: clear a dead decodefs mount, refuse a live one.
+
+    A directory with files in it is refused too, unless ``nonempty``: the
+    mount would hide them. A dead mount is cleared first, so it never counts
+    as files.
+    """
     info = find_mount(mountpoint)
     if info is not None:
         state = probe(mountpoint) if info.fstype.startswith("fuse") else "live"
@@ -120,6 +126,17 @@ def prepare_mountpoint(mountpoint: str) -> None:
             )
     if not os.path.isdir(mountpoint):
         raise MountError(f"mount point {mountpoint} is not a directory (create it first)")
+    if not nonempty:
+        try:
+            with os.scandir(mountpoint) as entries:
+                first = next(entries, None)
+        except OSError as exc:
+            raise MountError(f"mount point {mountpoint} cannot be listed: {exc.strerror}") from None
+        if first is not None:
+            raise MountError(
+                f"mount point {mountpoint} is not empty (it holds {first.name!r}); the mount "
+                "would hide its files: empty it, or pass --nonempty to mount over them"
+            )
 
 
 def clear_stale(mountpoint: str) -> bool:
@@ -136,11 +153,17 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
     """Unmount and wait for the daemon to exit (it releases the store lock).
 
     A lazy unmount returns at once: the daemon keeps serving files that are
-    still open and exits when the last one is closed.
+    still open and exits when the last one is closed. Only a decodefs mount
+    is touched.
     """
     info = find_mount(mountpoint)
     if info is None:
         raise MountError(f"{mountpoint} is not mounted")
+    if info.fstype != f"fuse.{FS_NAME}":
+        raise MountError(
+            f"{mountpoint} is not a decodefs mount (it is {info.fstype} from {info.source}); "
+            "decodefs leaves it alone"
+        )
     pid = _daemon_pid(mountpoint) if info.fstype == f"fuse.{FS_NAME}" and not lazy else None
     command = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -158,11 +181,19 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
             time.sleep(0.05)
 
 
-def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None = None) -> None:
+def serve(
+    config: Config,
+    mountpoint: str,
+    on_ready: Callable[[], None] | None = None,
+    nonempty: bool = False,
+) -> None:
     """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly."""
     mountpoint = os.path.abspath(mountpoint)
     notifier = ServiceNotifier.from_environment()
-    prepare_mountpoint(mountpoint)
+    prepare_mountpoint(mountpoint, nonempty)
+    warning = store_warning(config)
+    if warning is not None:
+        log.warning("%s", warning)
     quiet_pillow_warnings()
     _raise_open_file_limit()
     store = Store(
@@ -321,13 +352,23 @@ async def _feed_watchdog(mountpoint: str, notifier: ServiceNotifier, interval: f
         await trio.sleep(interval)
 
 
-def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | None) -> int:
+def spawn(
+    config_path: Path,
+    mountpoint: str,
+    log_file: Path,
+    log_level: str | None,
+    nonempty: bool = False,
+) -> int:
     """Start a detached daemon and return its pid once the mount is live.
 
     The child reports readiness through a pipe; if it exits first, the tail of
     its log explains why and MountError carries it.
     """
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_stream = open(log_file, "ab")  # noqa: SIM115 - closed below, once the child has it
+    except OSError as exc:
+        raise MountError(f"log file {log_file} cannot be written: {exc.strerror}") from None
     read_end, write_end = os.pipe()
     command = [
         sys.executable, "-m", "decodefs", "mount", mountpoint,
@@ -335,7 +376,9 @@ def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | N
     ]  # fmt: skip
     if log_level:
         command += ["--log-level", log_level]
-    with open(log_file, "ab") as log_stream:
+    if nonempty:
+        command.append("--nonempty")
+    with log_stream:
         child = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -352,8 +395,40 @@ def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | N
     code = child.wait()
     if message.startswith(b"error: "):
         raise MountError(message[len(b"error: ") :].decode(errors="replace"))
+    tail = "\n".join(f"    {line}" for line in _tail(log_file).splitlines())
     raise MountError(
-        f"daemon exited with status {code} before the mount was live:\n{_tail(log_file)}"
+        f"daemon exited with status {code} before the mount was live; {log_file} ends:\n{tail}"
+    )
+
+
+def store_warning(config: Config) -> str | None:
+    """Why the store will fail open from the start (read-only, full, cannot be created), or None.
+
+    Not an error: the daemon then serves every array the store lacks from
+    memory, but the user should hear of it when mounting, not in a log.
+    """
+    existing = config.store
+    while not os.path.isdir(existing) and existing != existing.parent:
+        existing = existing.parent
+    try:
+        vfs = os.statvfs(existing)
+    except OSError:
+        return None  # cannot tell; the daemon logs what it finds
+    smallest = min((s for v in config.versions.values() for s in v.sizes), default=config.min_size)
+    if vfs.f_flag & os.ST_RDONLY:
+        reason = "is on a read-only filesystem"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = "is not writable by this user"
+    elif vfs.f_bavail * vfs.f_frsize < 3 * smallest * smallest or vfs.f_favail == 0:
+        reason = "is on a full filesystem"
+    else:
+        return None
+    where = f"store {config.store}"
+    if existing != config.store:
+        where += f" cannot be created: {existing}"
+    return (
+        f"{where} {reason}; arrays not already stored will be decoded and served "
+        "from memory (memory_cache_bytes)"
     )
 
 

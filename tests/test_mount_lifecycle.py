@@ -164,7 +164,7 @@ def test_user_errors_are_one_line(tmp_path: Path, photos_dir: Path, mountpoint: 
         (("mount", tmp_path / "absent", "--config", config), "mount point"),
         (("mount", mountpoint, "--config", tmp_path / "absent.toml"), "no such config file"),
         (("umount", mountpoint), "is not mounted"),
-        (("stats", mountpoint), "is decodefs mounted there?"),
+        (("stats", mountpoint), "is not a decodefs mount"),
     ]
     for args, message in cases:
         result = decodefs(*args)
