@@ -361,7 +361,8 @@ def _live_mount(path: Path) -> Path:
         raise _daemon_gone(path, "transport endpoint is not connected")
     if state == "hung":
         raise UsageError(
-            f"the decodefs daemon of {path} does not answer (waited {PROBE_TIMEOUT:.0f} s)"
+            f"the decodefs daemon of {path} does not answer (waited {PROBE_TIMEOUT:.0f} s); "
+            "`kill -USR1` its pid to log where it is stuck"
         )
     return path
 

@@ -2,13 +2,16 @@
 
 ``serve`` runs a mount in this process until it is unmounted or signalled;
 ``spawn`` starts ``serve`` in a detached child and returns once the mount is
-live. This module wires the layers together; it holds no caching policy.
+live. SIGUSR1 makes a running daemon log every thread's stack and its trio
+task tree, for a daemon that seems stuck. This module wires the layers
+together; it holds no caching policy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import json
 import logging
 import os
@@ -19,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -188,6 +191,13 @@ def serve(
     nonempty: bool = False,
 ) -> None:
     """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly."""
+    with _stacks_on_sigusr1():
+        _serve_mount(config, mountpoint, on_ready, nonempty)
+
+
+def _serve_mount(
+    config: Config, mountpoint: str, on_ready: Callable[[], None] | None, nonempty: bool
+) -> None:
     mountpoint = os.path.abspath(mountpoint)
     notifier = ServiceNotifier.from_environment()
     prepare_mountpoint(mountpoint, nonempty)
@@ -259,6 +269,7 @@ async def _serve(
 ) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier)
+        nursery.start_soon(_dump_on_sigusr1)
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
         if access_socket is not None:
@@ -318,6 +329,78 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNot
         await trio.sleep(SHUTDOWN_GRACE)
         log.warning("files still open after %.0f s; stopping anyway", SHUTDOWN_GRACE)
     fuse.stop()
+
+
+@contextlib.contextmanager
+def _stacks_on_sigusr1() -> Iterator[None]:
+    """SIGUSR1 dumps every thread's stack, for the whole life of ``serve``.
+
+    faulthandler answers it from its C signal handler, which works even while
+    the main thread is stuck in a system call or a C library holding the GIL:
+    a stuck daemon still shows where it is stuck. While the trio loop runs,
+    _dump_on_sigusr1 chains trio's handler behind it to add the task tree.
+    SIG_IGN underneath means the signal never kills the daemon in the instant
+    one handler hands over to the other.
+    """
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    try:
+        yield
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, previous)
+
+
+async def _dump_on_sigusr1() -> None:
+    """SIGUSR1 in the loop: faulthandler dumps the threads' stacks at once, then this
+    task logs the trio task tree (when the loop gets to it: not if the loop is stuck)."""
+    # trio restores the handler it replaced when the receiver closes, and that
+    # must be a Python-level one, which faulthandler's is not: so faulthandler
+    # steps aside (to SIG_IGN) while trio installs its handler, then registers
+    # again in front of it, chaining to it.
+    faulthandler.unregister(signal.SIGUSR1)
+    try:
+        with trio.open_signal_receiver(signal.SIGUSR1) as signals:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+            try:
+                async for _ in signals:
+                    log.warning(
+                        "SIGUSR1: the stacks of %d threads are above; the trio tasks:\n%s",
+                        threading.active_count(),
+                        "\n".join(_task_tree()),
+                    )
+            finally:
+                faulthandler.unregister(signal.SIGUSR1)
+    finally:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
+def _task_tree() -> list[str]:
+    """One line per trio task, indented by nesting: its name and where it waits.
+
+    Where = the innermost frame of its await chain outside trio itself (the
+    line of our code, or pyfuse3's, that awaits), else the innermost one.
+    """
+    trio_dir = os.path.dirname(trio.__file__) + os.sep
+    lines: list[str] = []
+
+    def walk(task: trio.lowlevel.Task, depth: int) -> None:
+        frames = list(task.iter_await_frames())
+        ours = [f for f in frames if not f[0].f_code.co_filename.startswith(trio_dir)]
+        where = ""
+        if frames:
+            frame, lineno = (ours or frames)[-1]
+            code = frame.f_code
+            where = f" at {code.co_filename}:{lineno} in {code.co_name}"
+        lines.append(f"{'  ' * depth}task {task.name}{where}")
+        for nursery in task.child_nurseries:
+            for child in sorted(nursery.child_tasks, key=lambda t: t.name):
+                walk(child, depth + 1)
+
+    root = trio.lowlevel.current_root_task()
+    if root is not None:
+        walk(root, 0)
+    return lines
 
 
 async def _once_live(
