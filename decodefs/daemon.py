@@ -365,8 +365,7 @@ async def _dump_on_sigusr1() -> None:
             try:
                 async for _ in signals:
                     log.warning(
-                        "SIGUSR1: the stacks of %d threads are above; the trio tasks:\n%s",
-                        threading.active_count(),
+                        "SIGUSR1: every thread's stack is above; the trio tasks:\n%s",
                         "\n".join(_task_tree()),
                     )
             finally:
