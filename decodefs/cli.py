@@ -212,10 +212,17 @@ def _mount(args: argparse.Namespace) -> int:
 
 
 def _umount(args: argparse.Namespace) -> int:
-    from .daemon import clear_stale, unmount
+    from .daemon import clear_stale, find_mount, unmount
+    from .protocol import FS_TYPE
 
     configured = load_config(args.config).mountpoint if args.mountpoint is None else None
     mountpoint = _mountpoint(args.mountpoint, configured)
+    info = find_mount(mountpoint)
+    if info is not None and info.fstype != FS_TYPE and not args.if_stale:
+        raise UsageError(
+            f"{mountpoint} is not a decodefs mount (it is {info.fstype} from {info.source}); "
+            "decodefs leaves it alone"
+        )
     if args.if_stale:
         logging.basicConfig(level=logging.INFO, format="decodefs: %(message)s", stream=sys.stderr)
         clear_stale(mountpoint)
@@ -268,16 +275,16 @@ def _warm(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from .decode import decoder_fingerprint
-    from .verify import recorded_digests, require_store, verify_store
+    from .verify import recorded_digests, verify_store
 
     if args.target.is_dir():
         root = args.target
-        require_store(root)
+        _require_store(root)
         digests = recorded_digests(root)
     else:
         config = load_config(args.target)
         root = config.store
-        require_store(root, f"the store of {args.target}")
+        _require_store(root, f"the store of {args.target}")
         digests = {n: decoder_fingerprint(v.decode).digest for n, v in config.versions.items()}
     report = verify_store(root, digests, remove=args.remove, progress=sys.stderr.isatty())
     for path, reason in sorted(report.bad.items())[:50]:
@@ -296,6 +303,19 @@ def _verify(args: argparse.Namespace) -> int:
 
 class UsageError(Exception):
     """A command-line mistake the user can fix (printed as one line)."""
+
+
+def _require_store(root: Path, what: str = "") -> None:
+    """A UsageError unless ``root`` is a store a daemon has used (it has the format marker)."""
+    from .protocol import STORE_MARKER
+
+    name = f"{what} ({root})" if what else str(root)
+    if not root.exists():
+        raise UsageError(f"{name} does not exist (no daemon has used it yet)")
+    if not root.is_dir():
+        raise UsageError(f"{name} is not a directory")
+    if not (root / STORE_MARKER).is_file():
+        raise UsageError(f"{name} is not a decodefs store (it has no {STORE_MARKER} file)")
 
 
 def _mountpoint(given: Path | None, configured: Path | None) -> str:
@@ -532,9 +552,8 @@ def _is_user_error(exc: BaseException) -> bool:
     from .daemon import MountError
     from .source import SourceError
     from .store import StoreError
-    from .verify import StoreBusy, VerifyError
+    from .verify import StoreBusy
 
     return isinstance(
-        exc,
-        ConfigError | MountError | SourceError | StoreError | UsageError | StoreBusy | VerifyError,
+        exc, ConfigError | MountError | SourceError | StoreError | UsageError | StoreBusy
     )

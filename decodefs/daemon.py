@@ -156,17 +156,11 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
     """Unmount and wait for the daemon to exit (it releases the store lock).
 
     A lazy unmount returns at once: the daemon keeps serving files that are
-    still open and exits when the last one is closed. Only a decodefs mount
-    is touched.
+    still open and exits when the last one is closed.
     """
     info = find_mount(mountpoint)
     if info is None:
         raise MountError(f"{mountpoint} is not mounted")
-    if info.fstype != f"fuse.{FS_NAME}":
-        raise MountError(
-            f"{mountpoint} is not a decodefs mount (it is {info.fstype} from {info.source}); "
-            "decodefs leaves it alone"
-        )
     pid = _daemon_pid(mountpoint) if info.fstype == f"fuse.{FS_NAME}" and not lazy else None
     command = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
     result = subprocess.run(command, capture_output=True, text=True, check=False)

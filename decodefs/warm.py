@@ -4,10 +4,9 @@ Each entry is opened with O_NONBLOCK and closed without being read. The
 daemon takes that as a warm request: it decodes and stores the array on open
 (single-flight and accounting hold) on its low-priority threads, so training
 readers go first, and it never evicts for it: a full store answers EDQUOT
-(or ENOSPC, EROFS) and the warm stops; so does a daemon that is gone
-(ENOTCONN, ECONNABORTED). No data lands in this process or the page cache.
-Entries already stored cost one open, so an interrupted warm resumes when
-run again.
+(or ENOSPC, EROFS) and the warm stops. No data lands in this process or the
+page cache. Entries already stored cost one open, so an interrupted warm
+resumes when run again.
 """
 
 from __future__ import annotations
@@ -23,6 +22,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 __all__ = ["WarmReport", "read_uuid_list", "warm"]
+
+# The daemon is gone (killed, or its connection aborted): the warm stops too.
+_DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
 
 
 @dataclass
@@ -96,7 +98,6 @@ def warm(
 
 
 _STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})
-_DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
 
 
 def _touch(path: Path) -> OSError | None:
