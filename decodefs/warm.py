@@ -27,6 +27,9 @@ from .protocol import WARM_FLAG
 
 __all__ = ["WarmReport", "read_uuid_list", "warm"]
 
+# The daemon is gone (killed, or its connection aborted): the warm stops too.
+_DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
+
 
 @dataclass
 class WarmReport:
@@ -37,15 +40,24 @@ class WarmReport:
     seconds: float = 0.0
     interrupted: bool = False
     store_full: str | None = None  # why the store stopped taking arrays, if it did
+    daemon_gone: str | None = None  # why the mount stopped answering, if it did
 
 
 def read_uuid_list(path: Path) -> list[str]:
-    """One uuid per line; blank lines and '#' comments skipped; "<uuid>.npy" accepted."""
+    """One uuid per line; blank lines and '#' comments skipped; "<uuid>.npy" accepted.
+
+    Raises OSError or UnicodeDecodeError for a file that cannot be read as
+    UTF-8 text, ValueError naming the first line that cannot be a uuid.
+    """
     uuids = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if line:
-            uuids.append(line[: -len(".npy")] if line.endswith(".npy") else line)
+        if not line:
+            continue
+        uuid = line[: -len(".npy")] if line.endswith(".npy") else line
+        if "/" in uuid or "\0" in uuid or uuid in (".", ".."):
+            raise ValueError(f"line {number}: {line!r} is not a uuid (one file name, no '/')")
+        uuids.append(uuid)
     return uuids
 
 
@@ -86,6 +98,10 @@ def warm(
                 report.missing.append(uuid)
             elif error.errno in _STORE_FULL:
                 report.store_full = error.strerror or str(error)
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
+            elif error.errno in _DAEMON_GONE:
+                report.daemon_gone = error.strerror or str(error)
                 pool.shutdown(wait=True, cancel_futures=True)
                 break
             else:
