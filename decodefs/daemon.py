@@ -275,8 +275,9 @@ async def _serve(
     notifier: ServiceNotifier,
     access_socket: str | None,
 ) -> None:
+    stopping = trio.Event()  # set once a signal asked us to stop
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier)
+        nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier, stopping)
         nursery.start_soon(_dump_on_sigusr1)
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
@@ -285,13 +286,13 @@ async def _serve(
             nursery.start_soon(_receive_direct_hits, engine, access_socket)
         aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
-    if not aborted:
-        return
-    if find_mount(mountpoint) is not None:
-        # Still mounted, so not an unmount: the connection was aborted under us.
+    if find_mount(mountpoint) is not None and not stopping.is_set():
+        # Still mounted, and nobody asked us to stop: not an unmount, so the
+        # connection was aborted under us (libfuse may or may not say so).
         # Fail, so that a service manager restarts the daemon.
         raise ConnectionAbortedError(errno.ECONNABORTED, "the kernel aborted the FUSE connection")
-    log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing was lost")
+    if aborted:
+        log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing lost")
 
 
 async def _receive_direct_hits(engine: Engine, path: str) -> None:
@@ -318,7 +319,9 @@ async def _receive_direct_hits(engine: Engine, path: str) -> None:
                 os.unlink(path)
 
 
-async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNotifier) -> None:
+async def _stop_on_signal(
+    fuse: FuseMount, mountpoint: str, notifier: ServiceNotifier, stopping: trio.Event
+) -> None:
     """SIGTERM/SIGINT: detach at once, let open files finish, then stop.
 
     The lazy unmount takes the mount out of the namespace (no new opens) while
@@ -329,6 +332,7 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNot
         async for signum in signals:
             log.info("%s received; unmounting", signal.Signals(signum).name)
             break
+    stopping.set()
     notifier.notify("STOPPING=1", f"STATUS=unmounting {mountpoint}")
     try:
         await trio.to_thread.run_sync(_lazy_unmount, mountpoint)
