@@ -1,20 +1,26 @@
 """The `decodefs` command: argument parsing, config loading, logging set-up.
 
-User errors (bad config, busy mount point) are one line on stderr and a
-non-zero exit, never a traceback.
+One error model: a user error (bad config, bad file, busy or dead mount
+point) is found before anything is mounted or written, and printed as one
+line per problem starting ``decodefs: error:`` (exit 1; bad arguments exit 2
+through argparse), never as a traceback. Details that follow such a line are
+indented. This module checks what the user named; the work itself is done by
+the modules below it (daemon, warm, verify, sample).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 from . import __version__
 from .config import DEFAULT_CONFIG_PATH, ConfigError, load_config
@@ -35,10 +41,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        if _is_user_error(exc):
-            print(f"decodefs: error: {exc}", file=sys.stderr)
-            return EXIT_ERROR
-        raise
+        if not _is_user_error(exc):
+            raise
+        _print_error(exc)
+        return EXIT_ERROR
+
+
+def _print_error(exc: BaseException) -> None:
+    """``decodefs: error: <line>`` for every line of a user error (a ConfigError has
+    one per problem); indented lines are details of the line above and printed as they are."""
+    for line in str(exc).splitlines() or [type(exc).__name__]:
+        print(line if line[:1].isspace() else f"decodefs: error: {line}", file=sys.stderr)
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (argparse reports anything else, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--mkdir", action="store_true", help="create the mount point if it is missing (systemd)"
     )
+    mount.add_argument(
+        "--nonempty",
+        action="store_true",
+        help="mount over a directory that has files (they are hidden while mounted)",
+    )
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     mount.set_defaults(run=_mount)
 
@@ -95,12 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     warm = commands.add_parser("warm", help="decode and store a version's arrays ahead of training")
     warm.add_argument("mountpoint", type=Path)
     warm.add_argument("version")
-    warm.add_argument("size", type=int)
+    warm.add_argument("size", type=_int_at_least(1))
     warm.add_argument("--uuids", type=Path, help="a file of uuids, one a line (default: all)")
     warm.add_argument(
         "--jobs",
         "-j",
-        type=int,
+        type=_int_at_least(1),
         default=os.cpu_count() or 1,
         help="files in flight (default: cores)",
     )
@@ -124,10 +157,10 @@ def _parser() -> argparse.ArgumentParser:
 
     sample = commands.add_parser("make-sample", help="write a corpus of photo-like sample JPEGs")
     sample.add_argument("directory", type=Path)
-    sample.add_argument("--count", type=int, default=32)
-    sample.add_argument("--width", type=int, default=1600)
-    sample.add_argument("--height", type=int, default=1200)
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--count", type=_int_at_least(0), default=32)
+    sample.add_argument("--width", type=_int_at_least(1), default=1600)
+    sample.add_argument("--height", type=_int_at_least(1), default=1200)
+    sample.add_argument("--seed", type=_int_at_least(0), default=0)
     sample.set_defaults(run=_make_sample)
     return parser
 
@@ -135,18 +168,27 @@ def _parser() -> argparse.ArgumentParser:
 def _mount(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     mountpoint = _mountpoint(args.mountpoint, config.mountpoint)
+    log_file = None
+    if not args.foreground:  # the one thing the daemon cannot report: checked first
+        log_file = args.log_file or _default_log_file(mountpoint)
+        _check_log_file(log_file, "--log-file" if args.log_file else "log file")
     if args.mkdir:
         with contextlib.suppress(OSError):  # a stale mount there is dealt with below
             os.makedirs(mountpoint, exist_ok=True)
     from . import daemon
 
-    if not args.foreground:
+    if log_file is not None:
         logging.basicConfig(
             level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr
         )
-        daemon.prepare_mountpoint(mountpoint)  # fail here, in the user's terminal
-        log_file = args.log_file or _default_log_file(mountpoint)
-        pid = daemon.spawn(args.config.resolve(), mountpoint, log_file, args.log_level)
+        # Fail here, in the user's terminal, before the daemon starts.
+        daemon.prepare_mountpoint(mountpoint, args.nonempty)
+        warning = daemon.store_warning(config)
+        if warning is not None:  # the daemon logs it too, but the user is here
+            print(f"decodefs: warning: {warning}", file=sys.stderr)
+        pid = daemon.spawn(
+            args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty
+        )
         print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
         return 0
 
@@ -161,7 +203,7 @@ def _mount(args: argparse.Namespace) -> int:
             ready_fd = None
 
     try:
-        daemon.serve(config, mountpoint, on_ready)
+        daemon.serve(config, mountpoint, on_ready, args.nonempty)
     except Exception as exc:
         if ready_fd is not None and _is_user_error(exc):
             os.write(ready_fd, f"error: {exc}".encode())  # the parent prints it
@@ -170,10 +212,17 @@ def _mount(args: argparse.Namespace) -> int:
 
 
 def _umount(args: argparse.Namespace) -> int:
-    from .daemon import clear_stale, unmount
+    from .daemon import clear_stale, find_mount, unmount
+    from .protocol import FS_TYPE
 
     configured = load_config(args.config).mountpoint if args.mountpoint is None else None
     mountpoint = _mountpoint(args.mountpoint, configured)
+    info = find_mount(mountpoint)
+    if info is not None and info.fstype != FS_TYPE and not args.if_stale:
+        raise UsageError(
+            f"{mountpoint} is not a decodefs mount (it is {info.fstype} from {info.source}); "
+            "decodefs leaves it alone"
+        )
     if args.if_stale:
         logging.basicConfig(level=logging.INFO, format="decodefs: %(message)s", stream=sys.stderr)
         clear_stale(mountpoint)
@@ -183,20 +232,24 @@ def _umount(args: argparse.Namespace) -> int:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from .warm import read_uuid_list, warm
+    from .warm import warm
 
-    directory = args.mountpoint / args.version / str(args.size)
-    if not directory.is_dir():
-        raise UsageError(f"{directory} does not exist (is decodefs mounted, with that version?)")
-    uuids = read_uuid_list(args.uuids) if args.uuids else None
+    uuids = _read_uuids(args.uuids) if args.uuids else None
+    directory = _version_size_dir(_live_mount(args.mountpoint), args.version, args.size)
     before = _read_stats(args.mountpoint)
-    report = warm(
-        directory,
-        uuids,
-        max(1, args.jobs),
-        progress=sys.stderr.isatty(),
-        refusals=lambda: _counter(_read_stats(args.mountpoint), "warm_not_stored"),
-    )
+    try:
+        report = warm(
+            directory,
+            uuids,
+            args.jobs,
+            progress=sys.stderr.isatty(),
+            refusals=lambda: _counter(_read_stats(args.mountpoint), "warm_not_stored"),
+        )
+    except OSError as exc:  # listing the size directory
+        raise _mount_failure(args.mountpoint, exc) from None
+    if report.daemon_gone:
+        progress = f"after {report.done:,} of {report.total:,} arrays"
+        raise _daemon_gone(args.mountpoint, report.daemon_gone, progress)
     after = _read_stats(args.mountpoint)
     decoded = _counter(after, "decodes") - _counter(before, "decodes")
     rate = report.done / report.seconds if report.seconds else 0.0
@@ -232,13 +285,13 @@ def _verify(args: argparse.Namespace) -> int:
 
     if args.target.is_dir():
         root = args.target
+        _require_store(root)
         digests = recorded_digests(root)
     else:
         config = load_config(args.target)
         root = config.store
+        _require_store(root, f"the store of {args.target}")
         digests = {n: decoder_fingerprint(v.decode).digest for n, v in config.versions.items()}
-    if not root.is_dir():
-        raise UsageError(f"{root} is not a store directory")
     report = verify_store(root, digests, remove=args.remove, progress=sys.stderr.isatty())
     for path, reason in sorted(report.bad.items())[:50]:
         print(f"{path}: {reason}")
@@ -251,11 +304,24 @@ def _verify(args: argparse.Namespace) -> int:
         f"decodefs: checked {report.checked:,} entries of {versions}: "
         f"{report.ok:,} ok, {corrupt:,} corrupt, {report.stale:,} stale{action}"
     )
-    return EXIT_ERROR if report.bad and not args.remove else 0
+    return EXIT_ERROR if len(report.bad) > report.removed else 0
 
 
 class UsageError(Exception):
     """A command-line mistake the user can fix (printed as one line)."""
+
+
+def _require_store(root: Path, what: str = "") -> None:
+    """A UsageError unless ``root`` is a store a daemon has used (it has the format marker)."""
+    from .protocol import STORE_MARKER
+
+    name = f"{what} ({root})" if what else str(root)
+    if not root.exists():
+        raise UsageError(f"{name} does not exist (no daemon has used it yet)")
+    if not root.is_dir():
+        raise UsageError(f"{name} is not a directory")
+    if not (root / STORE_MARKER).is_file():
+        raise UsageError(f"{name} is not a decodefs store (it has no {STORE_MARKER} file)")
 
 
 def _mountpoint(given: Path | None, configured: Path | None) -> str:
@@ -264,9 +330,116 @@ def _mountpoint(given: Path | None, configured: Path | None) -> str:
     return os.path.abspath(given if given is not None else configured)  # type: ignore[arg-type]
 
 
-def _read_stats(mountpoint: Path) -> dict[str, object]:
+def _check_log_file(path: Path, what: str) -> None:
+    """The daemon will be able to create or append to its log; checked without writing."""
+    if path.is_dir():
+        raise UsageError(f"{what} {path} cannot be written: Is a directory")
+    existing = path if path.exists() else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the directories below it are created
+    if existing != path and not existing.is_dir():
+        raise UsageError(f"{what} {path} cannot be written: Not a directory ({existing})")
+    needs = os.W_OK if existing == path else os.W_OK | os.X_OK
+    if not os.access(existing, needs, effective_ids=os.access in os.supports_effective_ids):
+        reason = "Read-only file system" if _read_only(existing) else "Permission denied"
+        where = "" if existing == path else f" ({existing})"
+        raise UsageError(f"{what} {path} cannot be written: {reason}{where}")
+
+
+def _read_only(path: Path) -> bool:
     try:
-        data = json.loads((mountpoint / ".decodefs" / "stats.json").read_bytes())
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _read_uuids(path: Path) -> list[str]:
+    from .warm import read_uuid_list
+
+    try:
+        return read_uuid_list(path)
+    except IsADirectoryError:
+        raise UsageError(f"--uuids {path}: is a directory, not a file of uuids") from None
+    except OSError as exc:
+        raise UsageError(f"--uuids {path}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--uuids {path}: byte {exc.start} is not UTF-8 text") from None
+    except ValueError as exc:
+        raise UsageError(f"--uuids {path}: {exc}") from None
+
+
+def _live_mount(path: Path) -> Path:
+    """``path`` if a live decodefs daemon serves it; else a UsageError that says what it is."""
+    from .daemon import PROBE_TIMEOUT, find_mount, probe
+    from .protocol import FS_TYPE
+
+    real = os.path.realpath(path)  # the mount table holds real paths
+    info = find_mount(real)
+    if info is None:
+        raise UsageError(f"{path} is not a decodefs mount (nothing is mounted there)")
+    if info.fstype != FS_TYPE:
+        raise UsageError(f"{path} is not a decodefs mount (it is {info.fstype})")
+    try:
+        state = probe(real)
+    except OSError as exc:
+        raise _mount_failure(path, exc) from None
+    if state == "stale":
+        raise _daemon_gone(path, "transport endpoint is not connected")
+    if state == "hung":
+        raise UsageError(
+            f"the decodefs daemon of {path} does not answer (waited {PROBE_TIMEOUT:.0f} s); "
+            "`kill -USR1` its pid to log where it is stuck"
+        )
+    return path
+
+
+_GONE: Final = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
+
+
+def _daemon_gone(mountpoint: Path, reason: str, progress: str = "") -> UsageError:
+    return UsageError(
+        f"the decodefs daemon of {mountpoint} is gone ({reason.lower()})"
+        f"{' ' + progress if progress else ''}; "
+        "run `decodefs mount` again (it clears the dead mount)"
+    )
+
+
+def _mount_failure(mountpoint: Path, exc: OSError) -> UsageError:
+    if exc.errno in _GONE:
+        return _daemon_gone(mountpoint, exc.strerror or str(exc))
+    return UsageError(f"cannot read {exc.filename or mountpoint}: {exc.strerror or exc}")
+
+
+def _version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
+    """``<mountpoint>/<version>/<size>``, or a UsageError naming what the mount lacks."""
+    try:
+        versions = sorted(n for n in os.listdir(mountpoint) if not n.startswith("."))
+    except OSError as exc:
+        raise _mount_failure(mountpoint, exc) from None
+    if version not in versions:
+        raise UsageError(
+            f"{mountpoint} has no version {version!r} (it has: {', '.join(versions) or 'none'})"
+        )
+    directory = mountpoint / version / str(size)
+    try:
+        os.stat(directory)
+    except FileNotFoundError:
+        bounds = _read_status(mountpoint, "config.json")
+        low, high = bounds.get("min_size"), bounds.get("max_size")
+        served = f" (it serves sizes {low} to {high})" if low and high else ""
+        raise UsageError(f"{mountpoint} serves no size {size} of {version}{served}") from None
+    except OSError as exc:
+        raise _mount_failure(mountpoint, exc) from None
+    return directory
+
+
+def _read_stats(mountpoint: Path) -> dict[str, object]:
+    return _read_status(mountpoint, "stats.json")
+
+
+def _read_status(mountpoint: Path, name: str) -> dict[str, object]:
+    try:
+        data = json.loads((mountpoint / ".decodefs" / name).read_bytes())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -279,19 +452,18 @@ def _counter(stats: dict[str, object], key: str) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    path = args.mountpoint / ".decodefs" / "stats.json"
+    path = _live_mount(args.mountpoint) / ".decodefs" / "stats.json"
     try:
         raw = path.read_bytes()
+        stats = json.loads(raw)
     except OSError as exc:
-        print(
-            f"decodefs: error: cannot read {path}: {exc.strerror} (is decodefs mounted there?)",
-            file=sys.stderr,
-        )
-        return EXIT_ERROR
+        raise _mount_failure(args.mountpoint, exc) from None
+    except ValueError as exc:
+        raise UsageError(f"{path} is not JSON ({exc}); is this decodefs?") from None
     if args.json:
         sys.stdout.write(raw.decode())
         return 0
-    print(format_stats(json.loads(raw)))
+    print(format_stats(stats if isinstance(stats, dict) else {}))
     return 0
 
 
@@ -339,7 +511,19 @@ def format_stats(stats: dict[str, object]) -> str:
 def _make_sample(args: argparse.Namespace) -> int:
     from .sample import make_sample_corpus
 
-    paths = make_sample_corpus(args.directory, args.count, args.width, args.height, args.seed)
+    directory: Path = args.directory
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory} is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        paths = make_sample_corpus(directory, args.count, args.width, args.height, args.seed)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and exc.filename != str(directory) else ""
+        raise UsageError(
+            f"cannot write sample images to {directory}: {exc.strerror}{where}"
+        ) from None
     print(
         f"decodefs: {len(paths)} sample JPEGs ({args.width}x{args.height}) under {args.directory}"
     )

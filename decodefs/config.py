@@ -1,7 +1,8 @@
 """The TOML config: parsed, defaulted and validated in one place.
 
-Every mistake is a ConfigError whose message names the offending key, raised
-before anything is mounted. This module knows nothing of FUSE or the store.
+Every mistake is found, not just the first: one ConfigError carries them all,
+each naming the file and the offending key, raised before anything is mounted.
+This module knows nothing of FUSE or the store's layout.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import difflib
 import math
 import os
 import re
+import stat
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, TypeVar, cast
 
 from .decode import DEFAULT_MAX_PIXELS, FITS, RESAMPLE_FILTERS, DecodeSettings
 
@@ -44,8 +46,18 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 UnlistedSizes = Literal["owner", "everyone"]
 
 
+T = TypeVar("T")
+
+
 class ConfigError(Exception):
-    """A config problem a user can fix; the message names the key."""
+    """Config problems a user can fix; each names the key (and the file, once loaded).
+
+    ``problems`` holds one line per mistake; ``str()`` joins them with newlines.
+    """
+
+    def __init__(self, *problems: str) -> None:
+        self.problems: tuple[str, ...] = problems
+        super().__init__("\n".join(problems))
 
 
 @dataclass(frozen=True)
@@ -123,13 +135,21 @@ class Config:
 
 
 def load_config(path: Path) -> Config:
-    """Read and validate a config file; raise ConfigError naming the problem."""
+    """Read and validate a config file; raise ConfigError naming every problem."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not a TOML config: byte {exc.start} is not UTF-8 text"
+        ) from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -139,11 +159,12 @@ def load_config(path: Path) -> Config:
 
 def parse_config(raw: Mapping[str, Any], base_dir: Path, path: Path | None = None) -> Config:
     """Validate an already-parsed TOML table. Relative paths are taken from base_dir."""
-    where = f"{path}: " if path else ""
-    try:
-        return _Parser(base_dir).config(raw, path)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}{exc}") from None
+    parser = _Parser(base_dir)
+    config = parser.config(raw, path)
+    if parser.problems or config is None:
+        where = f"{path}: " if path else ""
+        raise ConfigError(*(f"{where}{problem}" for problem in parser.problems))
+    return config
 
 
 def parse_byte_size(value: object) -> int:
@@ -195,79 +216,147 @@ _VERSION_KEYS: Final = (
 
 
 class _Parser:
+    """Checks every key, recording each mistake in ``problems`` and going on.
+
+    A check that fails yields a stand-in value (the default) so that the keys
+    after it are still checked; the stand-ins are never used, because a parse
+    with problems raises.
+    """
+
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
+        self.problems: list[str] = []
 
-    def config(self, raw: Mapping[str, Any], path: Path | None) -> Config:
-        _reject_unknown(raw, _TOP_KEYS, prefix="")
-        if "store" not in raw:
-            raise ConfigError("store: missing (the directory on flash where arrays are kept)")
+    def check(self, compute: Callable[[], T], fallback: T) -> T:
+        try:
+            return compute()
+        except ConfigError as exc:
+            self.problems.extend(exc.problems)
+            return fallback
+
+    def config(self, raw: Mapping[str, Any], path: Path | None) -> Config | None:
+        self.reject_unknown(raw, _TOP_KEYS, prefix="")
         defaults = Config(store=Path(), versions={})
-        store = self.path(raw["store"], "store")
-        min_size = self.integer(raw, "min_size", defaults.min_size, low=1, high=SIZE_LIMIT)
-        max_size = self.integer(raw, "max_size", defaults.max_size, low=1, high=SIZE_LIMIT)
-        if min_size > max_size:
-            raise ConfigError(f"min_size: {min_size} is larger than max_size ({max_size})")
-        default_sizes = self.sizes(raw.get("sizes", [224]), "sizes", min_size, max_size)
+        store: Path | None = None
+        if "store" not in raw:
+            self.problems.append("store: missing (the directory on flash where arrays are kept)")
+        else:
+            store = self.check(lambda: self.store(raw["store"]), None)
+        min_size = self.check(
+            lambda: self.integer(raw, "min_size", defaults.min_size, low=1, high=SIZE_LIMIT),
+            None,
+        )
+        max_size = self.check(
+            lambda: self.integer(raw, "max_size", defaults.max_size, low=1, high=SIZE_LIMIT),
+            None,
+        )
+        if min_size is not None and max_size is not None and min_size > max_size:
+            self.problems.append(f"min_size: {min_size} is larger than max_size ({max_size})")
+            min_size = max_size = None
+        # Without usable bounds, sizes are checked against the widest ones
+        # (no follow-on complaint about a bound that is itself the mistake).
+        low = 1 if min_size is None else min_size
+        high = SIZE_LIMIT if max_size is None else max_size
+        default_sizes = self.sizes(raw.get("sizes", [224]), "sizes", low, high)
 
         versions_raw = raw.get("versions")
+        versions: dict[str, VersionConfig] = {}
         if not isinstance(versions_raw, Mapping) or not versions_raw:
-            raise ConfigError(
+            self.problems.append(
                 "versions: missing; add at least one [versions.<name>] table with a source"
             )
-        versions = {
-            name: self.version(name, table, default_sizes, min_size, max_size)
-            for name, table in versions_raw.items()
-        }
-        log_level = self.choice(
-            raw, "log_level", defaults.log_level, ("debug", "info", "warning", "error")
+        else:
+            for name, table in versions_raw.items():
+                version = self.version(name, table, default_sizes, low, high)
+                if version is not None:
+                    versions[name] = version
+        log_level: str = self.check(
+            lambda: self.choice(
+                raw, "log_level", defaults.log_level, ("debug", "info", "warning", "error")
+            ),
+            str(defaults.log_level),
         )
         max_store_bytes = None
         if "max_store_bytes" in raw:
-            max_store_bytes = self.byte_size(raw, "max_store_bytes", 0)
-            if max_store_bytes <= 0:
-                raise ConfigError("max_store_bytes: must be positive (leave it out for no limit)")
+            max_store_bytes = self.check(lambda: self.byte_size(raw, "max_store_bytes", 0), None)
+            if max_store_bytes is not None and max_store_bytes <= 0:
+                self.problems.append(
+                    "max_store_bytes: must be positive (leave it out for no limit)"
+                )
         min_free_fraction: float | None = defaults.min_free_fraction
         if "min_free_fraction" in raw:
-            min_free_fraction = self.number(raw, "min_free_fraction", 0.0) or None
+            fraction = self.check(lambda: self.number(raw, "min_free_fraction", 0.0), None)
+            min_free_fraction = fraction or None
             if min_free_fraction is not None and not 0 < min_free_fraction < 1:
-                raise ConfigError(
+                self.problems.append(
                     f"min_free_fraction: {min_free_fraction} is not between 0 and 1 "
                     "(e.g. 0.1; 0 for no such limit)"
                 )
+        mountpoint = None
+        if "mountpoint" in raw:
+            mountpoint = self.check(lambda: self.path(raw["mountpoint"], "mountpoint"), None)
+        allow_other = self.check(lambda: self.boolean(raw, "allow_other", False, None), False)
+        decode_workers = self.check(
+            lambda: self.integer(raw, "decode_workers", defaults.decode_workers, low=1, high=256),
+            defaults.decode_workers,
+        )
+        io_workers = self.check(
+            lambda: self.integer(raw, "io_workers", defaults.io_workers, low=1, high=256),
+            defaults.io_workers,
+        )
+        memory_cache_bytes = self.check(
+            lambda: self.byte_size(raw, "memory_cache_bytes", defaults.memory_cache_bytes),
+            defaults.memory_cache_bytes,
+        )
+        decode_memory_bytes = self.check(
+            lambda: self.byte_size(raw, "decode_memory_bytes", defaults.decode_memory_bytes),
+            defaults.decode_memory_bytes,
+        )
+        unlisted_sizes = self.check(
+            lambda: self.choice(
+                raw, "unlisted_sizes", defaults.unlisted_sizes, ("owner", "everyone")
+            ),
+            str(defaults.unlisted_sizes),
+        )
+        # Pillow's Image.open refuses more than twice its default on its own.
+        max_pixels = self.check(
+            lambda: self.integer(
+                raw, "max_pixels", defaults.max_pixels, low=1, high=2 * DEFAULT_MAX_PIXELS
+            ),
+            defaults.max_pixels,
+        )
+        error_cache_seconds = self.check(
+            lambda: self.number(raw, "error_cache_seconds", defaults.error_cache_seconds),
+            defaults.error_cache_seconds,
+        )
+        if self.problems or store is None:
+            return None
         return Config(
             store=store,
             versions=versions,
             path=path,
-            mountpoint=self.path(raw["mountpoint"], "mountpoint") if "mountpoint" in raw else None,
-            allow_other=self.boolean(raw, "allow_other", False, None),
+            mountpoint=mountpoint,
+            allow_other=allow_other,
             max_store_bytes=max_store_bytes,
             min_free_fraction=min_free_fraction,
-            min_size=min_size,
-            max_size=max_size,
-            decode_workers=self.integer(
-                raw, "decode_workers", defaults.decode_workers, low=1, high=256
-            ),
-            io_workers=self.integer(raw, "io_workers", defaults.io_workers, low=1, high=256),
-            memory_cache_bytes=self.byte_size(
-                raw, "memory_cache_bytes", defaults.memory_cache_bytes
-            ),
-            decode_memory_bytes=self.byte_size(
-                raw, "decode_memory_bytes", defaults.decode_memory_bytes
-            ),
-            unlisted_sizes=cast(
-                UnlistedSizes,
-                self.choice(raw, "unlisted_sizes", defaults.unlisted_sizes, ("owner", "everyone")),
-            ),
-            # Pillow's Image.open refuses more than twice its default on its own.
-            max_pixels=self.integer(
-                raw, "max_pixels", defaults.max_pixels, low=1, high=2 * DEFAULT_MAX_PIXELS
-            ),
-            error_cache_seconds=self.number(
-                raw, "error_cache_seconds", defaults.error_cache_seconds
-            ),
+            min_size=low,
+            max_size=high,
+            decode_workers=decode_workers,
+            io_workers=io_workers,
+            memory_cache_bytes=memory_cache_bytes,
+            decode_memory_bytes=decode_memory_bytes,
+            unlisted_sizes=cast(UnlistedSizes, unlisted_sizes),
+            max_pixels=max_pixels,
+            error_cache_seconds=error_cache_seconds,
             log_level=cast(LogLevel, log_level),
         )
+
+    def store(self, value: object) -> Path:
+        store = self.path(value, "store")
+        reason = _never_a_directory(store)
+        if reason is not None:
+            raise ConfigError(f"store: {store} can never be a directory: {reason}")
+        return store
 
     def version(
         self,
@@ -276,46 +365,67 @@ class _Parser:
         default_sizes: tuple[int, ...],
         min_size: int,
         max_size: int,
-    ) -> VersionConfig:
+    ) -> VersionConfig | None:
         key = f"versions.{name}"
+        before = len(self.problems)
         if not _VERSION_NAME.fullmatch(name):
-            raise ConfigError(
+            self.problems.append(
                 f"{key}: a version name is letters, digits, '_', '.', '+' or '-' "
                 "(at most 128, not starting with '.' or '-')"
             )
         if not isinstance(table, Mapping):
-            raise ConfigError(f"{key}: expected a table such as [versions.{name}]")
-        _reject_unknown(table, _VERSION_KEYS, prefix=f"{key}.")
+            self.problems.append(f"{key}: expected a table such as [versions.{name}]")
+            return None
+        self.reject_unknown(table, _VERSION_KEYS, prefix=f"{key}.")
+        source = None
         if "source" not in table:
-            raise ConfigError(f"{key}.source: missing (the directory of original images)")
-        source = self.path(table["source"], f"{key}.source")
-        if not source.is_dir():
-            raise ConfigError(f"{key}.source: {source} is not a directory")
+            self.problems.append(f"{key}.source: missing (the directory of original images)")
+        else:
+            source = self.check(lambda: self.path(table["source"], f"{key}.source"), None)
+            if source is not None and not source.is_dir():
+                self.problems.append(f"{key}.source: {source} is not a directory")
         sizes = self.sizes(
             table.get("sizes", list(default_sizes)), f"{key}.sizes", min_size, max_size
         )
         defaults = DecodeSettings()
-        decode = DecodeSettings(
-            resample=cast(
-                Any, self.choice(table, "resample", defaults.resample, tuple(RESAMPLE_FILTERS), key)
-            ),
-            fit=cast(Any, self.choice(table, "fit", defaults.fit, FITS, key)),
-            exif_transpose=self.boolean(table, "exif_transpose", defaults.exif_transpose, key),
-            draft=self.boolean(table, "draft", defaults.draft, key),
+        resample: str = self.check(
+            lambda: self.choice(table, "resample", defaults.resample, tuple(RESAMPLE_FILTERS), key),
+            str(defaults.resample),
         )
+        fit: str = self.check(
+            lambda: self.choice(table, "fit", defaults.fit, FITS, key), str(defaults.fit)
+        )
+        exif_transpose = self.check(
+            lambda: self.boolean(table, "exif_transpose", defaults.exif_transpose, key),
+            defaults.exif_transpose,
+        )
+        draft = self.check(lambda: self.boolean(table, "draft", defaults.draft, key), False)
+        extensions = self.extensions(
+            table.get("extensions", list(DEFAULT_EXTENSIONS)), f"{key}.extensions"
+        )
+        duplicates = self.check(
+            lambda: self.choice(table, "duplicates", "error", ("error", "skip"), key), "error"
+        )
+        warm = self.check(lambda: self.boolean(table, "warm", False, key), False)
+        layout = self.check(
+            lambda: self.choice(table, "layout", "uuid", ("uuid", "mirror"), key), "uuid"
+        )
+        if len(self.problems) > before or source is None:
+            return None
         return VersionConfig(
             name=name,
             source=source,
             sizes=sizes,
-            decode=decode,
-            extensions=self.extensions(
-                table.get("extensions", list(DEFAULT_EXTENSIONS)), f"{key}.extensions"
+            decode=DecodeSettings(
+                resample=cast(Any, resample),
+                fit=cast(Any, fit),
+                exif_transpose=exif_transpose,
+                draft=draft,
             ),
-            duplicates=cast(
-                Duplicates, self.choice(table, "duplicates", "error", ("error", "skip"), key)
-            ),
-            warm=self.boolean(table, "warm", False, key),
-            layout=cast(Layout, self.choice(table, "layout", "uuid", ("uuid", "mirror"), key)),
+            extensions=extensions,
+            duplicates=cast(Duplicates, duplicates),
+            warm=warm,
+            layout=cast(Layout, layout),
         )
 
     def path(self, value: object, key: str) -> Path:
@@ -325,28 +435,43 @@ class _Parser:
         return path if path.is_absolute() else (self.base_dir / path)
 
     def sizes(self, value: object, key: str, low: int, high: int) -> tuple[int, ...]:
+        """The valid sizes of the list; every bad item is recorded."""
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list of integers such as [224]")
+            self.problems.append(f"{key}: expected a list of integers such as [224]")
+            return ()
         sizes: list[int] = []
         for i, item in enumerate(value):
             if isinstance(item, bool) or not isinstance(item, int):
-                raise ConfigError(f"{key}[{i}]: expected an integer, got {item!r}")
-            if not low <= item <= high:
-                raise ConfigError(
+                self.problems.append(f"{key}[{i}]: expected an integer, got {item!r}")
+            elif not low <= item <= high:
+                self.problems.append(
                     f"{key}[{i}]: {item} is outside min_size..max_size ({low}..{high})"
                 )
-            sizes.append(item)
+            else:
+                sizes.append(item)
         return tuple(sorted(set(sizes)))
 
     def extensions(self, value: object, key: str) -> frozenset[str]:
+        """The valid extensions of the list; every bad item is recorded."""
         if not isinstance(value, list) or not value:
-            raise ConfigError(f'{key}: expected a non-empty list such as ["jpg", "png"]')
+            self.problems.append(f'{key}: expected a non-empty list such as ["jpg", "png"]')
+            return frozenset()
         result = set()
         for i, item in enumerate(value):
             if not isinstance(item, str) or not re.fullmatch(r"\.?[A-Za-z0-9]+", item):
-                raise ConfigError(f'{key}[{i}]: expected an extension such as "jpg", got {item!r}')
-            result.add(item.lstrip(".").lower())
+                self.problems.append(
+                    f'{key}[{i}]: expected an extension such as "jpg", got {item!r}'
+                )
+            else:
+                result.add(item.lstrip(".").lower())
         return frozenset(result)
+
+    def reject_unknown(self, table: Mapping[str, Any], known: tuple[str, ...], prefix: str) -> None:
+        for key in table:
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+                self.problems.append(f"{prefix}{key}: unknown key{suggestion}")
 
     def integer(
         self, table: Mapping[str, Any], name: str, default: int, *, low: int, high: int
@@ -398,9 +523,21 @@ class _Parser:
         return cast(str, value)
 
 
-def _reject_unknown(table: Mapping[str, Any], known: tuple[str, ...], prefix: str) -> None:
-    for key in table:
-        if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
-            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"{prefix}{key}: unknown key{suggestion}")
+def _never_a_directory(path: Path) -> str | None:
+    """Why ``path`` can never be a directory (its nearest existing part is not one), or None.
+
+    A path that is merely missing, unreadable or unwritable is not refused
+    here: the store is created at start, or the daemon fails open.
+    """
+    for candidate in (path, *path.parents):
+        try:
+            mode = os.stat(candidate).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # a part above it decides
+        except OSError:
+            return None  # cannot tell (permissions, a dead mount): the daemon finds out
+        if stat.S_ISDIR(mode):
+            return None
+        kind = "a regular file" if stat.S_ISREG(mode) else "not a directory"
+        return f"{candidate} is {kind}"
+    return None

@@ -2,7 +2,9 @@
 
 ``serve`` runs a mount in this process until it is unmounted or signalled;
 ``spawn`` starts ``serve`` in a detached child and returns once the mount is
-live. This module wires the layers together; it holds no caching policy.
+live. SIGUSR1 makes a running daemon log every thread's stack and its trio
+task tree, for a daemon that seems stuck. This module wires the layers
+together; it holds no caching policy.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import faulthandler
 import json
 import logging
 import os
@@ -21,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -57,19 +60,20 @@ __all__ = [
     "prepare_mountpoint",
     "serve",
     "spawn",
+    "store_warning",
     "unmount",
 ]
 
 log = logging.getLogger(__name__)
 
-_PROBE_TIMEOUT: Final = 5.0
+PROBE_TIMEOUT: Final = 5.0
 _M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
 # After SIGTERM, how long readers holding an open file are still served.
 SHUTDOWN_GRACE: Final = 10.0
 
 
 class MountError(Exception):
-    """A mount point problem the user must resolve (already mounted, not a directory)."""
+    """A mount point problem the user must resolve (already mounted, not a directory, not empty)."""
 
 
 def find_mount(mountpoint: str | os.PathLike[str]) -> MountInfo | None:
@@ -97,7 +101,7 @@ def probe(mountpoint: str) -> str:
     # A daemon thread: a hung mount may never answer, and must not hold up exit.
     thread = threading.Thread(target=call, name="mount-probe", daemon=True)
     thread.start()
-    thread.join(_PROBE_TIMEOUT)
+    thread.join(PROBE_TIMEOUT)
     if not outcome:
         return "hung"
     error = outcome[0]
@@ -108,8 +112,13 @@ def probe(mountpoint: str) -> str:
     return "live"
 
 
-def prepare_mountpoint(mountpoint: str) -> None:
-    """Make ``mountpoint`` ready to mount on: clear a dead decodefs mount, refuse a live one."""
+def prepare_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
+    """Make ``mountpoint`` ready to mount on: clear a dead decodefs mount, refuse a live one.
+
+    A directory with files in it is refused too, unless ``nonempty``: the
+    mount would hide them. A dead mount is cleared first, so it never counts
+    as files.
+    """
     info = find_mount(mountpoint)
     if info is not None:
         state = probe(mountpoint) if info.fstype.startswith("fuse") else "live"
@@ -133,6 +142,17 @@ def prepare_mountpoint(mountpoint: str) -> None:
             )
     if not os.path.isdir(mountpoint):
         raise MountError(f"mount point {mountpoint} is not a directory (create it first)")
+    if not nonempty:
+        try:
+            with os.scandir(mountpoint) as entries:
+                first = next(entries, None)
+        except OSError as exc:
+            raise MountError(f"mount point {mountpoint} cannot be listed: {exc.strerror}") from None
+        if first is not None:
+            raise MountError(
+                f"mount point {mountpoint} is not empty (it holds {first.name!r}); the mount "
+                "would hide its files: empty it, or pass --nonempty to mount over them"
+            )
 
 
 def clear_stale(mountpoint: str) -> bool:
@@ -171,11 +191,26 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
             time.sleep(0.05)
 
 
-def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None = None) -> None:
+def serve(
+    config: Config,
+    mountpoint: str,
+    on_ready: Callable[[], None] | None = None,
+    nonempty: bool = False,
+) -> None:
     """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly."""
+    with _stacks_on_sigusr1():
+        _serve_mount(config, mountpoint, on_ready, nonempty)
+
+
+def _serve_mount(
+    config: Config, mountpoint: str, on_ready: Callable[[], None] | None, nonempty: bool
+) -> None:
     mountpoint = os.path.abspath(mountpoint)
     notifier = ServiceNotifier.from_environment()
-    prepare_mountpoint(mountpoint)
+    prepare_mountpoint(mountpoint, nonempty)
+    warning = store_warning(config)
+    if warning is not None:
+        log.warning("%s", warning)
     quiet_pillow_warnings()
     _raise_open_file_limit()
     _return_large_allocations()
@@ -243,8 +278,10 @@ async def _serve(
     notifier: ServiceNotifier,
     access_socket: str | None,
 ) -> None:
+    stopping = trio.Event()  # set once a signal asked us to stop
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier)
+        nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier, stopping)
+        nursery.start_soon(_dump_on_sigusr1)
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
         nursery.start_soon(engine.watch_store_forever)
@@ -252,13 +289,13 @@ async def _serve(
             nursery.start_soon(_receive_direct_hits, engine, access_socket)
         aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
-    if not aborted:
-        return
-    if find_mount(mountpoint) is not None:
-        # Still mounted, so not an unmount: the connection was aborted under us.
+    if find_mount(mountpoint) is not None and not stopping.is_set():
+        # Still mounted, and nobody asked us to stop: not an unmount, so the
+        # connection was aborted under us (libfuse may or may not say so).
         # Fail, so that a service manager restarts the daemon.
         raise ConnectionAbortedError(errno.ECONNABORTED, "the kernel aborted the FUSE connection")
-    log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing was lost")
+    if aborted:
+        log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing lost")
 
 
 async def _receive_direct_hits(engine: Engine, path: str) -> None:
@@ -285,7 +322,9 @@ async def _receive_direct_hits(engine: Engine, path: str) -> None:
                 os.unlink(path)
 
 
-async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNotifier) -> None:
+async def _stop_on_signal(
+    fuse: FuseMount, mountpoint: str, notifier: ServiceNotifier, stopping: trio.Event
+) -> None:
     """SIGTERM/SIGINT: detach at once, let open files finish, then stop.
 
     The lazy unmount takes the mount out of the namespace (no new opens) while
@@ -296,6 +335,7 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNot
         async for signum in signals:
             log.info("%s received; unmounting", signal.Signals(signum).name)
             break
+    stopping.set()
     notifier.notify("STOPPING=1", f"STATUS=unmounting {mountpoint}")
     try:
         await trio.to_thread.run_sync(_lazy_unmount, mountpoint)
@@ -305,6 +345,77 @@ async def _stop_on_signal(fuse: FuseMount, mountpoint: str, notifier: ServiceNot
         await trio.sleep(SHUTDOWN_GRACE)
         log.warning("files still open after %.0f s; stopping anyway", SHUTDOWN_GRACE)
     fuse.stop()
+
+
+@contextlib.contextmanager
+def _stacks_on_sigusr1() -> Iterator[None]:
+    """SIGUSR1 dumps every thread's stack, for the whole life of ``serve``.
+
+    faulthandler answers it from its C signal handler, which works even while
+    the main thread is stuck in a system call or a C library holding the GIL:
+    a stuck daemon still shows where it is stuck. While the trio loop runs,
+    _dump_on_sigusr1 chains trio's handler behind it to add the task tree.
+    SIG_IGN underneath means the signal never kills the daemon in the instant
+    one handler hands over to the other.
+    """
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    try:
+        yield
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, previous)
+
+
+async def _dump_on_sigusr1() -> None:
+    """SIGUSR1 in the loop: faulthandler dumps the threads' stacks at once, then this
+    task logs the trio task tree (when the loop gets to it: not if the loop is stuck)."""
+    # trio restores the handler it replaced when the receiver closes, and that
+    # must be a Python-level one, which faulthandler's is not: so faulthandler
+    # steps aside (to SIG_IGN) while trio installs its handler, then registers
+    # again in front of it, chaining to it.
+    faulthandler.unregister(signal.SIGUSR1)
+    try:
+        with trio.open_signal_receiver(signal.SIGUSR1) as signals:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+            try:
+                async for _ in signals:
+                    log.warning(
+                        "SIGUSR1: every thread's stack is above; the trio tasks:\n%s",
+                        "\n".join(_task_tree()),
+                    )
+            finally:
+                faulthandler.unregister(signal.SIGUSR1)
+    finally:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
+def _task_tree() -> list[str]:
+    """One line per trio task, indented by nesting: its name and where it waits.
+
+    Where = the innermost frame of its await chain outside trio itself (the
+    line of our code, or pyfuse3's, that awaits), else the innermost one.
+    """
+    trio_dir = os.path.dirname(trio.__file__) + os.sep
+    lines: list[str] = []
+
+    def walk(task: trio.lowlevel.Task, depth: int) -> None:
+        frames = list(task.iter_await_frames())
+        ours = [f for f in frames if not f[0].f_code.co_filename.startswith(trio_dir)]
+        where = ""
+        if frames:
+            frame, lineno = (ours or frames)[-1]
+            code = frame.f_code
+            where = f" at {code.co_filename}:{lineno} in {code.co_name}"
+        lines.append(f"{'  ' * depth}task {task.name}{where}")
+        for nursery in task.child_nurseries:
+            for child in sorted(nursery.child_tasks, key=lambda t: t.name):
+                walk(child, depth + 1)
+
+    root = trio.lowlevel.current_root_task()
+    if root is not None:
+        walk(root, 0)
+    return lines
 
 
 async def _once_live(
@@ -339,13 +450,23 @@ async def _feed_watchdog(mountpoint: str, notifier: ServiceNotifier, interval: f
         await trio.sleep(interval)
 
 
-def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | None) -> int:
+def spawn(
+    config_path: Path,
+    mountpoint: str,
+    log_file: Path,
+    log_level: str | None,
+    nonempty: bool = False,
+) -> int:
     """Start a detached daemon and return its pid once the mount is live.
 
     The child reports readiness through a pipe; if it exits first, the tail of
     its log explains why and MountError carries it.
     """
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_stream = open(log_file, "ab")  # noqa: SIM115 - closed below, once the child has it
+    except OSError as exc:
+        raise MountError(f"log file {log_file} cannot be written: {exc.strerror}") from None
     read_end, write_end = os.pipe()
     command = [
         sys.executable, "-m", "decodefs", "mount", mountpoint,
@@ -353,7 +474,9 @@ def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | N
     ]  # fmt: skip
     if log_level:
         command += ["--log-level", log_level]
-    with open(log_file, "ab") as log_stream:
+    if nonempty:
+        command.append("--nonempty")
+    with log_stream:
         child = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -370,8 +493,40 @@ def spawn(config_path: Path, mountpoint: str, log_file: Path, log_level: str | N
     code = child.wait()
     if message.startswith(b"error: "):
         raise MountError(message[len(b"error: ") :].decode(errors="replace"))
+    tail = "\n".join(f"    {line}" for line in _tail(log_file).splitlines())
     raise MountError(
-        f"daemon exited with status {code} before the mount was live:\n{_tail(log_file)}"
+        f"daemon exited with status {code} before the mount was live; {log_file} ends:\n{tail}"
+    )
+
+
+def store_warning(config: Config) -> str | None:
+    """Why the store will fail open from the start (read-only, full, cannot be created), or None.
+
+    Not an error: the daemon then serves every array the store lacks from
+    memory, but the user should hear of it when mounting, not in a log.
+    """
+    existing = config.store
+    while not os.path.isdir(existing) and existing != existing.parent:
+        existing = existing.parent
+    try:
+        vfs = os.statvfs(existing)
+    except OSError:
+        return None  # cannot tell; the daemon logs what it finds
+    smallest = min((s for v in config.versions.values() for s in v.sizes), default=config.min_size)
+    if vfs.f_flag & os.ST_RDONLY:
+        reason = "is on a read-only filesystem"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = "is not writable by this user"
+    elif vfs.f_bavail * vfs.f_frsize < 3 * smallest * smallest or vfs.f_favail == 0:
+        reason = "is on a full filesystem"
+    else:
+        return None
+    where = f"store {config.store}"
+    if existing != config.store:
+        where += f" cannot be created: {existing}"
+    return (
+        f"{where} {reason}; arrays not already stored will be decoded and served "
+        "from memory (memory_cache_bytes)"
     )
 
 

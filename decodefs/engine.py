@@ -462,8 +462,8 @@ class Engine:
             raise flight.error
         outcome = flight.outcome
         assert outcome is not None
-        if not reading:
-            self.metrics.warm_not_stored += not outcome.stored
+        if not reading:  # a size this user may not store is no sign of a full store
+            self.metrics.warm_not_stored += outcome.refused not in (None, "unlisted")
         elif outcome.decoded:
             self.metrics.misses += 1
         else:

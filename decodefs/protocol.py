@@ -29,6 +29,7 @@ __all__ = [
     "STATUS_FILES",
     "STORE_FILE",
     "STORE_FORMAT",
+    "STORE_MARKER",
     "TRAILER",
     "TRAILER_MAGIC",
     "TRAILER_SIZE",
@@ -123,6 +124,7 @@ class OpenRequest(NamedTuple):
 # -- the entry trailer: every store entry is .npy bytes + this -----------------------------
 
 STORE_FORMAT: Final = 1
+STORE_MARKER: Final = ".decodefs-store"  # in the store's root: {"format": STORE_FORMAT}
 TRAILER_MAGIC: Final = b"DCFS"
 # magic, format, decoder fingerprint (16 bytes), payload length, xxh3-64 of the payload
 # seeded with xxh3-64 of "<version>/<size>/<uuid>" (see entry.py).

@@ -54,7 +54,7 @@ from typing import Final, Protocol
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
 from .entry import STALE, EntryKey, FileCheck, check_entry_file, encode_trailer
-from .protocol import ACCESS_SOCKET, STORE_FORMAT, TRAILER_SIZE
+from .protocol import ACCESS_SOCKET, STORE_FORMAT, STORE_MARKER, TRAILER_SIZE
 from .trusted import DIRECTORY_FLAGS as _DIR
 from .trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
 
@@ -74,7 +74,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MARKER_FILE: Final = ".decodefs-store"
+
 CATALOG_FILE: Final = ".catalog.sqlite3"
 _FINGERPRINT_FILE: Final = ".fingerprint.json"
 _TMP: Final = ".tmp"
@@ -546,14 +546,14 @@ class Store:
 
     def _check_marker(self, root: int) -> None:
         try:
-            recorded = json.loads(_read_small(root, MARKER_FILE))
+            recorded = json.loads(_read_small(root, STORE_MARKER))
         except FileNotFoundError:
             with contextlib.suppress(OSError):  # a read-only store stays unmarked
-                _write_json_at(root, MARKER_FILE, {"format": STORE_FORMAT}, 0o644)
+                _write_json_at(root, STORE_MARKER, {"format": STORE_FORMAT}, 0o644)
             return
         except (OSError, ValueError) as exc:
             raise StoreError(
-                f"store: {os.path.join(self.root, MARKER_FILE)} is unreadable ({exc}); "
+                f"store: {os.path.join(self.root, STORE_MARKER)} is unreadable ({exc}); "
                 "remove it to reuse the store"
             ) from exc
         fmt = recorded.get("format") if isinstance(recorded, dict) else None

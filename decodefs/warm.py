@@ -27,6 +27,9 @@ from .protocol import WARM_FLAG
 
 __all__ = ["WarmReport", "read_uuid_list", "warm"]
 
+# The daemon is gone (killed, or its connection aborted): the warm stops too.
+_DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
+
 
 @dataclass
 class WarmReport:
@@ -37,15 +40,29 @@ class WarmReport:
     seconds: float = 0.0
     interrupted: bool = False
     store_full: str | None = None  # why the store stopped taking arrays, if it did
+    daemon_gone: str | None = None  # why the mount stopped answering, if it did
 
 
 def read_uuid_list(path: Path) -> list[str]:
-    """One uuid per line; blank lines and '#' comments skipped; "<uuid>.npy" accepted."""
+    """One uuid per line (a mirror version's keys: relative paths such as
+    ``cat/0001``); blank lines and '#' comments skipped; "<uuid>.npy" accepted.
+
+    Raises OSError or UnicodeDecodeError for a file that cannot be read as
+    UTF-8 text, ValueError naming the first line that cannot be a uuid or key:
+    nothing listed may lead out of the size directory.
+    """
     uuids = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if line:
-            uuids.append(line[: -len(".npy")] if line.endswith(".npy") else line)
+        if not line:
+            continue
+        uuid = line[: -len(".npy")] if line.endswith(".npy") else line
+        if "\0" in uuid or any(name in ("", ".", "..") for name in uuid.split("/")):
+            raise ValueError(
+                f"line {number}: {line!r} is not a uuid (nor a mirror version's key: "
+                "a relative path such as cat/0001, without '.' or '..')"
+            )
+        uuids.append(uuid)
     return uuids
 
 
@@ -90,6 +107,10 @@ def warm(
                 report.store_full = error.strerror or str(error)
                 pool.shutdown(wait=True, cancel_futures=True)
                 break
+            elif error.errno in _DAEMON_GONE:
+                report.daemon_gone = error.strerror or str(error)
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
             else:
                 report.failed[uuid] = error.strerror or str(error)
             bar.update(1)
@@ -112,13 +133,18 @@ def warm(
 
 
 def _arrays_below(directory: Path) -> list[str]:
-    """Every array's path below ``directory``, sorted. A uuid version lists no
+    """Every array's path below ``directory``, sorted; raises OSError if a listing
+    fails (the daemon gone), as one listing would. A uuid version lists no
     subdirectories (shards are not listed), so this is one listing there."""
     names: list[str] = []
-    for top, _, files in os.walk(directory):
+    for top, _, files in os.walk(directory, onerror=_raise):
         prefix = os.path.relpath(top, directory) + "/" if top != str(directory) else ""
         names += (prefix + name for name in files if name.endswith(".npy"))
     return sorted(names)
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 _STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})  # from an older daemon

@@ -238,3 +238,44 @@ def test_cli_reports_a_bad_config_in_one_line_and_mounts_nothing(tmp_path: Path)
     )
     assert result.returncode == 1
     assert "versions.v1.sizes[0]: 5000 is outside min_size..max_size (8..4096)" in result.stderr
+
+
+def test_every_mistake_is_reported_not_just_the_first(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory\n")
+    text = (
+        f"store = '{tmp_path / 'file' / 'store'}'\n"
+        "sizse = [224]\n"
+        "min_size = 300\nmax_size = 200\n"
+        "[versions.v1]\nsource = 'originals'\nfit = 'zoom'\nsizes = [224, 'big', 224]\n"
+        "[versions.v2]\nsourse = 'originals'\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    where = f"{tmp_path / 'config.toml'}: "
+    assert info.value.problems == (
+        where + "sizse: unknown key (did you mean 'sizes'?)",
+        where + f"store: {tmp_path / 'file' / 'store'} can never be a directory: "
+        f"{tmp_path / 'file'} is a regular file",
+        where + "min_size: 300 is larger than max_size (200)",
+        where + "versions.v1.sizes[1]: expected an integer, got 'big'",
+        where + "versions.v1.fit: 'zoom' is not one of 'stretch', 'crop', 'pad'",
+        where + "versions.v2.sourse: unknown key (did you mean 'source'?)",
+        where + "versions.v2.source: missing (the directory of original images)",
+    )
+    assert str(info.value) == "\n".join(info.value.problems)
+
+
+@pytest.mark.parametrize("store", ["file/store", "file/a/b", "file", "/dev/null/store"])
+def test_a_store_below_a_file_is_a_config_error(tmp_path: Path, store: str) -> None:
+    (tmp_path / "file").write_text("not a directory\n")
+    with pytest.raises(ConfigError, match=r"store: .* can never be a directory: .* is (a|not)"):
+        load_config(write(tmp_path, f"store = '{store}'\n[versions.v1]\nsource = 'originals'\n"))
+
+
+def test_a_store_that_is_missing_or_read_only_is_no_config_error(tmp_path: Path) -> None:
+    (tmp_path / "ro").mkdir(mode=0o555)
+    for store in ["absent/store", "ro/store", "ro"]:
+        config = load_config(
+            write(tmp_path, f"store = '{store}'\n[versions.v1]\nsource = 'originals'\n")
+        )
+        assert config.store == tmp_path / store

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -164,7 +165,7 @@ def test_user_errors_are_one_line(tmp_path: Path, photos_dir: Path, mountpoint: 
         (("mount", tmp_path / "absent", "--config", config), "mount point"),
         (("mount", mountpoint, "--config", tmp_path / "absent.toml"), "no such config file"),
         (("umount", mountpoint), "is not mounted"),
-        (("stats", mountpoint), "is decodefs mounted there?"),
+        (("stats", mountpoint), "is not a decodefs mount"),
     ]
     for args, message in cases:
         result = decodefs(*args)
@@ -260,3 +261,37 @@ def test_unmounting_right_after_a_burst_of_closes_is_a_clean_exit(
         assert mount.stop() == 0
         assert not mount.unexpected_log_lines()
         mount.start()
+
+
+def test_sigusr1_logs_every_threads_stack_and_the_trio_tasks_and_keeps_serving(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    assert mount.process is not None
+    uuid, original = next(iter(photos.items()))
+    target = mount.path("v1", "224", f"{uuid}.npy")
+    target.read_bytes()  # threads of the pools exist now
+
+    def dumped(log: str, times: int) -> bool:
+        return (
+            log.count("Current thread 0x") >= times  # faulthandler: the thread that got it
+            and log.count("SIGUSR1: every thread's stack is above") >= times
+            and "task decodefs.daemon._serve" in log
+            and "task decodefs.daemon._stop_on_signal at " in log  # where it waits
+        )
+
+    for times in (1, 2):  # the handler stays installed
+        mount.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while not dumped(mount.log_text(), times):
+            assert time.monotonic() < deadline, f"no dump #{times} in:\n{mount.log_text()}"
+            assert mount.process.poll() is None, mount.log_text()
+            time.sleep(0.05)
+    log = mount.log_text()
+    assert "Thread 0x" in log and 'File "' in log  # other threads' stacks, with their files
+    assert re.search(r"^  task decodefs\.daemon\._serve", log, re.MULTILINE)  # nested under <init>
+    assert re.search(r"^    task pyfuse", log, re.MULTILINE)  # pyfuse3's request tasks
+    # Still serving, a new decode included.
+    assert target.read_bytes() == reference_npy(original, 224)
+    assert mount.path("v1", "96", f"{uuid}.npy").read_bytes() == reference_npy(original, 96)
+    assert mount.process.poll() is None
