@@ -22,6 +22,7 @@ from decodefs.protocol import StoreStatus
 from decodefs.source import SourceError, SourceIndex, scan_source
 from decodefs.store import CorruptEntry, Store, iter_entries
 from decodefs.tree import ROOT, Kind, Node, Tree
+from decodefs.warm import read_uuid_list
 from tests.helpers import SKIMAGE_DATA, reference_npy
 
 V1 = decoder_fingerprint(DecodeSettings())
@@ -591,6 +592,18 @@ def test_an_engine_serves_a_mirror_entry_and_stores_it_under_its_key(tmp_path: P
     finally:
         engine.close()
         store.close()
+
+
+def test_a_warm_list_takes_keys_but_nothing_that_leaves_the_size_directory(
+    tmp_path: Path,
+) -> None:
+    listing = tmp_path / "keys.txt"
+    listing.write_text("cat/0001\nwild/big cats/lion 01.npy  # a comment\n\n0001\n")
+    assert read_uuid_list(listing) == ["cat/0001", "wild/big cats/lion 01", "0001"]
+    for bad in ["../x", "cat/../../x", "/etc/passwd", "cat//x", "cat/./x", "cat/", ".."]:
+        listing.write_text(f"ok\n{bad}\n")
+        with pytest.raises(ValueError, match=r"line 2: .* is not a uuid"):
+            read_uuid_list(listing)
 
 
 # -- what a reader learns from store.json -------------------------------------------
