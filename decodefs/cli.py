@@ -280,7 +280,6 @@ def _warm(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .decode import decoder_fingerprint
     from .verify import recorded_digests, verify_store
 
     if args.target.is_dir():
@@ -291,7 +290,7 @@ def _verify(args: argparse.Namespace) -> int:
         config = load_config(args.target)
         root = config.store
         _require_store(root, f"the store of {args.target}")
-        digests = {n: decoder_fingerprint(v.decode).digest for n, v in config.versions.items()}
+        digests = {n: v.fingerprint().digest for n, v in config.versions.items()}
     report = verify_store(root, digests, remove=args.remove, progress=sys.stderr.isatty())
     for path, reason in sorted(report.bad.items())[:50]:
         print(f"{path}: {reason}")

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar, cast
 
-from .decode import DEFAULT_MAX_PIXELS, FITS, RESAMPLE_FILTERS, DecodeSettings
+from .decode import (
+    DEFAULT_MAX_PIXELS,
+    FITS,
+    RESAMPLE_FILTERS,
+    DecodeSettings,
+    Fingerprint,
+    decoder_fingerprint,
+)
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -73,6 +80,10 @@ class VersionConfig:
     warm: bool = False
     # "uuid": <size>/<uuid>.npy by file stem; "mirror": the source's own relative paths.
     layout: Layout = "uuid"
+
+    def fingerprint(self) -> Fingerprint:
+        """What the version's stored arrays must have been made by (and keyed by)."""
+        return decoder_fingerprint(self.decode, keys=self.layout)
 
 
 @dataclass(frozen=True)

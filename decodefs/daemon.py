@@ -31,7 +31,7 @@ from typing import Final
 import trio
 
 from .config import Config
-from .decode import decoder_fingerprint, quiet_pillow_warnings
+from .decode import quiet_pillow_warnings
 from .engine import Engine
 from .fs import DecodeFS, FuseMount, MountFailed
 from .inodes import INODE_LAYOUT
@@ -216,7 +216,7 @@ def _serve_mount(
     _return_large_allocations()
     store = Store(
         config.store,
-        {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()},
+        {name: v.fingerprint() for name, v in config.versions.items()},
         max_bytes=config.max_store_bytes,
         min_free_fraction=config.min_free_fraction,
         shared=config.allow_other,

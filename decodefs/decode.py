@@ -238,12 +238,19 @@ class Fingerprint:
         return self.digest.hex()
 
 
-def decoder_fingerprint(settings: DecodeSettings) -> Fingerprint:
+def decoder_fingerprint(settings: DecodeSettings, *, keys: str = "uuid") -> Fingerprint:
+    """The fingerprint of arrays decoded with ``settings`` by this Pillow, stored
+    under ``keys`` (a version's layout: which original a key names). The
+    default leaves the layout out, so uuid versions keep the digests they had."""
     description: dict[str, object] = {
         "format": _DECODE_FORMAT,
         "settings": asdict(settings),
         "libraries": _decoder_libraries(),
     }
+    if keys != "uuid":
+        # "0001" is the stem of an original anywhere in a uuid version, but the
+        # top-level 0001.jpg in a mirror: a changed layout must not serve one as the other.
+        description["keys"] = keys
     canonical = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
     return Fingerprint(hashlib.sha256(canonical).digest()[:16], description)
 

@@ -627,3 +627,34 @@ def test_store_json_lists_mirror_versions_apart() -> None:
     del value["mirror_versions"]  # as a daemon that predates layouts writes it
     older = StoreStatus.from_json(json.dumps(value).encode())
     assert older.mirrors == frozenset() and older.digests == {"u": "bb"}
+
+
+def test_a_changed_layout_discards_the_stored_arrays(tmp_path: Path) -> None:
+    # "0001" names the stem of an original anywhere in a uuid version, but the
+    # top-level 0001.jpg in a mirror version: one must never be served as the other.
+    from decodefs.config import VersionConfig
+    from decodefs.decode import DecodeSettings
+    from decodefs.store import Store
+
+    def version(layout: str) -> VersionConfig:
+        return VersionConfig(
+            "v1",
+            tmp_path,
+            (16,),
+            DecodeSettings(),
+            frozenset({"jpg"}),
+            "error",
+            layout=layout,  # type: ignore[arg-type]
+        )
+
+    uuid_fp, mirror_fp = version("uuid").fingerprint(), version("mirror").fingerprint()
+    assert uuid_fp.digest != mirror_fp.digest
+    key = EntryKey("v1", 16, "0001")
+    first = Store(tmp_path / "store", {"v1": uuid_fp})
+    first.open()
+    first.write(key, b"x" * 100)
+    first.close()
+    again = Store(tmp_path / "store", {"v1": mirror_fp})
+    again.open()
+    assert again.verify(key) is None  # discarded with the version's old arrays
+    again.close()
