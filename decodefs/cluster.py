@@ -237,7 +237,10 @@ class L2Tier:
         digest = self._fingerprints[key.version].digest
         problem, foreign = await trio.to_thread.run_sync(verify_object, key, data, digest)
         if problem is not None:
-            self.metrics.corrupt += 1
+            if foreign:
+                self.metrics.errors["foreign_format"] += 1
+            else:
+                self.metrics.corrupt += 1
             self._throttle.log(
                 logging.WARNING,
                 f"l2-corrupt-{name}",
