@@ -206,7 +206,7 @@ def test_cluster_warm_on_dask_fills_l2_then_a_fresh_node_reads_without_decoding(
     config = write_config(
         tmp_path / "cluster.toml", tmp_path / "unused", {"v1": source}, **shared.nodes[0]
     )
-    with LocalCluster(
+    with LocalCluster(  # type: ignore[no-untyped-call]
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
     ) as cluster:
         address = cluster.scheduler_address
