@@ -572,6 +572,15 @@ def format_stats(stats: dict[str, object]) -> str:
     errors = stats.get("errors")
     if isinstance(errors, dict) and errors:
         rows.append(("errors", ", ".join(f"{k} {v:,}" for k, v in sorted(errors.items()))))
+    if "l2" in stats:  # the cluster's L2 (cluster.py)
+        rows.append(
+            (
+                "L2",
+                f"{stats['l2']} ({stats.get('l2_state')}): {n('l2_hits'):,} hits, "
+                f"{n('l2_misses'):,} misses, {n('l2_publishes'):,} published, "
+                f"{n('l2_lease_waits'):,} lease waits, {n('l2_corrupt'):,} corrupt",
+            )
+        )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 

@@ -104,6 +104,8 @@ def test_node_b_reads_every_array_node_a_decoded_without_decoding(
     assert stats["l2_publishes"] == 0 and stats["l2_errors"] == {}
     metrics = b.path(".decodefs", "metrics").read_text()
     assert f"decodefs_l2_hits_total {float(len(uuids))}" in metrics
+    table = decodefs("stats", b.mountpoint).stdout
+    assert f"(closed): {len(uuids)} hits, 0 misses, 0 published" in table
 
 
 def test_nodes_cold_at_once_decode_each_original_once(
