@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import os
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -574,6 +575,16 @@ async def test_l2_keys_have_defaults_and_are_validated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         _parse(tmp_path, l2="gs://bucket/x")
     assert caught.value.problems[0].startswith("l2: 'gs://bucket/x': expected")
+
+
+async def test_importing_decodefs_needs_neither_boto3_nor_dask() -> None:
+    code = (
+        "import sys, decodefs, decodefs.engine, decodefs.cluster, decodefs.daemon, decodefs.cli\n"
+        "loaded = [m for m in ('boto3', 'botocore', 'dask', 'distributed') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    result = await trio.run_process([sys.executable, "-c", code], capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode()
 
 
 async def test_verify_object_runs_the_local_stores_checks() -> None:

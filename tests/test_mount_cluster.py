@@ -112,7 +112,9 @@ def test_nodes_cold_at_once_decode_each_original_once(
     mounts: MountFactory, tmp_path: Path, large: list[Path], shared: Shared
 ) -> None:
     source = large[0].parents[1]
-    nodes = [node(mounts, tmp_path, source, shared, i) for i in (0, 1)]
+    # A lease covers a decode's wait for a slot too: on a loaded 2-core machine, 6 of
+    # these at once can take longer than the default 10 s.
+    nodes = [node(mounts, tmp_path, source, shared, i, l2_lease_seconds=60) for i in (0, 1)]
     uuids = sorted(p.stem for p in large)
     # Each node's readers read every array, both nodes at once.
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
