@@ -337,8 +337,8 @@ class L2Tier:
 
     async def _publish(self, job: _Job) -> None:
         if job.data is not None:
-            trailer = encode_trailer(job.key, job.data, self._fingerprints[job.key.version].digest)
-            entry = bytes(job.data) + trailer
+            # Hashing and copying a large array would hold up the loop: a thread does it.
+            entry = await trio.to_thread.run_sync(self._entry, job.key, job.data)
             try:
                 created = await self._call(self.backend.create, job.name, entry)
             except L2Unavailable:
@@ -349,6 +349,11 @@ class L2Tier:
         if job.lease is not None:
             with contextlib.suppress(L2Unavailable):  # else it expires
                 await self._call(self.backend.delete, job.lease)
+
+    def _entry(self, key: EntryKey, payload: bytes | memoryview) -> bytes:
+        """The object for ``payload``: the store entry, trailer included."""
+        digest = self._fingerprints[key.version].digest
+        return bytes(payload) + encode_trailer(key, payload, digest)
 
     # -- calls --------------------------------------------------------------------------
 
