@@ -114,6 +114,7 @@ class SeaweedFS:
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
             "-admin.ui=false",
+            "-master.telemetry=false",  # no traffic off this machine
             f"-master.port={base}",
             f"-volume.port={base + 1}",
             f"-filer.port={base + 2}",
