@@ -125,8 +125,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     umount.set_defaults(run=_umount)
 
-    warm = commands.add_parser("warm", help="decode and store a version's arrays ahead of training")
-    warm.add_argument("mountpoint", type=Path)
+    warm = commands.add_parser(
+        "warm",
+        help="decode and store a version's arrays ahead of training",
+        usage="%(prog)s MOUNTPOINT VERSION SIZE [--uuids FILE] [--jobs N]\n"
+        "       %(prog)s --cluster SCHEDULER VERSION SIZE [--uuids FILE] [--config FILE]",
+    )
+    warm.add_argument(
+        "mountpoint", type=Path, nargs="?", help="a live decodefs mount (none with --cluster)"
+    )
     warm.add_argument("version")
     warm.add_argument("size", type=_int_at_least(1))
     warm.add_argument("--uuids", type=Path, help="a file of uuids, one a line (default: all)")
@@ -137,7 +144,15 @@ def _parser() -> argparse.ArgumentParser:
         default=os.cpu_count() or 1,
         help="files in flight (default: cores)",
     )
-    warm.set_defaults(run=_warm)
+    # -- decodefs warm --cluster (cluster_warm.py) --
+    warm.add_argument(
+        "--cluster",
+        metavar="SCHEDULER",
+        help="fill the config's l2 on the Dask cluster at this scheduler address instead "
+        "of a mount (needs decodefs[cluster])",
+    )
+    warm.add_argument("--config", type=Path, default=default_config, help=config_help)
+    warm.set_defaults(run=_warm, parser=warm)
 
     verify = commands.add_parser("verify", help="check every stored entry offline")
     verify.add_argument(
@@ -234,6 +249,12 @@ def _umount(args: argparse.Namespace) -> int:
 def _warm(args: argparse.Namespace) -> int:
     from .warm import warm
 
+    if args.cluster is not None:
+        if args.mountpoint is not None:
+            args.parser.error("--cluster takes no MOUNTPOINT: its workers publish to L2 directly")
+        return _warm_cluster(args)
+    if args.mountpoint is None:
+        args.parser.error("the following arguments are required: mountpoint (or --cluster)")
     uuids = _read_uuids(args.uuids) if args.uuids else None
     directory = _version_size_dir(_live_mount(args.mountpoint), args.version, args.size)
     before = _read_stats(args.mountpoint)
@@ -273,6 +294,53 @@ def _warm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
+    if report.interrupted:
+        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return EXIT_ERROR if report.failed or report.missing else 0
+
+
+def _warm_cluster(args: argparse.Namespace) -> int:
+    """`decodefs warm --cluster`: Dask workers decode and publish to the config's L2."""
+    config = load_config(args.config)
+    if config.l2 is None:
+        raise UsageError(f"{args.config}: no l2 to warm (--cluster fills the cluster's L2)")
+    if args.version not in config.versions:
+        names = ", ".join(sorted(config.versions))
+        raise UsageError(f"{args.config} has no version {args.version!r} (it has: {names})")
+    if not config.min_size <= args.size <= config.max_size:
+        raise UsageError(
+            f"size {args.size} is outside min_size..max_size "
+            f"({config.min_size}..{config.max_size}) of {args.config}"
+        )
+    uuids = _read_uuids(args.uuids) if args.uuids else None
+    try:
+        from .cluster_warm import SchedulerUnreachable, cluster_warm
+    except ImportError as exc:
+        raise UsageError(f"--cluster needs Dask: pip install 'decodefs[cluster]' ({exc})") from None
+    try:
+        report = cluster_warm(
+            args.cluster, config, args.version, args.size, uuids, progress=sys.stderr.isatty()
+        )
+    except SchedulerUnreachable as exc:
+        raise UsageError(str(exc)) from None
+    rate = report.done / report.seconds if report.seconds else 0.0
+    print(
+        f"decodefs: warmed {report.done:,} of {report.total:,} arrays of "
+        f"{args.version}/{args.size} into {config.l2.url} on {report.workers} workers "
+        f"in {report.seconds:.1f} s ({rate:,.1f}/s): {report.decoded:,} decoded, "
+        f"{report.skipped:,} already there"
+    )
+    for uuid, reason in sorted(report.failed.items())[:20]:
+        print(f"decodefs: failed: {uuid}: {reason}", file=sys.stderr)
+    if len(report.failed) > 20:
+        print(f"decodefs: ... and {len(report.failed) - 20:,} more failed", file=sys.stderr)
+    if report.missing:
+        print(
+            f"decodefs: {len(report.missing):,} uuids are not in {args.version}, "
+            f"e.g. {report.missing[0]!r}",
+            file=sys.stderr,
+        )
     if report.interrupted:
         print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
@@ -503,6 +571,15 @@ def format_stats(stats: dict[str, object]) -> str:
     errors = stats.get("errors")
     if isinstance(errors, dict) and errors:
         rows.append(("errors", ", ".join(f"{k} {v:,}" for k, v in sorted(errors.items()))))
+    if "l2" in stats:  # the cluster's L2 (cluster.py)
+        rows.append(
+            (
+                "L2",
+                f"{stats['l2']} ({stats.get('l2_state')}): {n('l2_hits'):,} hits, "
+                f"{n('l2_misses'):,} misses, {n('l2_publishes'):,} published, "
+                f"{n('l2_lease_waits'):,} lease waits, {n('l2_corrupt'):,} corrupt",
+            )
+        )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 

@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_EXTENSIONS",
     "Config",
     "ConfigError",
+    "L2Config",
     "VersionConfig",
     "load_config",
     "parse_byte_size",
@@ -86,6 +87,47 @@ class VersionConfig:
         return decoder_fingerprint(self.decode, keys=self.layout)
 
 
+# -- L2: the cluster's second tier (cluster.py, l2.py) -----------------------------------
+
+
+@dataclass(frozen=True)
+class L2Config:
+    """Where the cluster's shared tier lives, and how long a node waits for it."""
+
+    url: str  # "s3://bucket/prefix" or the absolute path of a shared directory
+    endpoint: str | None = None  # an S3-compatible endpoint (None: AWS)
+    region: str | None = None  # None: boto3's default chain, else us-east-1
+    timeout_seconds: float = 5.0  # every L2 call
+    lease_seconds: float = 10.0  # how long a node's claim to decode an array holds (0: no lease)
+    retry_seconds: float = 1.0  # first pause after L2 failed; doubles up to 60 s
+    workers: int = 8  # threads for L2 calls
+    publish_queue_bytes: int = 256 << 20  # arrays waiting to be published; past it, dropped
+
+    @property
+    def is_s3(self) -> bool:
+        return self.url.startswith("s3://")
+
+    @property
+    def bucket(self) -> str:
+        return self.url[len("s3://") :].partition("/")[0]
+
+    @property
+    def prefix(self) -> str:
+        return self.url[len("s3://") :].partition("/")[2].strip("/")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "endpoint": self.endpoint,
+            "region": self.region,
+            "timeout_seconds": self.timeout_seconds,
+            "lease_seconds": self.lease_seconds,
+            "retry_seconds": self.retry_seconds,
+            "workers": self.workers,
+            "publish_queue_bytes": self.publish_queue_bytes,
+        }
+
+
 @dataclass(frozen=True)
 class Config:
     store: Path
@@ -107,10 +149,13 @@ class Config:
     max_pixels: int = DEFAULT_MAX_PIXELS
     error_cache_seconds: float = 10.0
     log_level: LogLevel = "info"
+    l2: L2Config | None = None
 
     def as_dict(self) -> dict[str, object]:
         """The effective config, for /.decodefs/config.json."""
+        extra: dict[str, object] = {} if self.l2 is None else {"l2": self.l2.as_dict()}
         return {
+            **extra,
             "path": str(self.path) if self.path else None,
             "mountpoint": str(self.mountpoint) if self.mountpoint else None,
             "allow_other": self.allow_other,
@@ -193,6 +238,18 @@ def parse_byte_size(value: object) -> int:
     raise ValueError(f'{value!r} is not a byte size such as 536870912 or "512M"')
 
 
+# The l2* keys (L2Config, parsed by l2_config below).
+L2_KEYS: Final = (
+    "l2",
+    "l2_endpoint",
+    "l2_region",
+    "l2_timeout_seconds",
+    "l2_lease_seconds",
+    "l2_retry_seconds",
+    "l2_workers",
+    "l2_publish_queue_bytes",
+)
+
 _TOP_KEYS: Final = (
     "store",
     "mountpoint",
@@ -211,6 +268,7 @@ _TOP_KEYS: Final = (
     "error_cache_seconds",
     "log_level",
     "versions",
+    *L2_KEYS,
 )
 _VERSION_KEYS: Final = (
     "source",
@@ -340,6 +398,7 @@ class _Parser:
             lambda: self.number(raw, "error_cache_seconds", defaults.error_cache_seconds),
             defaults.error_cache_seconds,
         )
+        l2 = l2_config(self, raw)
         if self.problems or store is None:
             return None
         return Config(
@@ -360,6 +419,7 @@ class _Parser:
             max_pixels=max_pixels,
             error_cache_seconds=error_cache_seconds,
             log_level=cast(LogLevel, log_level),
+            l2=l2,
         )
 
     def store(self, value: object) -> Path:
@@ -532,6 +592,85 @@ class _Parser:
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
         return cast(str, value)
+
+
+# -- L2 keys ---------------------------------------------------------------------------
+
+# S3's bucket naming rules (3 to 63 of lowercase letters, digits, '.', '-').
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_ENDPOINT = re.compile(r"https?://[^\s/]+(/\S*)?")
+
+
+def l2_config(parser: _Parser, raw: Mapping[str, Any]) -> L2Config | None:
+    """The ``l2*`` keys; None without ``l2`` (then no other l2 key may be set)."""
+    if "l2" not in raw:
+        for key in L2_KEYS:
+            if key in raw:
+                parser.problems.append(f"{key}: set without l2 (the shared tier it configures)")
+        return None
+    value = raw["l2"]
+    url = ""
+    if isinstance(value, str) and value.startswith("s3://"):
+        bucket = value[len("s3://") :].partition("/")[0]
+        if not _BUCKET.fullmatch(bucket):
+            parser.problems.append(
+                f"l2: {bucket!r} is not an S3 bucket name (3 to 63 of a-z, 0-9, '.', '-'), "
+                'as in "s3://bucket/prefix"'
+            )
+        url = value.rstrip("/")
+    elif isinstance(value, str) and "://" in value:
+        parser.problems.append(
+            f'l2: {value!r}: expected "s3://bucket/prefix" or the path of a shared directory'
+        )
+    else:
+        path = parser.check(lambda: parser.path(value, "l2"), None)
+        if path is not None:
+            reason = _never_a_directory(path)
+            if reason is not None:
+                parser.problems.append(f"l2: {path} can never be a directory: {reason}")
+            url = str(path)
+    defaults = L2Config(url="")
+    endpoint = raw.get("l2_endpoint")
+    if endpoint is not None:
+        if not isinstance(endpoint, str) or not _ENDPOINT.fullmatch(endpoint):
+            parser.problems.append(
+                f'l2_endpoint: expected a URL such as "https://s3.example.com", got {endpoint!r}'
+            )
+        elif not url.startswith("s3://"):
+            parser.problems.append("l2_endpoint: only for an l2 of the form s3://bucket/prefix")
+    region = raw.get("l2_region")
+    if region is not None and (not isinstance(region, str) or not region):
+        parser.problems.append(
+            f'l2_region: expected a region name such as "eu-west-1", got {region!r}'
+        )
+
+    def seconds(name: str, default: float, *, zero: bool = False) -> float:
+        value = parser.check(lambda: parser.number(raw, name, default), default)
+        if value == 0 and not zero:
+            parser.problems.append(f"{name}: must be more than 0")
+        return value
+
+    timeout = seconds("l2_timeout_seconds", defaults.timeout_seconds)
+    lease = seconds("l2_lease_seconds", defaults.lease_seconds, zero=True)
+    retry = seconds("l2_retry_seconds", defaults.retry_seconds)
+    workers = parser.check(
+        lambda: parser.integer(raw, "l2_workers", defaults.workers, low=1, high=256),
+        defaults.workers,
+    )
+    queue = parser.check(
+        lambda: parser.byte_size(raw, "l2_publish_queue_bytes", defaults.publish_queue_bytes),
+        defaults.publish_queue_bytes,
+    )
+    return L2Config(
+        url=url,
+        endpoint=endpoint if isinstance(endpoint, str) else None,
+        region=region if isinstance(region, str) else None,
+        timeout_seconds=timeout,
+        lease_seconds=lease,
+        retry_seconds=retry,
+        workers=workers,
+        publish_queue_bytes=queue,
+    )
 
 
 def _never_a_directory(path: Path) -> str | None:

@@ -30,11 +30,13 @@ from typing import Final
 
 import trio
 
+from .cluster import L2Tier
 from .config import Config
 from .decode import quiet_pillow_warnings
 from .engine import Engine
 from .fs import DecodeFS, FuseMount, MountFailed
 from .inodes import INODE_LAYOUT
+from .l2 import open_backend
 from .metrics import LogThrottle, render_prometheus
 from .mountinfo import MountInfo, mounts
 from .notify import ServiceNotifier
@@ -231,7 +233,7 @@ def _serve_mount(
             )
             for name, v in config.versions.items()
         }
-        engine = Engine(config, sources, store)
+        engine = Engine(config, sources, store, l2=_l2_tier(config))
         access_socket = store.access_socket_path()
         status = StoreStatus(
             store=store.root,
@@ -285,6 +287,8 @@ async def _serve(
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
         nursery.start_soon(engine.watch_store_forever)
+        if engine.l2 is not None:
+            nursery.start_soon(engine.l2.run)  # publishes to the cluster's L2
         if access_socket is not None:
             nursery.start_soon(_receive_direct_hits, engine, access_socket)
         aborted = await fuse.serve()
@@ -497,6 +501,16 @@ def spawn(
     raise MountError(
         f"daemon exited with status {code} before the mount was live; {log_file} ends:\n{tail}"
     )
+
+
+def _l2_tier(config: Config) -> L2Tier | None:
+    """The cluster's shared tier, if the config names one (no call is made yet)."""
+    if config.l2 is None:
+        return None
+    fingerprints = {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()}
+    tier = L2Tier(open_backend(config.l2), config.l2, fingerprints)
+    log.info("L2: %s (lease %g s)", tier.backend.description, config.l2.lease_seconds)
+    return tier
 
 
 def store_warning(config: Config) -> str | None:

@@ -36,6 +36,7 @@ from typing import Final, TypeVar
 import cachetools
 import trio
 
+from .cluster import L2Tier
 from .config import Config
 from .decode import (
     DecodeError,
@@ -156,8 +157,10 @@ class Engine:
         metrics: Metrics | None = None,
         *,
         clock: Callable[[], float] = trio.current_time,
+        l2: L2Tier | None = None,
     ) -> None:
         self.config = config
+        self.l2 = l2  # the cluster's shared tier (cluster.py), asked before decoding
         self.metrics = metrics or Metrics()
         self.store = store
         self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
@@ -266,6 +269,8 @@ class Engine:
 
     def close(self) -> None:
         self._warm_pool.shutdown()
+        if self.l2 is not None:
+            self.l2.close()
 
     def _may_store(self, version: str, size: int, uid: int | None) -> bool:
         if uid is None or uid == self._owner or self.config.unlisted_sizes == "everyone":
@@ -408,6 +413,7 @@ class Engine:
             "direct_hits": m.direct_hits,
             "errors": dict(m.errors),
             "decode_seconds": m.decode_seconds.as_dict(),
+            **(self.l2.stats() if self.l2 is not None else {}),
             "uptime_seconds": round(time.time() - m.started, 3),
             "versions": {
                 name: {
@@ -545,14 +551,15 @@ class Engine:
         # Twice the array: the decoded pixels and their .npy bytes, for a moment.
         granted = await self._take_memory(2 * npy_file_size(key.size))
         try:
-            data = memoryview(await self._decode(key, index, purpose, flight))
+            payload, decoded = await self._obtain(key, index, purpose, flight, may_store=may_store)
+            data = memoryview(payload)
             held = self.memory.hold(data, granted)
         except BaseException:
             self.memory.release(granted)
             raise
         if not may_store:  # served to its readers, never kept: the next asks decode again
             self.metrics.unlisted_not_stored += 1
-            return _Outcome(held, decoded=True, refused="unlisted")
+            return _Outcome(held, decoded=decoded, refused="unlisted")
         try:
             # A warm never evicts what readers have stored.
             await self._in_thread(
@@ -570,12 +577,23 @@ class Engine:
                 self._throttle.log(
                     logging.WARNING, f"store-{exc.kind}", "%s; serving it from memory", exc
                 )
-            return _Outcome(held, decoded=True, refused=exc.kind)
+            return _Outcome(held, decoded=decoded, refused=exc.kind)
         except BaseException:
             held.release()
             raise
         held.release()  # stored: every reader reads the file
-        return _Outcome(None, decoded=True)
+        return _Outcome(None, decoded=decoded)
+
+    async def _obtain(
+        self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool
+    ) -> tuple[bytes | memoryview, bool]:
+        """The array's .npy bytes, and whether they were decoded here: from the cluster's
+        L2 when it has them (cluster.py: verified, else decoded here and published)."""
+        decode = functools.partial(self._decode, key, index, purpose, flight)
+        if self.l2 is None:
+            return await decode(), True
+        obtained = await self.l2.obtain(key, decode, publish=may_store)
+        return obtained.data, obtained.decoded
 
     async def _take_memory(self, nbytes: int) -> int:
         self.metrics.memory_waits += self.memory.would_wait(nbytes)

@@ -180,6 +180,54 @@ class _StatsCollector(Collector):
             buckets=list(latency["buckets"].items()),
             sum_value=latency["sum"],
         )
+        if "l2" in stats:
+            yield from _l2_families(stats)
+
+
+# -- the cluster's L2 tier (cluster.py), present only when `l2` is configured -------------
+
+_L2_COUNTERS: Final = {
+    "l2_hits": "Arrays fetched from L2 and verified instead of decoded",
+    "l2_misses": "Arrays L2 could not give (absent, bad or unreachable), decoded here",
+    "l2_bypassed": "Arrays decoded without asking L2 while its circuit breaker was open",
+    "l2_leases": "Leases this node took to decode an array",
+    "l2_lease_waits": "Times this node waited for another node's lease",
+    "l2_lease_timeouts": "Lease waits that ran out before the holder published",
+    "l2_publishes": "Objects this node created in L2",
+    "l2_publish_exists": "Publishes that found the object in L2 already",
+    "l2_publish_dropped": "Publishes given up (queue full, L2 failing)",
+    "l2_corrupt": "L2 objects that failed verification (never served; replaced)",
+    "l2_bytes_fetched": "Bytes of verified objects fetched from L2",
+    "l2_breaker_opens": "Times the L2 circuit breaker opened",
+}
+_L2_GAUGES: Final = {
+    "l2_publish_queue": "Arrays waiting to be published to L2",
+    "l2_publish_queue_bytes": "Bytes of arrays waiting to be published to L2",
+}
+
+
+def _l2_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    for name, documentation in _L2_COUNTERS.items():
+        yield CounterMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
+    for name, documentation in _L2_GAUGES.items():
+        yield GaugeMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
+    state = GaugeMetricFamily(
+        "decodefs_l2_state", "1 for the L2 circuit breaker's current state", labels=["state"]
+    )
+    for name in ("closed", "open", "half-open"):
+        state.add_metric([name], int(stats["l2_state"] == name))
+    yield state
+    errors = CounterMetricFamily("decodefs_l2_errors", "Failed L2 calls, by kind", labels=["kind"])
+    for kind, count in sorted(stats["l2_errors"].items()):
+        errors.add_metric([kind], count)
+    yield errors
+    latency = stats["l2_fetch_seconds"]
+    yield HistogramMetricFamily(
+        "decodefs_l2_fetch_seconds",
+        "Time of one L2 fetch (a GET, found or not)",
+        buckets=list(latency["buckets"].items()),
+        sum_value=latency["sum"],
+    )
 
 
 def render_prometheus(stats: Mapping[str, Any]) -> bytes:

@@ -1,0 +1,599 @@
+"""The cluster's L2 tier in-process: engines over real stores in tmp_path, sharing a real
+L2 (a POSIX directory, and SeaweedFS's S3), with real decodes. Time is trio's
+MockClock where it matters (lease expiry, the breaker's backoff)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from decodefs.breaker import CircuitBreaker
+from decodefs.cluster import L2Tier, verify_object
+from decodefs.config import ConfigError, parse_config
+from decodefs.decode import decoder_fingerprint, npy_bytes, quiet_pillow_warnings
+from decodefs.engine import Engine
+from decodefs.entry import EntryKey, encode_trailer
+from decodefs.l2 import L2Backend, L2Error, PosixL2, lease_name, object_name, open_backend
+from decodefs.metrics import render_prometheus
+from decodefs.source import scan_source
+from decodefs.store import Store
+from tests.helpers import reference_npy
+from tests.servers import S3_ENV, SeaweedFS, seaweed  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.trio
+
+SIZE = 32
+
+
+# -- the harness --------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """One daemon's engine, store and L2 tier in this process (no mount)."""
+
+    engine: Engine
+    store: Store
+    tier: L2Tier
+
+    async def read(self, uuid: str, size: int = SIZE) -> bytes:
+        index = self.engine.find("v1", uuid)
+        assert index is not None, uuid
+        handle = await self.engine.open("v1", size, index)
+        try:
+            return bytes(await self.engine.read(handle, 0, handle.length + 1))
+        finally:
+            self.engine.release(handle)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+@dataclass
+class Cluster:
+    """Where the nodes of one test meet: an L2 and how to reach it."""
+
+    base: Path
+    source: Path
+    l2: str  # the config's l2 value
+    keys: dict[str, Any]  # other l2 config keys (l2_endpoint)
+
+    def backend(self) -> L2Backend:
+        config = parse_config(self._raw(self.base / "probe"), base_dir=self.base)
+        assert config.l2 is not None
+        return open_backend(config.l2)
+
+    def _raw(self, base: Path, **keys: Any) -> dict[str, Any]:
+        version = {"source": str(self.source), **keys.pop("version_keys", {})}
+        return {
+            "store": str(base / "store"),
+            "versions": {"v1": version},
+            "l2": self.l2,
+            **self.keys,
+            **keys,
+        }
+
+    @contextlib.asynccontextmanager
+    async def node(
+        self, name: str, *, wall: Callable[[], float] = time.time, **keys: Any
+    ) -> AsyncIterator[Node]:
+        base = self.base / name
+        base.mkdir()
+        config = parse_config(self._raw(base, **keys), base_dir=base)
+        assert config.l2 is not None
+        fingerprints = {n: decoder_fingerprint(v.decode) for n, v in config.versions.items()}
+        store = Store(config.store, fingerprints, lock_dir=str(base))
+        store.open()
+        tier = L2Tier(open_backend(config.l2), config.l2, fingerprints, wall=wall)
+        sources = {n: scan_source(n, v.source, v.extensions) for n, v in config.versions.items()}
+        engine = Engine(config, sources, store, l2=tier)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(tier.run)
+                yield Node(engine, store, tier)
+                nursery.cancel_scope.cancel()
+        finally:
+            engine.close()
+            store.close()
+
+
+@pytest.fixture(params=["posix", "s3"])
+def cluster(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    photos_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Cluster:
+    """An empty L2 of each kind: a directory, and a bucket on SeaweedFS."""
+    quiet_pillow_warnings()
+    if request.param == "posix":
+        (tmp_path / "shared").mkdir()
+        return Cluster(tmp_path, photos_dir, str(tmp_path / "shared"), {})
+    server: SeaweedFS = request.getfixturevalue("seaweed")
+    for name, value in S3_ENV.items():  # boto3's default chain reads them
+        monkeypatch.setenv(name, value)
+    url = f"s3://{server.bucket()}/team/decoded"
+    return Cluster(tmp_path, photos_dir, url, {"l2_endpoint": server.endpoint})
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Wait (on the trio clock) until ``condition()`` holds."""
+    with trio.move_on_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+        return
+    raise AssertionError(f"{what}: not so after {timeout} s")
+
+
+def entry_of(key: EntryKey, payload: bytes) -> bytes:
+    return payload + encode_trailer(key, payload, decoder_fingerprint_v1().digest)
+
+
+def decoder_fingerprint_v1() -> Any:
+    from decodefs.decode import DecodeSettings
+
+    return decoder_fingerprint(DecodeSettings())
+
+
+def name_of(uuid: str, size: int = SIZE) -> str:
+    return object_name(EntryKey("v1", size, uuid), decoder_fingerprint_v1().hex)
+
+
+# -- the backends' contract ------------------------------------------------------------
+
+
+async def test_objects_are_created_once_and_never_replaced(cluster: Cluster) -> None:
+    backend = cluster.backend()
+    assert backend.get("v1/x/1/ab/abc.npy", 100) is None
+    assert backend.size("v1/x/1/ab/abc.npy") is None
+    assert backend.create("v1/x/1/ab/abc.npy", b"first")
+    assert not backend.create("v1/x/1/ab/abc.npy", b"second")
+    assert backend.get("v1/x/1/ab/abc.npy", 100) == b"first"
+    assert backend.get("v1/x/1/ab/abc.npy", 2) == b"fir"  # at most limit + 1 bytes
+    assert backend.size("v1/x/1/ab/abc.npy") == 5
+    # Racing creates of one name, from many threads at once: exactly one wins.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda i: backend.create("race/r.npy", b"%d" % i), range(16)))
+    assert won.count(True) == 1
+    assert backend.get("race/r.npy", 10) == b"%d" % won.index(True)
+    backend.delete("v1/x/1/ab/abc.npy")
+    backend.delete("v1/x/1/ab/abc.npy")  # absent: no error
+    assert backend.get("v1/x/1/ab/abc.npy", 100) is None
+    assert backend.create("v1/x/1/ab/abc.npy", b"third")  # a verified-bad one is replaced so
+
+
+async def test_a_posix_l2_follows_no_symlink_planted_in_it(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (root / "v1").symlink_to(elsewhere)
+    backend = PosixL2(root)
+    with pytest.raises(L2Error) as caught:
+        backend.create("v1/fp/32/ab/abc.npy", b"data")
+    assert caught.value.kind in ("ELOOP", "ENOTDIR")
+    assert os.listdir(elsewhere) == []
+    (root / "obj.npy").symlink_to(tmp_path / "secret")
+    (tmp_path / "secret").write_bytes(b"secret")
+    assert backend.get("obj.npy", 100) == b""  # never the target's bytes: fails every check
+
+
+# -- a node reads what another published ------------------------------------------------
+
+
+async def test_a_second_node_reads_every_array_from_l2_without_decoding(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    async with cluster.node("a") as a:
+        for uuid in photos:
+            await a.read(uuid)
+        await until(lambda: a.stats()["l2_publishes"] == len(photos), "A published all")
+        assert a.stats()["decodes"] == a.stats()["l2_misses"] == len(photos)
+    async with cluster.node("b") as b:
+        for uuid, path in photos.items():
+            assert await b.read(uuid) == reference_npy(path, SIZE), uuid
+        stats = b.stats()
+        assert stats["decodes"] == 0 and stats["misses"] == 0
+        assert stats["l2_hits"] == stats["hits"] == stats["store_entries"] == len(photos)
+        assert stats["l2_bytes_fetched"] == stats["store_bytes"]
+        assert stats["l2_fetch_seconds"]["count"] == len(photos)
+        for uuid in photos:  # later reads are local hits: L2 is not asked again
+            await b.read(uuid)
+        assert b.stats()["l2_fetch_seconds"]["count"] == len(photos)
+        assert b.stats()["l2_publishes"] == 0
+        metrics = render_prometheus(b.stats()).decode()
+        assert f"decodefs_l2_hits_total {float(len(photos))}" in metrics
+        assert 'decodefs_l2_state{state="closed"} 1.0' in metrics
+        assert "decodefs_l2_fetch_seconds_bucket" in metrics
+
+
+async def test_an_object_is_the_store_entry_under_the_decoder_fingerprint(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    uuid = sorted(photos)[0]
+    async with cluster.node("a") as a:
+        await a.read(uuid)
+        await until(lambda: a.stats()["l2_publishes"] == 1, "published")
+        local = (Path(a.store.root) / EntryKey("v1", SIZE, uuid).relpath).read_bytes()
+    fingerprint = decoder_fingerprint_v1().hex
+    assert name_of(uuid) == f"v1/{fingerprint}/{SIZE}/{uuid[:2]}/{uuid}.npy"
+    assert cluster.backend().get(name_of(uuid), 1 << 20) == local  # byte for byte, trailer too
+
+
+async def test_other_decode_settings_never_take_each_others_arrays(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    uuid = sorted(photos)[0]
+    async with cluster.node("a") as a:
+        await a.read(uuid)
+        await until(lambda: a.stats()["l2_publishes"] == 1, "published")
+    async with cluster.node("b", version_keys={"resample": "nearest"}) as b:
+        nearest = await b.read(uuid)
+        assert b.stats()["decodes"] == 1 and b.stats()["l2_hits"] == 0
+        await until(lambda: b.stats()["l2_publishes"] == 1, "B published under its own name")
+    assert nearest != reference_npy(photos[uuid], SIZE)
+
+
+# -- corrupt objects ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda b, other: b[:-1000], id="truncated"),
+        pytest.param(lambda b, other: b[:200] + bytes([b[200] ^ 1]) + b[201:], id="bit-flip"),
+        pytest.param(lambda b, other: other, id="another-arrays-object"),
+        pytest.param(lambda b, other: b[:-40], id="no-trailer"),
+    ],
+)
+async def test_a_corrupt_object_is_never_served_and_is_replaced(
+    cluster: Cluster, photos: dict[str, Path], damage: Callable[[bytes, bytes], bytes]
+) -> None:
+    uuid, neighbour = sorted(photos)[:2]
+    async with cluster.node("a") as a:
+        await a.read(uuid)
+        await a.read(neighbour)
+        await until(lambda: a.stats()["l2_publishes"] == 2, "published")
+    backend = cluster.backend()
+    good = backend.get(name_of(uuid), 1 << 20)
+    other = backend.get(name_of(neighbour), 1 << 20)
+    assert good is not None and other is not None
+    backend.delete(name_of(uuid))  # how a damaged object can come to be there
+    assert backend.create(name_of(uuid), damage(good, other))
+    async with cluster.node("b") as b:
+        assert await b.read(uuid) == reference_npy(photos[uuid], SIZE)
+        stats = b.stats()
+        assert stats["l2_corrupt"] == 1 and stats["decodes"] == 1 and stats["l2_hits"] == 0
+        await until(lambda: b.stats()["l2_publishes"] == 1, "B published a good object")
+    assert backend.get(name_of(uuid), 1 << 20) == good
+
+
+async def test_an_object_of_another_store_format_is_left_alone(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    uuid = sorted(photos)[0]
+    key = EntryKey("v1", SIZE, uuid)
+    payload = reference_npy(photos[uuid], SIZE)
+    foreign = bytearray(entry_of(key, payload))
+    foreign[-36] = 99  # the trailer's format field: written by another decodefs
+    assert verify_object(key, bytes(foreign), decoder_fingerprint_v1().digest)[1]
+    backend = cluster.backend()
+    assert backend.create(name_of(uuid), bytes(foreign))
+    async with cluster.node("b") as b:
+        assert await b.read(uuid) == payload
+        assert b.stats()["l2_errors"]["foreign_format"] >= 1 and b.stats()["l2_corrupt"] == 0
+        assert b.stats()["decodes"] == 1
+        await until(lambda: b.stats()["l2_publish_exists"] == 1, "B's publish found it there")
+    assert backend.get(name_of(uuid), 1 << 20) == bytes(foreign)
+
+
+# -- leases ---------------------------------------------------------------------------------
+
+
+async def test_nodes_cold_at_once_decode_each_array_once(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    async with cluster.node("a") as a, cluster.node("b") as b:
+        got: dict[tuple[str, str], bytes] = {}
+
+        async def read(node: Node, label: str, uuid: str) -> None:
+            got[label, uuid] = await node.read(uuid)
+
+        async with trio.open_nursery() as nursery:
+            for uuid in photos:
+                nursery.start_soon(read, a, "a", uuid)
+                nursery.start_soon(read, b, "b", uuid)
+        for (_, uuid), data in got.items():
+            assert data == reference_npy(photos[uuid], SIZE), uuid
+        decodes = a.stats()["decodes"] + b.stats()["decodes"]
+        assert decodes == len(photos), (a.stats(), b.stats())
+        assert a.stats()["l2_leases"] + b.stats()["l2_leases"] >= len(photos)
+        assert a.stats()["l2_hits"] + b.stats()["l2_hits"] == len(photos)
+        await until(
+            lambda: a.stats()["l2_publish_queue"] + b.stats()["l2_publish_queue"] == 0, "flushed"
+        )
+    backend = cluster.backend()
+    assert not any(backend.size(lease_name(name_of(u))) for u in photos)  # all let go
+
+
+async def test_a_waiter_decodes_itself_once_the_holders_lease_runs_out(
+    cluster: Cluster, photos: dict[str, Path], mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.rate = 1.0  # real speed (worker threads), but jumps at will
+
+    def wall() -> float:
+        return 1_000_000.0 + trio.current_time()
+
+    uuid = sorted(photos)[0]
+    backend = cluster.backend()
+    # A node that took the lease and died: it never publishes, never lets go.
+    dead = b'{"holder": "dead", "expires": %f}' % (wall() + 30)
+    assert backend.create(lease_name(name_of(uuid)), dead)
+    async with cluster.node("b", wall=wall, l2_lease_seconds=30) as b:
+        result: list[bytes] = []
+
+        async def reader() -> None:
+            result.append(await b.read(uuid))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await until(lambda: b.tier.metrics.lease_waits == 1, "B waits for the lease")
+            assert b.stats()["decodes"] == 0
+            mock_clock.jump(30)  # the lease runs out
+        assert result == [reference_npy(photos[uuid], SIZE)]
+        assert b.stats()["decodes"] == 1 and b.stats()["l2_lease_timeouts"] == 1
+        assert trio.current_time() < 45  # waited for the lease, not much more
+
+
+async def test_a_waiter_takes_the_holders_array_as_soon_as_it_is_published(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    uuid = sorted(photos)[0]
+    backend = cluster.backend()
+    lease = lease_name(name_of(uuid))
+    assert backend.create(lease, b'{"holder": "slow", "expires": %f}' % (time.time() + 60))
+    async with cluster.node("b") as b:
+        result: list[bytes] = []
+
+        async def reader() -> None:
+            result.append(await b.read(uuid))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await until(lambda: b.tier.metrics.lease_waits == 1, "B waits for the lease")
+            key = EntryKey("v1", SIZE, uuid)
+            payload = reference_npy(photos[uuid], SIZE)
+            await trio.to_thread.run_sync(backend.create, name_of(uuid), entry_of(key, payload))
+            await trio.to_thread.run_sync(backend.delete, lease)
+        assert result == [reference_npy(photos[uuid], SIZE)]
+        assert b.stats()["decodes"] == 0 and b.stats()["l2_hits"] == 1
+
+
+async def test_an_expired_lease_is_taken_over(cluster: Cluster, photos: dict[str, Path]) -> None:
+    uuid = sorted(photos)[0]
+    backend = cluster.backend()
+    lease = lease_name(name_of(uuid))
+    assert backend.create(lease, b'{"holder": "dead", "expires": %f}' % (time.time() - 5))
+    async with cluster.node("b") as b:
+        assert await b.read(uuid) == reference_npy(photos[uuid], SIZE)
+        assert b.stats()["l2_leases"] == 1 and b.stats()["l2_lease_waits"] == 0
+        await until(lambda: b.stats()["l2_publish_queue"] == 0, "published")
+    assert backend.size(lease) is None
+
+
+# -- L2 failing: reads never fail, never wait past a bound ---------------------------------------
+
+
+@pytest.fixture
+def unreachable(tmp_path: Path) -> Iterator[str]:
+    """An S3 endpoint with nothing listening."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """An S3 endpoint that accepts connections and never answers (a hung server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def test_an_unreachable_l2_means_local_decodes_and_the_breaker_opens(
+    tmp_path: Path, photos_dir: Path, photos: dict[str, Path], unreachable: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    cluster = Cluster(tmp_path, photos_dir, "s3://bucket/p", {"l2_endpoint": unreachable})
+    async with cluster.node("a") as a:
+        for uuid, path in photos.items():
+            assert await a.read(uuid) == reference_npy(path, SIZE)
+        stats = a.stats()
+        assert stats["decodes"] == len(photos)
+        assert stats["l2_errors"]["unreachable"] >= 3
+        assert stats["l2_state"] == "open" and stats["l2_breaker_opens"] == 1
+        assert stats["l2_bypassed"] >= len(photos) - 3  # once open, L2 is not asked
+
+
+async def test_a_silent_l2_costs_a_read_at_most_its_timeout(
+    tmp_path: Path, photos_dir: Path, photos: dict[str, Path], silent: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    keys = {"l2_endpoint": silent, "l2_timeout_seconds": 0.5}
+    cluster = Cluster(tmp_path, photos_dir, "s3://bucket/p", keys)
+    async with cluster.node("a") as a:
+        worst = 0.0
+        for uuid, path in photos.items():
+            started = time.monotonic()
+            assert await a.read(uuid) == reference_npy(path, SIZE)
+            worst = max(worst, time.monotonic() - started)
+        stats = a.stats()
+        assert stats["l2_errors"]["timeout"] >= 3 and stats["l2_state"] == "open"
+        assert worst < 0.5 + 3.0, worst  # one timeout, plus a decode on a busy machine
+
+
+async def test_the_breaker_tries_again_after_its_backoff_and_closes(
+    tmp_path: Path, photos_dir: Path, photos: dict[str, Path], mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.rate = 1.0
+    shared = tmp_path / "not-mounted-yet"
+    cluster = Cluster(tmp_path, photos_dir, str(shared), {"l2_retry_seconds": 10})
+    uuids = sorted(photos)
+    async with cluster.node("a") as a:
+        for uuid in uuids[:4]:
+            await a.read(uuid)
+        assert a.stats()["l2_state"] == "open" and a.stats()["l2_errors"]["ENOENT"] == 3
+        shared.mkdir()  # L2 is back
+        await a.read(uuids[4])
+        assert a.stats()["l2_state"] == "open"  # not asked before the backoff has passed
+        mock_clock.jump(10)
+        await a.read(uuids[5])
+        assert a.stats()["l2_state"] == "closed" and a.stats()["l2_breaker_opens"] == 1
+        await until(lambda: a.stats()["l2_publishes"] == 1, "published again")
+
+
+async def test_a_full_publish_queue_drops_publishes_and_lets_go_of_leases(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    async with cluster.node("a", l2_publish_queue_bytes=1) as a:
+        for uuid, path in photos.items():
+            assert await a.read(uuid) == reference_npy(path, SIZE)
+        await until(lambda: a.stats()["l2_publish_queue"] == 0, "leases let go")
+        assert a.stats()["l2_publish_dropped"] == len(photos)
+        assert a.stats()["l2_publishes"] == 0
+    backend = cluster.backend()
+    assert not any(backend.size(lease_name(name_of(u))) for u in photos)
+
+
+# -- the breaker alone --------------------------------------------------------------------------
+
+
+async def test_breaker_opens_after_failures_in_a_row_and_backs_off() -> None:
+    now = [0.0]
+    changes: list[tuple[str, str]] = []
+    breaker = CircuitBreaker(
+        lambda: now[0],
+        threshold=3,
+        first_backoff=1,
+        max_backoff=4,
+        on_change=lambda a, b, why: changes.append((a, b)),
+    )
+    breaker.failure("x")
+    breaker.success()  # not in a row
+    breaker.failure("x")
+    breaker.failure("x")
+    assert breaker.allow() and breaker.failures == 2
+    breaker.failure("x")
+    assert str(breaker.state) == "open" and not breaker.allow() and breaker.retry_in == 1
+    now[0] = 1.0
+    assert breaker.allow() and str(breaker.state) == "half-open"
+    assert not breaker.allow()  # one trial at a time
+    breaker.failure("y")
+    assert str(breaker.state) == "open" and breaker.backoff == 2
+    for expected in (4, 4):  # doubles up to max_backoff
+        now[0] += breaker.backoff
+        assert breaker.allow()
+        breaker.failure("y")
+        assert breaker.backoff == expected
+    now[0] += 4
+    assert breaker.allow()
+    breaker.abandon()  # a cancelled trial frees the slot
+    assert breaker.allow()
+    breaker.success()
+    assert str(breaker.state) == "closed" and breaker.backoff == 1 and breaker.failures == 0
+    assert changes[:3] == [("closed", "open"), ("open", "half-open"), ("half-open", "open")]
+    assert changes[-1] == ("half-open", "closed")
+    assert breaker.opened == 4
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def _parse(tmp_path: Path, **keys: Any) -> Any:
+    (tmp_path / "src").mkdir(exist_ok=True)
+    raw = {"store": "store", "versions": {"v1": {"source": "src"}}, **keys}
+    return parse_config(raw, base_dir=tmp_path)
+
+
+async def test_l2_keys_have_defaults_and_are_validated(tmp_path: Path) -> None:
+    assert _parse(tmp_path).l2 is None
+    l2 = _parse(tmp_path, l2="s3://team-bucket/decoded/", l2_endpoint="http://s3:8333").l2
+    assert (l2.bucket, l2.prefix, l2.url) == ("team-bucket", "decoded", "s3://team-bucket/decoded")
+    assert (l2.timeout_seconds, l2.lease_seconds, l2.retry_seconds, l2.workers) == (5, 10, 1, 8)
+    assert l2.publish_queue_bytes == 256 << 20
+    posix = _parse(tmp_path, l2="shared/l2", l2_lease_seconds=0).l2
+    assert posix.url == str(tmp_path / "shared/l2") and not posix.is_s3
+    assert posix.lease_seconds == 0
+    config = _parse(tmp_path, l2="s3://abc")
+    assert config.as_dict()["l2"]["url"] == "s3://abc"
+    assert "l2" not in _parse(tmp_path).as_dict()
+    with pytest.raises(ConfigError) as caught:
+        _parse(
+            tmp_path,
+            l2="s3://ab/x",
+            l2_endpoint="s3.example.com",
+            l2_region="",
+            l2_timeout_seconds=0,
+            l2_lease_seconds=-1,
+            l2_workers=0,
+            l2_publish_queue_bytes="lots",
+            l2_retry_second=1,
+        )
+    problems = caught.value.problems
+    assert any(p.startswith("l2: 'ab' is not an S3 bucket name") for p in problems)
+    assert any(p.startswith("l2_endpoint: expected a URL") for p in problems)
+    assert any(p.startswith("l2_region: expected a region name") for p in problems)
+    assert "l2_timeout_seconds: must be more than 0" in problems
+    assert any(p.startswith("l2_lease_seconds: expected a non-negative number") for p in problems)
+    assert "l2_workers: 0 is outside 1..256" in problems
+    assert any(p.startswith("l2_publish_queue_bytes:") for p in problems)
+    assert "l2_retry_second: unknown key (did you mean 'l2_retry_seconds'?)" in problems
+    with pytest.raises(ConfigError) as caught:
+        _parse(tmp_path, l2_endpoint="http://s3:8333")
+    assert caught.value.problems == ("l2_endpoint: set without l2 (the shared tier it configures)",)
+    with pytest.raises(ConfigError) as caught:
+        _parse(tmp_path, l2="/data/l2", l2_endpoint="http://s3:8333")
+    assert caught.value.problems == ("l2_endpoint: only for an l2 of the form s3://bucket/prefix",)
+    with pytest.raises(ConfigError) as caught:
+        _parse(tmp_path, l2="gs://bucket/x")
+    assert caught.value.problems[0].startswith("l2: 'gs://bucket/x': expected")
+
+
+async def test_importing_decodefs_needs_neither_boto3_nor_dask() -> None:
+    code = (
+        "import sys, decodefs, decodefs.engine, decodefs.cluster, decodefs.daemon, decodefs.cli\n"
+        "loaded = [m for m in ('boto3', 'botocore', 'dask', 'distributed') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    result = await trio.run_process([sys.executable, "-c", code], capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode()
+
+
+async def test_verify_object_runs_the_local_stores_checks() -> None:
+    key = EntryKey("v1", 8, "abc")
+    payload = npy_bytes(np.zeros((8, 8, 3), dtype=np.uint8))
+    digest = decoder_fingerprint_v1().digest
+    good = payload + encode_trailer(key, payload, digest)
+    assert verify_object(key, good, digest) == (None, False)
+    assert verify_object(EntryKey("v1", 8, "abd"), good, digest)[0] is not None
+    assert verify_object(key, good, b"\0" * 16)[0] == "decoded with other settings or libraries"
+    wrong_size = EntryKey("v1", 9, "abc")
+    assert verify_object(wrong_size, good, digest)[0] is not None
