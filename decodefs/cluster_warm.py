@@ -45,6 +45,7 @@ class WarmSpec:
     version: str
     size: int
     settings: DecodeSettings
+    layout: str  # which original a key names: part of the fingerprint
     max_pixels: int
     fingerprint_hex: str  # the client's: a worker that decodes differently refuses
 
@@ -79,7 +80,7 @@ class SchedulerUnreachable(Exception):
 def warm_batch(spec: WarmSpec, items: Sequence[tuple[str, str]]) -> BatchResult:
     """On a worker: decode and publish each (uuid, path) that L2 does not hold yet."""
     result = BatchResult()
-    fingerprint = decoder_fingerprint(spec.settings)
+    fingerprint = decoder_fingerprint(spec.settings, keys=spec.layout)
     if fingerprint.hex != spec.fingerprint_hex:
         reason = (
             f"this worker decodes with other libraries (fingerprint {fingerprint.hex[:12]}, "
@@ -163,8 +164,9 @@ def cluster_warm(
         version=version,
         size=size,
         settings=settings.decode,
+        layout=settings.layout,
         max_pixels=config.max_pixels,
-        fingerprint_hex=decoder_fingerprint(settings.decode).hex,
+        fingerprint_hex=settings.fingerprint().hex,
     )
     started = time.monotonic()
     _probe(address)

@@ -507,7 +507,7 @@ def _l2_tier(config: Config) -> L2Tier | None:
     """The cluster's shared tier, if the config names one (no call is made yet)."""
     if config.l2 is None:
         return None
-    fingerprints = {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()}
+    fingerprints = {name: v.fingerprint() for name, v in config.versions.items()}
     tier = L2Tier(open_backend(config.l2), config.l2, fingerprints)
     log.info("L2: %s (lease %g s)", tier.backend.description, config.l2.lease_seconds)
     return tier
