@@ -18,6 +18,8 @@ import numpy as np
 from PIL import Image
 
 from decodefs import DecodeSettings, decode_image
+from decodefs.decode import decoder_fingerprint
+from decodefs.entry import EntryKey, encode_trailer
 from decodefs.protocol import TRAILER_SIZE
 from tests.conditions import wait_until
 from tests.conftest import MountFactory
@@ -60,10 +62,11 @@ def test_adopt_moves_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
     (cache / "v1" / str(SIZE) / "ch" / "notes.txt").write_text("not an array")
     config = write_config(tmp_path / "adopt.toml", tmp_path / "store", {"v1": photos_dir})
 
-    result = adopt(cache, config, "--sample", "4")
+    result = adopt(cache, config, "--sample", "100")
     assert result.returncode == 0, result.stderr
     adopted = len(photos) - 2
-    assert "sample: 4 arrays decoded again, each equal byte for byte" in result.stdout
+    # Every candidate sampled; the float array was found no .npy of ours, not compared.
+    assert f"sample: {adopted} arrays decoded again, each equal byte for byte" in result.stdout
     assert f"adopted {adopted} arrays of v1/{SIZE}" in result.stdout
     assert f"{adopted} moved into the store, 0 copied" in result.stdout
     assert "left in the cache: 1 with no original in the version (e.g. zz-no-such-original)" in (
@@ -214,8 +217,19 @@ def test_adopt_is_interruptible_and_resumes(tmp_path: Path) -> None:
     for path in cache.rglob("*.npy"):  # the rest of the cache as it was
         assert path.stat().st_size == 128 + SIZE * SIZE * 3
 
+    # A move cut short after its trailer went on (kill -9, power cut) is taken as it is;
+    # other bytes after the array are not ours: that file stays.
+    cut_short, garbage = sorted(cache.rglob("*.npy"))[:2]
+    payload = cut_short.read_bytes()
+    digest = decoder_fingerprint(DecodeSettings()).digest
+    key = EntryKey("v1", SIZE, cut_short.stem)
+    cut_short.write_bytes(payload + encode_trailer(key, payload, digest))
+    garbage.write_bytes(garbage.read_bytes() + bytes(TRAILER_SIZE))
+
     again = adopt(cache, config, "--sample", "3")
     assert again.returncode == 0, again.stderr
-    assert f"adopted {left:,} arrays" in again.stdout
-    assert sum(1 for _ in store_arrays.glob("*/*.npy")) == len(originals)
+    assert f"adopted {left - 1:,} arrays" in again.stdout
+    assert "left in the cache: 1 not a stored array's .npy" in again.stderr
+    assert sum(1 for _ in store_arrays.glob("*/*.npy")) == len(originals) - 1
+    assert list(cache.rglob("*.npy")) == [garbage]
     assert decodefs("verify", config).returncode == 0

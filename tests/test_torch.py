@@ -33,6 +33,11 @@ from tests.helpers import Mount, decodefs, reference_npy
 SIZE = 40  # small: these tests are about processes and bytes, not decode speed
 
 
+def workers(context: str) -> int:
+    """Two forked workers; one spawned (each spawn imports torch afresh: seconds)."""
+    return 2 if context == "fork" else 1
+
+
 def label_of(uuid: str) -> int:
     """A target function at module level, so spawn workers can unpickle it."""
     return len(uuid)
@@ -79,7 +84,7 @@ def test_mount_dataset_in_workers_survives_a_daemon_restart(
     loader = DataLoader(
         dataset,
         batch_size=4,
-        num_workers=2,
+        num_workers=workers(context),
         collate_fn=collate_uint8,
         multiprocessing_context=context,
         persistent_workers=persistent,
@@ -156,7 +161,7 @@ def test_mount_and_live_decode_are_equal_in_workers(
         loader = DataLoader(
             dataset,
             batch_size=3,
-            num_workers=2,
+            num_workers=workers(context),
             collate_fn=collate_uint8,
             multiprocessing_context=context,
         )
