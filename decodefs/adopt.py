@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import os
 import random
 import stat
@@ -113,7 +114,10 @@ def adopt(
     if version not in config.versions:
         raise AdoptError(f"version {version!r} is not in the config ({', '.join(config.versions)})")
     if not config.min_size <= size <= config.max_size:
-        raise AdoptError(f"size {size} is outside min_size..max_size of the config")
+        raise AdoptError(
+            f"size {size} is outside the config's min_size..max_size "
+            f"({config.min_size}..{config.max_size})"
+        )
     if sample < 1:
         raise AdoptError("--sample must be at least 1: adopting means checking a sample")
     directory = cache_dir / version / str(size)
@@ -322,16 +326,17 @@ def _refuse_if_in_use(store: Path) -> None:
 
 
 def _cache_files(root: int) -> Iterator[tuple[str, str]]:
-    """(shard, file name) of each ``*.npy`` in the <uu> directories of the cache's
-    <version>/<size>/ directory open at ``root``; no symlink followed, names
-    starting with '.' skipped."""
+    """(shard, name) of each ``*.npy`` that is no directory in the <uu> directories
+    of the cache's <version>/<size>/ directory open at ``root`` (a symlink is
+    listed, to be refused when opened); no symlink followed, names starting
+    with '.' skipped."""
     with os.scandir(root) as it:
         shards = sorted(
             e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
         )
     for shard in shards:
         with _opened_at(root, shard) as fd, os.scandir(fd) as it:
-            names = [e.name for e in it if e.is_file(follow_symlinks=False)]
+            names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
         for name in sorted(names):
             if name.endswith(".npy") and not name.startswith("."):
                 yield shard, name
@@ -357,6 +362,8 @@ def _payload(shard: int, name: str, key: EntryKey, digest: bytes) -> tuple[bytes
         finally:
             os.close(fd)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return b"", "a symlink (not followed)"
         return b"", f"unreadable: {exc.strerror}"
     if len(data) == length + TRAILER_SIZE:
         if check_entry(key, data, digest) is not None:

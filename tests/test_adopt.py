@@ -60,11 +60,14 @@ def test_adopt_moves_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
     misplaced = cache / "v1" / str(SIZE) / "zz" / "camera-gray.npy"
     os.rename(files.pop("camera-gray"), misplaced)  # not in its <uu>/
     (cache / "v1" / str(SIZE) / "ch" / "notes.txt").write_text("not an array")
+    elsewhere = tmp_path / "someone-elses.npy"  # the right bytes, but not the cache's file
+    os.rename(files.pop("coffee-webp"), elsewhere)
+    (cache / "v1" / str(SIZE) / "co" / "coffee-webp.npy").symlink_to(elsewhere)
     config = write_config(tmp_path / "adopt.toml", tmp_path / "store", {"v1": photos_dir})
 
     result = adopt(cache, config, "--sample", "100")
     assert result.returncode == 0, result.stderr
-    adopted = len(photos) - 2
+    adopted = len(photos) - 3
     # Every candidate sampled; the float array was found no .npy of ours, not compared.
     assert f"sample: {adopted} arrays decoded again, each equal byte for byte" in result.stdout
     assert f"adopted {adopted} arrays of v1/{SIZE}" in result.stdout
@@ -72,13 +75,15 @@ def test_adopt_moves_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
     assert "left in the cache: 1 with no original in the version (e.g. zz-no-such-original)" in (
         result.stderr
     )
-    assert "left in the cache: 2 not a stored array's .npy" in result.stderr
+    assert "left in the cache: 3 not a stored array's .npy" in result.stderr
     assert cache_files(cache) == {  # moved away: what was not adopted stays
         f"v1/{SIZE}/zz/zz-no-such-original.npy",
         f"v1/{SIZE}/as/astronaut-palette.npy",
         f"v1/{SIZE}/zz/camera-gray.npy",
+        f"v1/{SIZE}/co/coffee-webp.npy",
         f"v1/{SIZE}/ch/notes.txt",
     }
+    assert elsewhere.read_bytes() == reference_npy(photos["coffee-webp"], SIZE)
     verify = decodefs("verify", config)
     assert verify.returncode == 0 and f"{adopted} ok, 0 corrupt" in verify.stdout, verify.stdout
     entry = tmp_path / "store" / "v1" / str(SIZE) / "ch" / "chelsea-444.npy"
@@ -86,7 +91,7 @@ def test_adopt_moves_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
 
     mount = mounts({"v1": photos_dir})  # the same store
     for uuid, original in photos.items():
-        if uuid not in ("astronaut-palette", "camera-gray"):
+        if uuid not in ("astronaut-palette", "camera-gray", "coffee-webp"):
             path = mount.path("v1", str(SIZE), f"{uuid}.npy")
             assert path.read_bytes() == reference_npy(original, SIZE), uuid
     stats = mount.stats()
