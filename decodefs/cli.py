@@ -17,7 +17,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
@@ -153,6 +155,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     warm.add_argument("--config", type=Path, default=default_config, help=config_help)
     warm.set_defaults(run=_warm, parser=warm)
+
+    adopt = commands.add_parser(
+        "adopt",
+        help="import an existing cache of <version>/<size>/<uu>/<uuid>.npy files into the store",
+    )
+    adopt.add_argument("cache_dir", type=Path, help="the cache (holding <version>/<size>/<uu>/)")
+    adopt.add_argument("version")
+    adopt.add_argument("size", type=int)
+    adopt.add_argument("--config", type=Path, default=default_config, help=config_help)
+    adopt.add_argument(
+        "--sample",
+        type=int,
+        default=300,
+        help="arrays decoded again and compared byte for byte first (default: 300)",
+    )
+    adopt.add_argument(
+        "--copy",
+        action="store_true",
+        help="copy every file, leaving the cache as it was (default: move the files "
+        "that are the store user's alone on the store's filesystem)",
+    )
+    adopt.set_defaults(run=_adopt)
 
     verify = commands.add_parser("verify", help="check every stored entry offline")
     verify.add_argument(
@@ -345,6 +369,62 @@ def _warm_cluster(args: argparse.Namespace) -> int:
         print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     return EXIT_ERROR if report.failed or report.missing else 0
+
+
+def _adopt(args: argparse.Namespace) -> int:
+    from .adopt import AdoptError, adopt
+
+    config = load_config(args.config)
+    stop = threading.Event()
+
+    def stop_after_this_entry(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now (every write is atomic)
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, stop_after_this_entry)
+    try:
+        report = adopt(
+            config,
+            args.version,
+            args.size,
+            args.cache_dir,
+            sample=args.sample,
+            copy=args.copy,
+            progress=sys.stderr.isatty(),
+            stop=stop,
+        )
+    except AdoptError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    what = f"{args.version}/{args.size}"
+    rate = report.adopted / report.seconds if report.seconds else 0.0
+    if report.sampled:
+        print(
+            f"decodefs: sample: {report.sampled:,} arrays decoded again, "
+            "each equal byte for byte to the cache's"
+        )
+    print(
+        f"decodefs: adopted {report.adopted:,} arrays of {what} in {report.seconds:.1f} s "
+        f"({rate:,.1f}/s): {report.moved:,} moved into the store, {report.copied:,} copied; "
+        f"{report.already_stored:,} were stored already"
+    )
+    left = [
+        (report.unknown, "with no original in the version", "unknown"),
+        (report.bad, "not a stored array's .npy", "bad"),
+        (report.undecodable, "whose original cannot be decoded", "undecodable"),
+    ]
+    for count, why, kind in left:
+        if count:
+            print(
+                f"decodefs: left in the cache: {count:,} {why} (e.g. {report.examples[kind]})",
+                file=sys.stderr,
+            )
+    if report.interrupted:
+        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:

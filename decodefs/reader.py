@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import multiprocessing.util
 import os
 import socket
 import stat
@@ -379,6 +380,13 @@ def _after_fork() -> None:
     _reporter.after_fork()
 
 
+def _flush_at_child_exit(reporter: _Reporter) -> None:
+    # A multiprocessing child started by fork (DataLoader workers, Pool) ends
+    # with os._exit: atexit never runs there, multiprocessing's finalizers do.
+    multiprocessing.util.Finalize(None, reporter.flush, exitpriority=0)
+
+
 _reporter = _Reporter()
 atexit.register(_reporter.flush)
 os.register_at_fork(after_in_child=_after_fork)
+multiprocessing.util.register_after_fork(_reporter, _flush_at_child_exit)

@@ -53,7 +53,7 @@ from typing import Final, Protocol
 
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .entry import STALE, EntryKey, FileCheck, check_entry_file, encode_trailer
+from .entry import STALE, EntryKey, FileCheck, check_entry, check_entry_file, encode_trailer
 from .protocol import ACCESS_SOCKET, STORE_FORMAT, STORE_MARKER, TRAILER_SIZE
 from .trusted import DIRECTORY_FLAGS as _DIR
 from .trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
@@ -61,6 +61,7 @@ from .trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
 __all__ = [
     "CATALOG_FILE",
     "STALE",
+    "CannotMove",
     "CorruptEntry",
     "Fingerprint",
     "Store",
@@ -111,6 +112,10 @@ class CorruptEntry(Exception):
     def __init__(self, key: EntryKey, reason: str) -> None:
         super().__init__(f"{key}: {reason}")
         self.reason = reason
+
+
+class CannotMove(Exception):
+    """A file may not be moved into the store (``Store.move_in``); nothing was changed."""
 
 
 class Fingerprint(Protocol):
@@ -346,6 +351,109 @@ class Store:
             if exc.errno == errno.EROFS:
                 self.writable = False  # check() notices when it can be written again
             raise StoreWriteError(key, exc) from exc
+
+    def contains(self, key: EntryKey) -> bool:
+        """Whether ``key`` has an entry file (not checked: ``verify`` does that)."""
+        return self._exists(key)
+
+    def move_in(
+        self,
+        key: EntryKey,
+        directory: int,
+        name: str,
+        payload_length: int,
+        *,
+        may_evict: bool = True,
+    ) -> None:
+        """Make the file ``name`` in the directory open at ``directory`` the entry of
+        ``key``, by appending the trailer in place and renaming it into the store:
+        no copy, no second file's room on flash (``decodefs adopt``).
+
+        The file's first ``payload_length`` bytes are the payload; a file that
+        already ends with this key's valid trailer (a move interrupted before
+        its rename) is taken as it is. Only a file that nobody but this user can
+        change or keep a way into is moved: a regular file of this user alone
+        (not a symlink), with one link, in a directory of this user alone, on
+        the store's filesystem. Otherwise, or if it is not such a payload,
+        CannotMove is raised and nothing is changed. Raises StoreWriteError as
+        ``write`` does; the file is then as it was.
+        """
+        root = self._root_fd
+        if root is None or self._tmp_fd is None:
+            raise StoreWriteError(key, OSError(errno.EROFS, "the store is not writable"))
+        digest = self._fingerprints[key.version].digest
+        try:
+            named = os.stat(name, dir_fd=directory, follow_symlinks=False)
+            if not stat.S_ISREG(named.st_mode):
+                raise CannotMove("not a regular file")  # never opened for writing
+            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, dir_fd=directory)
+        except OSError as exc:
+            raise CannotMove(f"cannot open it for writing: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            problem = _move_problem(st, os.fstat(directory), os.fstat(root).st_dev)
+            if (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino):
+                problem = "replaced while being opened"
+            if problem is not None:
+                raise CannotMove(problem)
+            nbytes = payload_length + TRAILER_SIZE
+            data = _read_all(fd, st.st_size)
+            trailer: bytes | None = None
+            if len(data) == payload_length:
+                trailer = encode_trailer(key, data, digest)
+            elif len(data) != nbytes or check_entry(key, data, digest) is not None:
+                raise CannotMove(f"{len(data)} bytes: not a payload of {payload_length}")
+            self._move(key, fd, st, (directory, name), payload_length, trailer, may_evict)
+        finally:
+            os.close(fd)
+
+    def _move(
+        self,
+        key: EntryKey,
+        fd: int,
+        st: os.stat_result,
+        source: tuple[int, str],
+        payload_length: int,
+        trailer: bytes | None,
+        may_evict: bool,
+    ) -> None:
+        root = self._root_fd
+        assert root is not None
+        directory, name = source
+        try:
+            with self.capacity.room(key, payload_length + TRAILER_SIZE, may_evict=may_evict):
+                try:
+                    if trailer is not None:
+                        written = os.pwrite(fd, trailer, payload_length)
+                        if written != len(trailer):
+                            raise OSError(errno.ENOSPC, "the trailer was written in part")
+                    _set_mode(fd, self.file_mode)
+                    shard = self._entry_dir(root, key)
+                    try:
+                        self.capacity.commit(
+                            key,
+                            payload_length + TRAILER_SIZE,
+                            lambda: os.rename(
+                                name, f"{key.uuid}.npy", src_dir_fd=directory, dst_dir_fd=shard
+                            ),
+                        )
+                        placed = os.stat(f"{key.uuid}.npy", dir_fd=shard, follow_symlinks=False)
+                    finally:
+                        os.close(shard)
+                except BaseException:
+                    if trailer is not None and _same_file(st, directory, name):  # not moved
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(fd, payload_length)  # as it was
+                    raise
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                self.writable = False
+            raise StoreWriteError(key, exc) from exc
+        if (placed.st_dev, placed.st_ino) != (st.st_dev, st.st_ino):
+            # Another file took the name between the checks and the rename.
+            self.remove(key)
+            raise StoreWriteError(key, OSError(errno.EAGAIN, "the file was replaced while moved"))
 
     def remove(self, key: EntryKey) -> None:
         """Delete an entry (a bad one); its catalog row goes after its file."""
@@ -834,6 +942,43 @@ def _subdirs(parent: int, name: str | None) -> Iterator[tuple[str, int]]:
         return
     finally:
         os.close(fd)
+
+
+def _move_problem(st: os.stat_result, directory: os.stat_result, store_device: int) -> str | None:
+    """Why a file (``st``, in ``directory``) may not be moved into the store, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_dev != store_device:
+        return "on another filesystem than the store"
+    if st.st_nlink != 1:
+        return f"{st.st_nlink} links to it"
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return f"owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}"
+    if directory.st_uid != os.geteuid() or directory.st_mode & 0o022:
+        return f"in a directory of uid {directory.st_uid}, mode {stat.filemode(directory.st_mode)}"
+    return None
+
+
+def _same_file(st: os.stat_result, directory: int, name: str) -> bool:
+    """Whether ``name`` in ``directory`` is still the file ``st`` describes."""
+    try:
+        now = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _read_all(fd: int, length: int) -> bytes:
+    """Up to ``length`` bytes of ``fd`` from its start (fewer if it is shorter)."""
+    pieces = []
+    offset = 0
+    while offset < length:
+        piece = os.pread(fd, length - offset, offset)
+        if not piece:
+            break
+        pieces.append(piece)
+        offset += len(piece)
+    return b"".join(pieces)
 
 
 def _read_small(root: int, relpath: str) -> bytes:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what decodefs needs on a fresh Debian machine; quick when already done.
 #   apt: see system-packages.sh (plus systemd-analyze for the tests)
-#   .venv/ with decodefs and its test tools
+#   .venv/ with decodefs, its test tools and PyTorch (the torch extra: its tests run in CI)
 # Sourced by test.sh and demo.sh; sets VENV.
 set -euo pipefail
 
@@ -23,13 +23,13 @@ want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing decodefs and its test tools into $VENV" >&2
     log="$(mktemp)"
-    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[test,cluster-test]" >"$log" 2>&1; then
+    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[test,cluster-test,torch]" >"$log" 2>&1; then
         grep -v "^WARNING: Location .* is ignored" "$log" >&2
         echo "setup: pip install failed" >&2
         exit 1
     fi
     rm -f "$log"
-    "$VENV/bin/python" -c 'import decodefs, pyfuse3, skimage, boto3, distributed' # fails loudly if the install did
+    "$VENV/bin/python" -c 'import decodefs, pyfuse3, skimage, boto3, distributed, torch' # fails loudly if the install did
     echo "$want" >"$stamp"
 fi
 export VENV

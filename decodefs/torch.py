@@ -1,0 +1,324 @@
+"""PyTorch datasets over a decodefs mount, their live-decode twin, and a uint8 batch path.
+
+The only module of decodefs that imports torch (the optional extra
+``decodefs[torch]``); importing the rest of decodefs never does. Arrays come
+from ``read_array`` (a stored array is read straight from the store, without
+a FUSE request) or, for ``LiveDataset``, from ``decode_image`` with the
+version's own settings, so the two give the same pixels. Nothing here caches
+arrays, talks to the daemon or knows the store's layout.
+
+Every dataset keeps its per-item state in numpy arrays of bytes rather than
+lists of Python strings, so forked DataLoader workers do not copy it page by
+page as they touch reference counts (``ImageFolder`` keeps torchvision's
+``samples`` list, for parity).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+try:
+    import torch
+    from torch.utils.data import Dataset, default_collate, get_worker_info
+except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "decodefs.torch needs PyTorch: pip install 'decodefs[torch]' "
+        f"(the rest of decodefs works without it): {exc}"
+    ) from exc
+
+from .config import Config, load_config
+from .decode import DecodeSettings, decode_image
+from .reader import read_array
+from .source import scan_source
+
+__all__ = ["ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
+
+Array: TypeAlias = npt.NDArray[np.uint8]
+Targets: TypeAlias = Sequence[Any] | Callable[[str], Any] | None
+Transform: TypeAlias = Callable[[Array], Any] | None
+PathLike: TypeAlias = str | os.PathLike[str]
+
+
+class _UuidDataset(Dataset[tuple[Any, Any]]):
+    """What MountDataset and LiveDataset share: uuids, targets, transform."""
+
+    def __init__(self, uuids: Sequence[str], targets: Targets, transform: Transform) -> None:
+        names = [os.fsencode(u) for u in uuids]
+        if any(not name or b"/" in name or b"\0" in name for name in names):
+            raise ValueError("a uuid is a file stem: not empty, no '/', no NUL")
+        # One bytes array, not a list of str: forked workers share it untouched.
+        self._uuids = np.array(names, dtype=np.bytes_)
+        if targets is not None and not callable(targets) and len(targets) != len(names):
+            raise ValueError(f"{len(targets)} targets for {len(names)} uuids")
+        self.targets = targets
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self._uuids)
+
+    def uuid(self, index: int) -> str:
+        return os.fsdecode(self._uuids[index])
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} items")
+        uuid = self.uuid(index)
+        image: Any = self._array(index, uuid)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, self._target(index, uuid)
+
+    def _target(self, index: int, uuid: str) -> Any:
+        if self.targets is None:
+            return uuid
+        if callable(self.targets):
+            return self.targets(uuid)
+        return self.targets[index]
+
+    def _array(self, index: int, uuid: str) -> Array:
+        raise NotImplementedError
+
+
+class MountDataset(_UuidDataset):
+    """``(image, target)`` for each uuid, read from ``<mountpoint>/<version>/<size>/``.
+
+    ``image`` is the array the mount serves: a writable, C-contiguous uint8
+    ``[size, size, 3]`` numpy array (HWC, RGB), read with ``read_array``, or
+    whatever ``transform`` makes of that array. torchvision's ``ToTensor()``
+    and ``v2.ToImage()`` take it as it is; transforms that want a PIL image
+    need ``Image.fromarray`` first. ``target`` is ``targets[i]`` for a
+    sequence, ``targets(uuid)`` for a callable (a module-level function, so
+    spawn workers can unpickle it), or the uuid itself without ``targets``.
+
+    Works in DataLoader workers (fork or spawn, persistent or not), and across
+    a restart of the daemon between epochs: ``read_array`` notices the new
+    mount. A uuid the version does not have raises FileNotFoundError when it
+    is read.
+    """
+
+    def __init__(
+        self,
+        mountpoint: PathLike,
+        version: str,
+        size: int,
+        uuids: Sequence[str],
+        targets: Targets = None,
+        transform: Transform = None,
+    ) -> None:
+        super().__init__(uuids, targets, transform)
+        self.size = _check_size(size)
+        self.directory = os.path.join(os.fspath(mountpoint), version, str(size))
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(
+                f"{self.directory} does not exist (is decodefs mounted at {mountpoint}, "
+                f"with a version {version!r}?)"
+            )
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.directory, f"{self.uuid(index)}.npy")
+
+    def _array(self, index: int, uuid: str) -> Array:
+        return read_array(os.path.join(self.directory, f"{uuid}.npy"))
+
+
+class LiveDataset(_UuidDataset):
+    """``MountDataset``'s twin without the mount: each item decoded in the reading process.
+
+    ``config`` is the daemon's config file (or a loaded ``Config``) in place of
+    the mount point: the originals are those the daemon indexes for
+    ``version`` (the same scan rules), decoded with ``decode_image`` and the
+    version's ``DecodeSettings`` and ``max_pixels``, so ``max |mount - live|
+    == 0``. The source is scanned once, here; a uuid that is not an original
+    of the version raises KeyError now. Reading an item raises
+    FileNotFoundError if its original is gone (the mount says ENOENT) and
+    decodefs.DecodeError if it cannot be decoded (the mount says EIO).
+    """
+
+    def __init__(
+        self,
+        config: PathLike | Config,
+        version: str,
+        size: int,
+        uuids: Sequence[str],
+        targets: Targets = None,
+        transform: Transform = None,
+    ) -> None:
+        super().__init__(uuids, targets, transform)
+        self.size = _check_size(size)
+        loaded = config if isinstance(config, Config) else load_config(Path(config))
+        if version not in loaded.versions:
+            raise KeyError(
+                f"version {version!r} is not in the config ({', '.join(loaded.versions)})"
+            )
+        settings = loaded.versions[version]
+        index = scan_source(version, settings.source, settings.extensions, settings.duplicates)
+        relpaths = []
+        for i in range(len(self)):
+            position = index.find(self.uuid(i))
+            if position is None:
+                raise KeyError(f"{self.uuid(i)!r} is not an original of version {version!r}")
+            relpaths.append(os.fsencode(index.relpaths[position]))
+        self.settings: DecodeSettings = settings.decode
+        self.max_pixels = loaded.max_pixels
+        self.root = index.root
+        self._relpaths = np.array(relpaths, dtype=np.bytes_)
+
+    def original(self, index: int) -> str:
+        """The original's real path, checked as the daemon checks it before a decode."""
+        path = os.path.join(self.root, os.fsdecode(self._relpaths[index]))
+        real = os.path.realpath(path)
+        if not real.startswith(self.root.rstrip(os.sep) + os.sep) or not os.path.isfile(real):
+            raise FileNotFoundError(f"{path} no longer exists inside the source")
+        return real
+
+    def _array(self, index: int, uuid: str) -> Array:
+        return decode_image(
+            self.original(index), self.size, self.settings, max_pixels=self.max_pixels
+        )
+
+
+def collate_uint8(
+    batch: Sequence[tuple[Any, Any]], *, pin_memory: bool = False
+) -> tuple[torch.Tensor, Any]:
+    """``(images, targets)``: the batch's HWC uint8 images stacked into one
+    ``torch.uint8`` tensor ``[N, H, W, 3]``, and its targets as ``default_collate``
+    makes them (a tensor of ints, a list of uuids, ...).
+
+    Each image is copied once, into a tensor allocated for the whole batch (in
+    a DataLoader worker, in shared memory, so it reaches the training process
+    without another copy), and nothing is converted per sample: normalise on
+    the device, ``images.to(device).permute(0, 3, 1, 2).float().div_(255)``.
+    ``pin_memory`` pins the batch when collating in the training process
+    (``num_workers=0``); with workers, pass ``pin_memory=True`` to the
+    DataLoader, which pins each batch as it arrives.
+    """
+    if not batch:
+        raise ValueError("collate_uint8 needs at least one item")
+    images = [_hwc_uint8(item[0]) for item in batch]
+    shape = images[0].shape
+    for image in images:
+        if image.shape != shape:
+            raise ValueError(f"images of shapes {shape} and {image.shape} in one batch")
+    batch_shape = (len(images), *shape)
+    if get_worker_info() is not None:
+        if pin_memory:
+            raise ValueError(
+                "collate_uint8(pin_memory=True) runs in a DataLoader worker: pass "
+                "pin_memory=True to the DataLoader instead, which pins in the training process"
+            )
+        # As default_collate does: the batch goes to the training process as shared memory.
+        storage = torch.UntypedStorage._new_shared(int(np.prod(batch_shape)))  # type: ignore[no-untyped-call]
+        out = torch.empty(0, dtype=torch.uint8).set_(storage).view(batch_shape)
+    else:
+        out = torch.empty(batch_shape, dtype=torch.uint8, pin_memory=pin_memory)
+    np.stack(images, out=out.numpy())
+    return out, default_collate([item[1] for item in batch])
+
+
+def _hwc_uint8(image: object) -> Array:
+    array = image.numpy() if isinstance(image, torch.Tensor) else image
+    if not (
+        isinstance(array, np.ndarray)
+        and array.dtype == np.uint8
+        and array.ndim == 3
+        and array.shape[2] == 3
+    ):
+        what = (
+            f"{array.dtype}{tuple(array.shape)}" if isinstance(array, np.ndarray) else type(image)
+        )
+        raise TypeError(
+            f"collate_uint8 stacks uint8 [H, W, 3] arrays, got {what}; "
+            "a transform that makes float CHW tensors wants default_collate"
+        )
+    return array
+
+
+class ImageFolder(Dataset[tuple[Any, Any]]):
+    """torchvision's ``ImageFolder`` over a ``layout = "mirror"`` version of the mount.
+
+    The mirror layout shows ``<mount>/<version>/<size>/<class>/.../<name>.npy``
+    for each original ``<class>/.../<name>.<ext>`` of the source, and every
+    non-hidden source directory, empty ones too. ``classes``,
+    ``class_to_idx``, ``samples`` (path in the mount, class index) and
+    ``targets`` follow torchvision's rules, applied to the mount's names:
+    classes are the sorted names of the directories directly under
+    ``<mount>/<version>/<size>`` (links followed); each class's files are
+    found by a sorted ``os.walk(followlinks=True)``, each directory's names
+    sorted, kept when ``name.lower().endswith(".npy")``. A class folder with
+    no file raises FileNotFoundError unless ``allow_empty``. Items are
+    ``(array, class_index)``, the array read with ``read_array`` (HWC uint8),
+    then ``transform`` and ``target_transform`` applied.
+    """
+
+    extensions = (".npy",)
+
+    def __init__(
+        self,
+        mountpoint: PathLike,
+        version: str,
+        size: int,
+        transform: Transform = None,
+        target_transform: Callable[[int], Any] | None = None,
+        *,
+        allow_empty: bool = False,
+    ) -> None:
+        self.root = os.path.join(os.fspath(mountpoint), version, str(_check_size(size)))
+        self.transform = transform
+        self.target_transform = target_transform
+        self.classes, self.class_to_idx = self.find_classes(self.root)
+        self.samples = self.make_dataset(self.root, self.class_to_idx, allow_empty=allow_empty)
+        self.imgs = self.samples
+        self.targets = [target for _, target in self.samples]
+
+    @staticmethod
+    def find_classes(directory: str) -> tuple[list[str], dict[str, int]]:
+        classes = sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {name: i for i, name in enumerate(classes)}
+
+    @classmethod
+    def make_dataset(
+        cls, directory: str, class_to_idx: dict[str, int], *, allow_empty: bool = False
+    ) -> list[tuple[str, int]]:
+        samples = []
+        found = set()
+        for name in sorted(class_to_idx):
+            index = class_to_idx[name]
+            class_dir = os.path.join(directory, name)
+            if not os.path.isdir(class_dir):
+                continue
+            for root, _, names in sorted(os.walk(class_dir, followlinks=True)):
+                for file_name in sorted(names):
+                    if file_name.lower().endswith(cls.extensions):
+                        samples.append((os.path.join(root, file_name), index))
+                        found.add(name)
+        empty = set(class_to_idx) - found
+        if empty and not allow_empty:
+            raise FileNotFoundError(
+                f"Found no valid file for the classes {', '.join(sorted(empty))}. "
+                f"Supported extensions are: {', '.join(cls.extensions)}"
+            )
+        return samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        path, target = self.samples[index]
+        image: Any = read_array(path)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, target if self.target_transform is None else self.target_transform(target)
+
+
+def _check_size(size: int) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    return size
