@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,14 +117,16 @@ def test_nodes_cold_at_once_decode_each_original_once(
     # these at once can take longer than the default 10 s.
     nodes = [node(mounts, tmp_path, source, shared, i, l2_lease_seconds=60) for i in (0, 1)]
     uuids = sorted(p.stem for p in large)
-    # Each node's readers read every array, both nodes at once.
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        jobs = [
-            pool.submit(lambda m, u: (u, m.path("v1", str(SIZE), f"{u}.npy").read_bytes()), n, u)
-            for n in nodes
-            for u in uuids
-            for _ in range(2)
-        ]
+    # Two readers on each node read every array; the four readers of one array
+    # start together (a barrier), so both nodes miss it at once.
+    gates = {u: threading.Barrier(4) for u in uuids}
+
+    def read(mount: Mount, uuid: str) -> tuple[str, bytes]:
+        gates[uuid].wait(timeout=120)
+        return uuid, mount.path("v1", str(SIZE), f"{uuid}.npy").read_bytes()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(read, n, u) for u in uuids for n in nodes for _ in range(2)]
         got = [job.result() for job in jobs]
     paths = {p.stem: p for p in large}
     for uuid, data in got:
