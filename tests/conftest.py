@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,42 @@ def photos_dir(photos: dict[str, Path]) -> Path:
 def large(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """~7 MP photo-like JPEGs: a decode takes long enough for readers to pile up."""
     return make_sample_corpus(tmp_path_factory.mktemp("large"), LARGE_COUNT, 3072, 2304, seed=7)
+
+
+# Run by a child of the test session: once the session's end of the pipe closes
+# (at its end, or when a timeout ends it with os._exit and no teardown runs),
+# lazily unmount whatever is still mounted under the session's temporary
+# directories, deepest first, so no daemon or tmpfs outlives the run.
+_REAPER = """
+import subprocess, sys
+base = sys.argv[1].rstrip("/") + "/"
+sys.stdin.buffer.read()
+with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+    found = [(line.split()[4], line.split(" - ")[1].split()[0]) for line in f]
+left = sorted((m for m in found if m[0].startswith(base)), key=lambda m: -len(m[0]))
+for point, fstype in left:
+    command = ["fusermount3", "-u", "-z"] if fstype.startswith("fuse") else ["umount", "-l"]
+    subprocess.run([*command, point], capture_output=True, check=False)
+    print("decodefs tests: unmounted", point, "left mounted by the run", file=sys.stderr)
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _unmount_left_overs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every mount under the session's temporary directories is unmounted at its end,
+    even one a test left behind because the run was cut short."""
+    base = tmp_path_factory.getbasetemp()
+    reaper = subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(base)],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a Ctrl-C of the run must not stop it first
+    )
+    try:
+        yield
+    finally:
+        assert reaper.stdin is not None
+        reaper.stdin.close()
+        reaper.wait(timeout=60)
 
 
 def _make_factory(base: Path, created: list[Mount]) -> MountFactory:
