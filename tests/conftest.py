@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,9 +14,11 @@ from typing import Any
 import pytest
 
 from decodefs.sample import make_sample_corpus
+from tests import inprocess
 from tests.helpers import Mount, write_config, write_photos
 
 MountFactory = Callable[..., Mount]
+DaemonFactory = Callable[..., inprocess.InProcess]
 Tmpfs = Callable[[str], Path]  # size ("1m") -> the root of a fresh tmpfs
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -124,6 +127,34 @@ def module_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MountFac
         yield _make_factory(tmp_path_factory.mktemp("module-mount"), created)
     finally:
         _teardown(created)
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """Start the daemon's layers in this process (tests/inprocess.py): call with the
+    versions (name -> source) and config keys; each one is closed at the end."""
+    started: list[inprocess.InProcess] = []
+
+    def start(versions: dict[str, Path], **config: Any) -> inprocess.InProcess:
+        daemon = inprocess.start(tmp_path, versions, **config)
+        started.append(daemon)
+        return daemon
+
+    try:
+        yield start
+    finally:
+        for daemon in started:
+            daemon.close()
+
+
+@pytest.fixture
+def originals(tmp_path: Path, photos: dict[str, Path]) -> Path:
+    """A private copy of the photos, flat, for tests that change originals."""
+    root = tmp_path / "originals"
+    root.mkdir()
+    for path in photos.values():
+        shutil.copy(path, root / path.name)
+    return root
 
 
 @pytest.fixture
