@@ -93,7 +93,9 @@ class SourceIndex:
             i = self.find(prefix)
             return range(i, i + 1) if i is not None else range(0)
         start = bisect.bisect_left(self.uuids, prefix)
-        end = bisect.bisect_left(self.uuids, prefix[0] + chr(ord(prefix[1]) + 1))
+        # The end compares first two characters, not ``prefix`` plus one: a second
+        # character of U+10FFFF has no successor.
+        end = bisect.bisect_right(self.uuids, prefix, lo=start, key=_first_two)
         return range(start, end)
 
 
@@ -388,6 +390,10 @@ class _Walker:
             log.warning("skipping %s: its uuid is too long for a file name", path)
             return
         self.found.setdefault(stem, []).append(path[self._prefix :])
+
+
+def _first_two(uuid: str) -> str:
+    return uuid[:2]
 
 
 def _inside(path: str, root: str) -> bool:

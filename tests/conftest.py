@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from decodefs.sample import make_sample_corpus
 from tests import inprocess
@@ -20,6 +21,16 @@ from tests.helpers import Mount, write_config, write_photos
 MountFactory = Callable[..., Mount]
 DaemonFactory = Callable[..., inprocess.InProcess]
 Tmpfs = Callable[[str], Path]  # size ("1m") -> the root of a fresh tmpfs
+
+# Properties run against module-scoped trees; examples never sleep, so no deadline.
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+# scripts/mutation.sh: fewer examples, each run alike, so a verdict is reproducible.
+settings.register_profile("mutation", parent=settings.get_profile("default"), derandomize=True)
+settings.load_profile(os.environ.get("DECODEFS_HYPOTHESIS_PROFILE", "default"))
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 LARGE_COUNT = 6

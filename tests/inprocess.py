@@ -14,7 +14,7 @@ from typing import Any
 import pyfuse3
 
 from decodefs.config import Config, parse_config
-from decodefs.decode import decoder_fingerprint
+from decodefs.decode import decoder_fingerprint, quiet_pillow_warnings
 from decodefs.engine import Engine, Handle
 from decodefs.entry import EntryKey
 from decodefs.fs import DecodeFS
@@ -105,6 +105,7 @@ def start(
         **top,
     }
     config = parse_config(raw, base_dir=base)
+    quiet_pillow_warnings()
     (base / "locks").mkdir(exist_ok=True)
     st = Store(
         config.store,
