@@ -29,7 +29,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 # scripts/mutation.sh: fewer examples, each run alike, so a verdict is reproducible.
-settings.register_profile("mutation", parent=settings.get_profile("default"), derandomize=True)
+settings.register_profile(
+    "mutation", parent=settings.get_profile("default"), derandomize=True, max_examples=25
+)
 settings.load_profile(os.environ.get("DECODEFS_HYPOTHESIS_PROFILE", "default"))
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -220,6 +222,32 @@ def fail_read_only(root: Path) -> None:
         ["findmnt", "-n", "-o", "SOURCE", str(root)], capture_output=True, text=True, check=True
     ).stdout.strip()
     Path("/sys/fs/ext4", os.path.basename(source), "trigger_fs_error").write_text("1")
+
+
+@pytest.fixture
+def shared_tmp(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An empty directory in this test's tmp_path that every user may reach: pytest's
+    own directories are its user's alone, so they get o+x (search, not listing)
+    for the test and their modes back after it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)
+    top = tmp_path_factory.getbasetemp().parent  # pytest-of-<user>
+    changed: list[tuple[Path, int]] = []
+    try:
+        for directory in [tmp_path, *tmp_path.parents]:
+            mode = os.stat(directory).st_mode & 0o7777
+            if not mode & 0o001:
+                if directory != top and top not in directory.parents:
+                    pytest.skip(f"{directory} is not searchable by other users")
+                os.chmod(directory, mode | 0o001)
+                changed.append((directory, mode))
+            if directory == top:
+                break
+        yield shared
+    finally:
+        for directory, mode in changed:
+            os.chmod(directory, mode)
 
 
 @pytest.fixture
