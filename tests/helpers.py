@@ -30,6 +30,9 @@ T = TypeVar("T")
 SKIMAGE_DATA = Path(skimage.data.__file__).parent
 MOUNT_TIMEOUT = 60.0
 POLL_SECONDS = 0.01
+# How long a wait gives a condition by default; scripts/mutation.sh shortens it,
+# since a mutant that breaks a condition would otherwise cost the whole wait.
+WAIT_SECONDS = float(os.environ.get("DECODEFS_TEST_WAIT_SECONDS", "30"))
 
 
 # -- waiting on conditions --------------------------------------------------
