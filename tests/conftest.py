@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,34 +58,41 @@ def large(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 # Run by a child of the test session: once the session's end of the pipe closes
 # (at its end, or when a timeout ends it with os._exit and no teardown runs),
-# lazily unmount whatever is still mounted under the session's temporary
-# directories, deepest first, so no daemon or tmpfs outlives the run.
+# lazily unmount whatever is still mounted under the session's directories
+# (argv[1:]), deepest first, so no daemon or tmpfs outlives the run; then remove
+# the shared directory (argv[2]).
 _REAPER = """
-import subprocess, sys
-base = sys.argv[1].rstrip("/") + "/"
+import shutil, subprocess, sys
+bases = [b.rstrip("/") + "/" for b in sys.argv[1:]]
 sys.stdin.buffer.read()
 with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
     found = [(line.split()[4], line.split(" - ")[1].split()[0]) for line in f]
-left = sorted((m for m in found if m[0].startswith(base)), key=lambda m: -len(m[0]))
+left = sorted((m for m in found if m[0].startswith(tuple(bases))), key=lambda m: -len(m[0]))
 for point, fstype in left:
     command = ["fusermount3", "-u", "-z"] if fstype.startswith("fuse") else ["umount", "-l"]
     subprocess.run([*command, point], capture_output=True, check=False)
     print("decodefs tests: unmounted", point, "left mounted by the run", file=sys.stderr)
+shutil.rmtree(sys.argv[2], ignore_errors=True)
 """
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _unmount_left_overs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Every mount under the session's temporary directories is unmounted at its end,
-    even one a test left behind because the run was cut short."""
-    base = tmp_path_factory.getbasetemp()
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This session's directory that every user may search (pytest's own are its
+    user's alone, and another pytest session resets their modes at its start).
+
+    Also: every mount under it or the session's temporary directories is
+    unmounted at the end, even one a test left behind because the run was cut
+    short (a timeout ends it with os._exit)."""
+    shared = Path(tempfile.mkdtemp(prefix="decodefs-tests-"))
+    os.chmod(shared, 0o711)
     reaper = subprocess.Popen(
-        [sys.executable, "-c", _REAPER, str(base)],
+        [sys.executable, "-c", _REAPER, str(tmp_path_factory.getbasetemp()), str(shared)],
         stdin=subprocess.PIPE,
         start_new_session=True,  # a Ctrl-C of the run must not stop it first
     )
     try:
-        yield
+        yield shared
     finally:
         assert reaper.stdin is not None
         reaper.stdin.close()
@@ -225,29 +233,18 @@ def fail_read_only(root: Path) -> None:
 
 
 @pytest.fixture
-def shared_tmp(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """An empty directory in this test's tmp_path that every user may reach: pytest's
-    own directories are its user's alone, so they get o+x (search, not listing)
-    for the test and their modes back after it."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
+def shared_tmp(shared_root: Path) -> Iterator[Path]:
+    """An empty directory every user may reach, for this test alone; removed after it
+    (fixtures that mount in it unmount first)."""
+    for directory in shared_root.parents:
+        if not os.stat(directory).st_mode & 0o001:
+            pytest.skip(f"{directory} is not searchable by other users (set TMPDIR)")
+    shared = Path(tempfile.mkdtemp(dir=shared_root))
     os.chmod(shared, 0o755)
-    top = tmp_path_factory.getbasetemp().parent  # pytest-of-<user>
-    changed: list[tuple[Path, int]] = []
     try:
-        for directory in [tmp_path, *tmp_path.parents]:
-            mode = os.stat(directory).st_mode & 0o7777
-            if not mode & 0o001:
-                if directory != top and top not in directory.parents:
-                    pytest.skip(f"{directory} is not searchable by other users")
-                os.chmod(directory, mode | 0o001)
-                changed.append((directory, mode))
-            if directory == top:
-                break
         yield shared
     finally:
-        for directory, mode in changed:
-            os.chmod(directory, mode)
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture
