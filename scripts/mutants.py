@@ -7,7 +7,7 @@ of the tree, runs the in-process tests named for it, and reports "killed"
 must pass. The working tree itself is never touched.
 
     .venv/bin/python scripts/mutants.py              # all of them
-    .venv/bin/python scripts/mutants.py single-flight negative-cache
+    .venv/bin/python scripts/mutants.py single-flight-off negative-cache-never-answers
 """
 
 from __future__ import annotations
@@ -76,6 +76,33 @@ MUTANTS = [
         "            if False:\n                return False",
         ("tests/test_engine.py", "tests/test_store.py"),
     ),
+    # Survivors of the mutmut run that mattered, killed since by added tests:
+    Mutant(
+        "eviction-stops-a-byte-short",
+        "eviction stops while the store is still one byte over its limit",
+        "decodefs/capacity.py",
+        "while self._shortfall(incoming) > 0:",
+        "while self._shortfall(incoming) > 1:",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "warm-trips-on-a-failure",
+        "the background warm reads the outcome of a decode that failed (and dies)",
+        "decodefs/engine.py",
+        "if flight.outcome is not None and flight.outcome.held is not None:\n"
+        "                flight.outcome.held.release()  # nobody reads it",
+        "if flight.outcome is None and flight.outcome.held is not None:\n"
+        "                flight.outcome.held.release()  # nobody reads it",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "warm-retries-fresh-failures",
+        "the background warm decodes originals that just failed again",
+        "decodefs/engine.py",
+        "if verified[index] or key in self._flights or key in self._failures:",
+        "if verified[index] or key in self._flights and key in self._failures:",
+        ("tests/test_engine.py",),
+    ),
     Mutant(
         "fingerprint-change-keeps-entries",
         "a new fingerprint does not discard the version's stored arrays",
@@ -103,6 +130,7 @@ def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[int, list[str], float
         text=True,
     )  # fmt: skip
     failed = re.findall(r"^FAILED (\S+)", result.stdout, re.MULTILINE)
+    (tree / "pytest.out").write_text(result.stdout + result.stderr)
     return result.returncode, failed, time.monotonic() - started
 
 
@@ -124,6 +152,7 @@ def main() -> int:
         tests = tuple(sorted({t for m in chosen for t in m.tests}))
         code, failed, seconds = run_tests(base, tests)
         if code != 0:
+            print((base / "pytest.out").read_text()[-6000:], file=sys.stderr)
             print(f"the unchanged tree fails {failed or code}: fix that first", file=sys.stderr)
             return 2
         print(f"unchanged: {len(tests)} test files pass ({seconds:.0f} s)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import sqlite3
@@ -303,6 +304,44 @@ async def test_hits_keep_an_entry_from_eviction(daemons: DaemonFactory, original
     assert {p.stem for p in Path(d.store.root).glob("v1/*/*/*.npy")} == {a, c, e}
 
 
+@pytest.mark.parametrize("limit", [3 * ENTRY, 3 * ENTRY - 1])
+async def test_the_limit_holds_to_the_byte(
+    daemons: DaemonFactory, originals: Path, limit: int
+) -> None:
+    d = daemons({"v1": originals}, max_store_bytes=limit)
+    for uuid in uuids_of(originals):
+        await d.array("v1", SIZE, uuid)
+        on_disk = sum(p.stat().st_size for p in Path(d.store.root).glob("v1/*/*/*.npy"))
+        assert on_disk == d.stats()["store_bytes"] <= limit
+    fits = limit // ENTRY
+    stats = d.stats()
+    assert stats["store_entries"] == fits  # evicted just enough, not more
+    assert stats["evictions"] == len(uuids_of(originals)) - fits
+    assert stats["store_write_errors"] == 0
+
+
+async def test_concurrent_misses_stay_within_the_limit_together(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    # Each writer reserves its room first, so writers in threads at once do not
+    # each find the same free space.
+    d = daemons({"v1": originals}, max_store_bytes=3 * ENTRY, decode_workers=4)
+    got: dict[tuple[str, int], bytes] = {}
+
+    async def reader(uuid: str, size: int) -> None:
+        got[uuid, size] = await d.array("v1", size, uuid)
+
+    async with trio.open_nursery() as nursery:
+        for uuid in uuids_of(originals):
+            nursery.start_soon(reader, uuid, SIZE)
+    for (uuid, size), data in got.items():
+        assert data == reference_npy(original(originals, uuid), size)
+    stats = d.stats()
+    on_disk = sum(p.stat().st_size for p in Path(d.store.root).glob("v1/*/*/*.npy"))
+    assert on_disk == stats["store_bytes"] <= 3 * ENTRY
+    assert stats["store_entries"] + stats["evictions"] + stats["store_write_errors"] == len(got)
+
+
 # -- verification and rebuild ------------------------------------------------------------
 
 
@@ -530,15 +569,21 @@ async def test_a_warm_request_stores_and_is_no_background_decode(
 
 
 async def test_the_background_warm_decodes_configured_versions_only(
-    daemons: DaemonFactory, originals: Path, photos_dir: Path
+    daemons: DaemonFactory, originals: Path, photos_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     d = daemons(
         {"warmed": originals, "cold": photos_dir},
         sizes=[32, 48],
         overrides={"warmed": {"warm": True}},
     )
-    await d.engine.warm_in_background()
     uuids = uuids_of(originals)
+    caplog.set_level(logging.INFO, logger="decodefs.engine")
+    await d.engine.warm_in_background()
+    done = [r.getMessage() for r in caplog.records if "background warm" in r.getMessage()]
+    assert [m.split(" in ")[0] for m in done] == [
+        f"background warm: warmed/32 done, {len(uuids)} decoded",
+        f"background warm: warmed/48 done, {len(uuids)} decoded",
+    ]
     stats = d.stats()
     assert stats["background_decodes"] == stats["decodes"] == 2 * len(uuids)
     assert stats["warm_decodes"] == 0 and stats["store_entries"] == 2 * len(uuids)
@@ -552,21 +597,44 @@ async def test_the_background_warm_decodes_configured_versions_only(
 
 
 async def test_the_background_warm_stops_rather_than_evict(
-    daemons: DaemonFactory, originals: Path
+    daemons: DaemonFactory, originals: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     d = daemons(
-        {"v1": originals}, max_store_bytes=3 * ENTRY, sizes=[SIZE], version_keys={"warm": True}
+        {"v1": originals},
+        max_store_bytes=3 * ENTRY,
+        sizes=[SIZE],
+        version_keys={"warm": True},
+        decode_workers=2,
     )
     first = uuids_of(originals)[-1]
     await d.array("v1", SIZE, first)  # a reader's entry
+    caplog.set_level(logging.INFO, logger="decodefs.engine")
     await d.engine.warm_in_background()
     stats = d.stats()
     assert stats["store_entries"] == 3 and stats["evictions"] == 0
-    # Every decode it ran was stored, or refused rather than evict (workers that
-    # checked for room together may each have decoded one).
-    assert stats["background_decodes"] == 2 + stats["errors"]["store_EDQUOT"]
+    # Every decode it ran was stored, or refused rather than evict: at most one
+    # per warm task (two per decode worker) that checked for room at once.
+    refused = stats["errors"]["store_EDQUOT"]
+    assert stats["background_decodes"] == 2 + refused and refused <= 4
     assert stats["warm_decodes"] == 0 and stats["memory_cache_entries"] == 0
+    assert "background warm of v1/64 stops" in caplog.text
+    assert "done" not in caplog.text
     assert d.entry_path("v1", SIZE, first).exists()
+
+
+async def test_the_background_warm_skips_originals_that_just_failed_and_survives_new_ones(
+    daemons: DaemonFactory, originals: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    (originals / "broken.jpg").write_bytes(b"not an image")
+    (originals / "broken-too.jpg").write_bytes(b"")
+    d = daemons({"v1": originals}, sizes=[SIZE], version_keys={"warm": True})
+    with pytest.raises(OriginalUndecodable):
+        await d.open("v1", SIZE, "broken")  # a reader met it first: cached
+    await d.engine.warm_in_background()  # meets the other itself, and goes on
+    stats = d.stats()
+    good = len(uuids_of(originals)) - 2
+    assert stats["decode_errors"] == 2 and stats["decodes"] == good + 2
+    assert stats["background_decodes"] == stats["store_entries"] == good
 
 
 # -- the index cache, as the daemon uses it ---------------------------------------------
