@@ -125,16 +125,6 @@ def test_readers_never_wait_behind_the_background_warm(
     assert stats["misses"] + stats["hits"] == len(last)
 
 
-def test_background_warm_does_not_evict_to_warm(
-    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
-) -> None:
-    entry = 128 + 64 * 64 * 3 + 40
-    mount = mounts({"v1": photos_dir}, sizes=[64], version_warm=True, max_store_bytes=5 * entry)
-    wait_until(lambda: "background warm of v1/64 stops" in mount.log_text(), 60, "the warm to stop")
-    stats = mount.stats()
-    assert stats["store_entries"] == 5 and stats["evictions"] == 0
-
-
 def test_with_one_core_and_one_worker_a_reader_still_goes_first(
     mounts: MountFactory, large: list[Path]
 ) -> None:
