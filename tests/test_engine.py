@@ -12,9 +12,11 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
+from PIL import Image
 
 from decodefs.decode import DecodeSettings, decode_image, npy_bytes, npy_file_size
 from decodefs.engine import OriginalNotFound, OriginalUndecodable
@@ -65,24 +67,135 @@ async def test_concurrent_cold_opens_of_one_key_decode_once(
     assert stats["decodes"] == 1 and stats["hits"] == 4 and stats["coalesced"] == 7
 
 
-async def test_opens_of_different_keys_do_not_coalesce(
+class DecodeWatch(trio.abc.Instrument):
+    """The decode pool's counters after every task step (they change on the trio thread)."""
+
+    def __init__(self, d: object) -> None:
+        self.metrics = d.engine.metrics  # type: ignore[attr-defined]
+        self.running: set[int] = set()
+        self.queued: set[int] = set()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.running.add(self.metrics.inflight_decodes)
+        self.queued.add(self.metrics.queued_decodes)
+
+
+async def test_opens_of_different_keys_do_not_coalesce_and_share_a_bounded_pool(
     daemons: DaemonFactory, originals: Path
 ) -> None:
-    d = daemons({"v1": originals})
+    d = daemons({"v1": originals}, decode_workers=2)
     uuids = uuids_of(originals)[:4]
     got: dict[tuple[str, int], bytes] = {}
+    watch = DecodeWatch(d)
 
     async def reader(uuid: str, size: int) -> None:
         got[uuid, size] = await d.array("v1", size, uuid)
 
-    async with trio.open_nursery() as nursery:
-        for uuid in uuids:
-            for size in (SIZE, SIZE + 1):
-                nursery.start_soon(reader, uuid, size)
+    trio.lowlevel.add_instrument(watch)
+    try:
+        async with trio.open_nursery() as nursery:
+            for uuid in uuids:
+                for size in (SIZE, SIZE + 1):
+                    nursery.start_soon(reader, uuid, size)
+    finally:
+        trio.lowlevel.remove_instrument(watch)
     for (uuid, size), data in got.items():
         assert data == reference_npy(original(originals, uuid), size)
     stats = d.stats()
     assert stats["decodes"] == stats["misses"] == 8 and stats["coalesced"] == 0
+    # Two decodes at a time, the rest queued; both counters back to zero.
+    assert watch.running == {0, 1, 2} and max(watch.queued) >= 1 and min(watch.queued) == 0
+    assert stats["inflight_decodes"] == stats["queued_decodes"] == 0
+
+
+async def test_opens_cancelled_while_queued_give_everything_back(
+    daemons: DaemonFactory, large: list[Path]
+) -> None:
+    originals = large[0].parents[1]  # ~7 MP JPEGs: a decode lasts long enough to queue behind
+    d = daemons({"v1": originals}, decode_workers=1)
+    uuids = sorted(p.stem for p in large)
+    async with trio.open_nursery() as nursery:
+        for uuid in uuids:
+            nursery.start_soon(d.array, "v1", SIZE, uuid)
+        await wait_for(lambda: d.stats()["queued_decodes"] >= 3, what="opens queued")
+        nursery.cancel_scope.cancel()  # as when the kernel interrupts the requests
+    stats = d.stats()
+    assert stats["queued_decodes"] == stats["inflight_decodes"] == 0
+    assert d.engine.memory.used == 0 and d.engine.memory.waiting == 0
+    assert not any(d.store.capacity.pinned(d.key("v1", SIZE, u)) for u in uuids)
+    for path in large[:2]:  # and nothing is stuck: each opens as usual
+        assert await d.array("v1", SIZE, path.stem) == reference_npy(path, SIZE)
+
+
+async def test_stats_report_every_figure(daemons: DaemonFactory, originals: Path) -> None:
+    d = daemons({"v1": originals}, max_store_bytes="1M", memory_cache_bytes="2M")
+    uuid = uuids_of(originals)[0]
+    await d.array("v1", SIZE, uuid)
+    await d.array("v1", SIZE, uuid)
+    stats = d.stats()
+    assert set(stats) == {
+        "hits", "misses", "decodes", "decode_errors", "coalesced", "corrupt_entries",
+        "store_bytes", "store_entries", "store_usage_complete", "store_writable",
+        "store_max_bytes", "evictions", "store_write_errors", "memory_fallbacks",
+        "memory_cache_bytes", "memory_cache_entries", "memory_bytes", "memory_limit_bytes",
+        "memory_waits", "bytes_served", "inflight_decodes", "queued_decodes",
+        "background_decodes", "warm_decodes", "warm_not_stored", "direct_hits", "errors",
+        "decode_seconds", "uptime_seconds", "versions",
+    }  # fmt: skip
+    assert stats["store_usage_complete"] is True and stats["store_writable"] is True
+    assert stats["store_max_bytes"] == 1 << 20 and stats["memory_limit_bytes"] == 2 << 20
+    assert stats["hits"] == stats["misses"] == stats["decodes"] == 1
+    assert stats["bytes_served"] == 2 * npy_file_size(SIZE)
+    assert stats["decode_seconds"]["count"] == 1 and stats["decode_seconds"]["sum"] > 0
+    assert stats["decode_seconds"]["buckets"]["+Inf"] == 1
+    assert 0 <= stats["uptime_seconds"] < 600 and stats["errors"] == {}
+    version = stats["versions"]["v1"]
+    assert version["originals"] == len(uuids_of(originals))
+    assert version["duplicates_left_out"] == version["symlinks_outside_source"] == 0
+    assert version["fingerprint"]["settings"]["resample"] == "bilinear"
+
+
+async def test_verifying_one_entry_never_vouches_for_another(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    # Enough originals that their verified bits span several bytes.
+    source = tmp_path / "many"
+    source.mkdir()
+    rng = np.random.default_rng(5)
+    for i in range(40):
+        pixels = rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(source / f"m{i:02d}.png")
+    uuids = sorted(p.stem for p in source.iterdir())
+    first = daemons({"v1": source})
+    for uuid in uuids:
+        await first.array("v1", 16, uuid)
+    first.close()
+    for uuid in uuids:  # every stored entry damaged
+        flip(first.entry_path("v1", 16, uuid), 200)
+    d = daemons({"v1": source})
+    for uuid in reversed(uuids):  # each open checks its own entry, whatever came before
+        assert await d.array("v1", 16, uuid) == reference_npy(source / f"{uuid}.png", 16), uuid
+    assert d.stats()["corrupt_entries"] == len(uuids)
+
+
+async def test_an_entry_larger_than_a_read_piece_verifies_whole(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    # 704 x 704 x 3 is past the 1 MiB pieces the check reads a file in.
+    big = 704
+    uuid = "hubble-original"
+    first = daemons({"v1": originals})
+    want = await first.array("v1", big, uuid)
+    assert want == reference_npy(original(originals, uuid), big)
+    first.close()
+    d = daemons({"v1": originals})  # verified afresh in a new life: intact, a hit
+    assert await d.array("v1", big, uuid) == want
+    assert d.stats()["hits"] == 1 and d.stats()["corrupt_entries"] == d.stats()["decodes"] == 0
+    d.close()
+    flip(d.entry_path("v1", big, uuid), len(want) - 5)  # a bit in its last piece
+    again = daemons({"v1": originals})
+    assert await again.array("v1", big, uuid) == want
+    assert again.stats()["corrupt_entries"] == 1
 
 
 # -- the negative cache ----------------------------------------------------------------
