@@ -128,6 +128,22 @@ MUTANTS = [
         ("tests/test_engine.py",),
     ),
     Mutant(
+        "evictions-not-forgotten",
+        "an evicted entry stays verified, so its next open is a hit on a missing file",
+        "decodefs/engine.py",
+        "                self._verified_map(key.version, key.size).set(index, False)",
+        "                pass",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "reclaim-drops-one-at-a-time",
+        "reclaiming memory stops after dropping one cached array",
+        "decodefs/memory.py",
+        "        self._items.popitem()\n        return True",
+        "        self._items.popitem()\n        return False",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
         "fingerprint-change-keeps-entries",
         "a new fingerprint does not discard the version's stored arrays",
         "decodefs/store.py",

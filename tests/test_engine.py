@@ -378,6 +378,22 @@ async def test_an_open_waits_while_held_arrays_fill_the_budget(
     assert d.engine.memory.used == stats["memory_cache_bytes"] == GRANT  # the second, cached
 
 
+async def test_an_array_bigger_than_one_cached_reclaims_all_it_needs(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    # The store takes nothing; the budget holds two size-64 arrays, and a size-128
+    # array needs all of it: both cached ones must go.
+    d = daemons({"v1": originals}, memory_cache_bytes=2 * GRANT, max_store_bytes=ENTRY - 1)
+    first, second, big = uuids_of(originals)[:3]
+    for uuid in (first, second):
+        await d.array("v1", SIZE, uuid)
+    assert d.stats()["memory_cache_entries"] == 2 and d.engine.memory.used == 2 * GRANT
+    with trio.fail_after(30):  # not waiting for a release that will never come
+        data = await d.array("v1", 128, big)
+    assert data == reference_npy(original(originals, big), 128)
+    assert d.stats()["memory_cache_entries"] == 1 and d.engine.memory.used == 2 * GRANT
+
+
 # -- capacity: pins and eviction ---------------------------------------------------------
 
 
@@ -399,8 +415,11 @@ async def test_an_open_handle_pins_its_entry_against_eviction(
     await d.array("v1", SIZE, others[5])
     assert not d.entry_path("v1", SIZE, pinned).exists()  # unpinned, and oldest: gone
     assert d.stats()["evictions"] == 4
+    before = d.stats()
     assert await d.array("v1", SIZE, pinned) == reference_npy(original(originals, pinned), SIZE)
-    assert d.stats()["decodes"] == 8  # evicted, so decoded again
+    stats = d.stats()  # evicted, so no longer verified: a miss, decoded and stored again
+    assert stats["decodes"] == 8 and stats["misses"] == before["misses"] + 1
+    assert stats["hits"] == before["hits"] and d.entry_path("v1", SIZE, pinned).exists()
 
 
 async def test_hits_keep_an_entry_from_eviction(daemons: DaemonFactory, originals: Path) -> None:
