@@ -239,6 +239,16 @@ async def test_a_failure_is_cached_per_key(
     )
 
 
+async def test_max_pixels_refuses_larger_originals(daemons: DaemonFactory, originals: Path) -> None:
+    d = daemons({"v1": originals}, max_pixels=140_000)
+    with pytest.raises(OriginalUndecodable, match="decompression bomb"):
+        await d.open("v1", SIZE, "astronaut-baseline")  # 512 x 512
+    assert await d.array("v1", SIZE, "chelsea-444") == reference_npy(  # 451 x 300
+        original(originals, "chelsea-444"), SIZE
+    )
+    assert d.stats()["decode_errors"] == 1
+
+
 async def test_an_original_deleted_after_the_scan_is_not_found(
     daemons: DaemonFactory, originals: Path
 ) -> None:
@@ -422,6 +432,23 @@ async def test_an_open_handle_pins_its_entry_against_eviction(
     assert stats["hits"] == before["hits"] and d.entry_path("v1", SIZE, pinned).exists()
 
 
+async def test_a_pin_lasts_until_the_last_handle_is_released(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    d = daemons({"v1": originals}, max_store_bytes=2 * ENTRY)
+    held, *others = uuids_of(originals)
+    first = await d.open("v1", SIZE, held)
+    second = await d.open("v1", SIZE, held)  # another reader of the same file
+    d.engine.release(first)
+    for uuid in others[:3]:  # each evicts the oldest unpinned entry
+        await d.array("v1", SIZE, uuid)
+        assert d.entry_path("v1", SIZE, held).exists(), uuid
+    assert await d.read_all(second) == reference_npy(original(originals, held), SIZE)
+    d.engine.release(second)
+    await d.array("v1", SIZE, others[3])
+    assert not d.entry_path("v1", SIZE, held).exists()
+
+
 async def test_hits_keep_an_entry_from_eviction(daemons: DaemonFactory, originals: Path) -> None:
     now = [1000.0]
     d = daemons({"v1": originals}, max_store_bytes=3 * ENTRY, store_clock=lambda: now[0])
@@ -512,6 +539,23 @@ async def test_damaged_entries_are_found_on_first_open_rebuilt_and_never_served(
         assert entry(uuid).read_bytes()[:-TRAILER_SIZE] == reference_npy(
             original(originals, uuid), SIZE
         )
+
+
+async def test_an_intact_entry_of_another_layout_is_rebuilt_never_served(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    """A valid trailer and checksum around a payload that is not this size's uint8
+    .npy: only the layout check stands between it and a reader."""
+    uuid = "camera-gray"
+    first = daemons({"v1": originals})
+    forged = bytearray(npy_bytes(np.zeros((SIZE, SIZE, 3), np.uint8)))
+    at = forged.index(b"|u1")
+    forged[at : at + 3] = b"|i1"
+    first.store.write(first.key("v1", SIZE, uuid), bytes(forged))
+    first.close()
+    d = daemons({"v1": originals})
+    assert await d.array("v1", SIZE, uuid) == reference_npy(original(originals, uuid), SIZE)
+    assert d.stats()["corrupt_entries"] == 1 and d.stats()["decodes"] == 1
 
 
 async def test_a_recheck_verifies_an_entry_verified_earlier(
