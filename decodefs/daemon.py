@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -441,16 +441,31 @@ async def _once_live(
     nursery.start_soon(engine.warm_in_background)
 
 
-async def _feed_watchdog(mountpoint: str, notifier: ServiceNotifier, interval: float) -> None:
+async def _statvfs_through(mountpoint: str) -> None:
+    """A request that must make it through the mount to our own handlers."""
+    await trio.to_thread.run_sync(os.statvfs, mountpoint, abandon_on_cancel=True)
+
+
+async def _feed_watchdog(
+    mountpoint: str,
+    notifier: ServiceNotifier,
+    interval: float,
+    probe: Callable[[str], Awaitable[object]] = _statvfs_through,
+) -> None:
     """WATCHDOG=1 each interval, but only after a request made it through the mount.
 
-    A stuck event loop or a wedged FUSE connection stops the pings, and
-    systemd restarts the service.
+    A stuck event loop or a wedged FUSE connection stops the pings (a probe
+    that fails sends none either), and systemd restarts the service.
     """
+    throttle = LogThrottle(log)
     while True:
         with trio.move_on_after(interval):
-            await trio.to_thread.run_sync(os.statvfs, mountpoint, abandon_on_cancel=True)
-            notifier.notify("WATCHDOG=1")
+            try:
+                await probe(mountpoint)
+            except OSError as exc:
+                throttle.log(logging.WARNING, "watchdog", "watchdog probe failed: %s", exc)
+            else:
+                notifier.notify("WATCHDOG=1")
         await trio.sleep(interval)
 
 

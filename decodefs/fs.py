@@ -20,7 +20,7 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 import pyfuse3
 
 from .engine import Engine, Handle, NotStored, OriginalNotFound, OriginalUndecodable
-from .metrics import Metrics
+from .metrics import LogThrottle, Metrics
 from .protocol import FS_NAME, OpenRequest
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
 
@@ -60,9 +60,18 @@ def _errno_boundary(
             raise pyfuse3.FUSEError(errno.EIO) from None
         except NotStored as exc:
             raise pyfuse3.FUSEError(getattr(errno, exc.kind, errno.ENOSPC)) from None
-        except Exception:
+        except Exception as exc:
             self._metrics.errors["unexpected"] += 1
-            log.exception("unexpected error in %s%r; answering EIO", handler.__name__, args)
+            # Folded like any repeated error: a bug that every request hits must
+            # not write a traceback per request.
+            self._throttle.log(
+                logging.ERROR,
+                f"unexpected-{handler.__name__}-{type(exc).__name__}",
+                "unexpected error in %s%r; answering EIO",
+                handler.__name__,
+                args,
+                exc_info=True,
+            )
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper
@@ -82,6 +91,7 @@ class DecodeFS(pyfuse3.Operations):
         self._uid = os.getuid()
         self._gid = os.getgid()
         self._failpoint = os.environ.get(_FAILPOINT_ENV)
+        self._throttle = LogThrottle(log)
 
     # -- names and attributes -----------------------------------------------
 
@@ -89,7 +99,7 @@ class DecodeFS(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        parent = Node.from_ino(parent_inode)
+        parent = self._node(parent_inode)
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         if name == b".":
@@ -104,10 +114,7 @@ class DecodeFS(pyfuse3.Operations):
 
     @_errno_boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = Node.from_ino(inode)
-        if not self._tree.exists(node):
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._entry(node)
+        return self._entry(self._node(inode))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         pass  # inode numbers are computed (tree.py); there is nothing to release
@@ -128,8 +135,7 @@ class DecodeFS(pyfuse3.Operations):
 
     @_errno_boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        node = Node.from_ino(inode)
-        if not self._tree.is_dir(node):
+        if not self._tree.is_dir(self._node(inode)):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
@@ -162,7 +168,7 @@ class DecodeFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
-        node = Node.from_ino(inode)
+        node = self._node(inode)
         fh = next(self._next_fh)
         if node.kind == Kind.ENTRY:
             version = self._tree.version_name(node)
@@ -272,6 +278,16 @@ class DecodeFS(pyfuse3.Operations):
         raise pyfuse3.FUSEError(errno.EROFS)
 
     # -- helpers ------------------------------------------------------------
+
+    def _node(self, inode: int) -> Node:
+        """The node an inode number names; ENOENT for one that names nothing."""
+        try:
+            node = Node.from_ino(inode)
+        except IndexError:  # no such kind
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        if not self._tree.exists(node):
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return node
 
     def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
         status = self._tree.status_file_name(node)

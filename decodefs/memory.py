@@ -61,6 +61,11 @@ class MemoryBudget:
         self.used -= nbytes
         self._grant()
 
+    def retry_waiting(self) -> None:
+        """Grant waiting acquires what reclaiming cached arrays can free now."""
+        if self._waiting:
+            self._grant()
+
     def hold(self, data: memoryview, granted: int) -> HeldArray:
         """Hand the ``granted`` bytes of a decode over to the array it produced."""
         return HeldArray(data, granted, self)
@@ -101,6 +106,10 @@ class HeldArray:
         self._holders -= 1
         if self._holders == 0:
             self._budget.release(self.nbytes)
+        else:
+            # Perhaps only the cache holds it now: an acquire waiting for room
+            # may take that room by dropping it, and nothing else would tell it.
+            self._budget.retry_waiting()
 
 
 class _DroppingLRU(cachetools.LRUCache[Hashable, HeldArray]):

@@ -10,7 +10,7 @@ import bisect
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -89,14 +89,23 @@ class LogThrottle:
     journal.
     """
 
-    def __init__(self, logger: logging.Logger, interval: float = 30.0) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval: float = 30.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._logger = logger
         self._interval = interval
+        self._clock = clock
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
+    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        """Log ``msg % args`` unless a line of ``kind`` went out within the interval;
+        ``exc_info``: with the traceback of the exception being handled."""
+        now = self._clock()
         if len(self._last) > _THROTTLE_KINDS_MAX:  # kinds may be per entry; stay bounded
             self._last = {k: t for k, t in self._last.items() if now - t < self._interval}
         last = self._last.get(kind)
@@ -108,7 +117,7 @@ class LogThrottle:
         if suppressed:
             msg += " (and %d more like it in the last %.0f s)"
             args = (*args, suppressed, now - last if last is not None else 0.0)
-        self._logger.log(level, msg, *args)
+        self._logger.log(level, msg, *args, exc_info=exc_info)
 
 
 # stats.json key -> help text. Counters get the conventional _total suffix.

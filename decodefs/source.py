@@ -210,7 +210,9 @@ class SourceIndex:
             i = self.find(prefix)
             return range(i, i + 1) if i is not None else range(0)
         start = bisect.bisect_left(self.uuids, prefix)
-        end = bisect.bisect_left(self.uuids, prefix[0] + chr(ord(prefix[1]) + 1))
+        # The end compares first two characters, not ``prefix`` plus one: a second
+        # character of U+10FFFF has no successor.
+        end = bisect.bisect_right(self.uuids, prefix, lo=start, key=_first_two)
         return range(start, end)
 
 
@@ -625,6 +627,10 @@ def _mirror_sorted(keys: Iterable[str]) -> list[str]:
 def _valid_name(name: str) -> bool:
     """Whether ``name`` is a folder or file name a mirror lists (one path component)."""
     return bool(name) and name[0] != "." and "\0" not in name and "/" not in name
+
+
+def _first_two(uuid: str) -> str:
+    return uuid[:2]
 
 
 def _inside(path: str, root: str) -> bool:

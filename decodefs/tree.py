@@ -78,7 +78,7 @@ class Tree:
     # -- names -> nodes -----------------------------------------------------
 
     def lookup(self, parent: Node, name: bytes) -> Node | None:
-        if not _valid_component(name):
+        if not _valid_component(name) or not self.exists(parent):
             return None
         if parent == ROOT:
             if name == _STATUS_DIR_NAME:
@@ -133,23 +133,28 @@ class Tree:
         return None
 
     def exists(self, node: Node) -> bool:
-        """Whether an inode number the kernel hands back still names something."""
+        """Whether an inode number the kernel hands back names something: exactly
+        the numbers ``lookup`` gives out (unused fields zero, a shard by its first entry)."""
         if node.kind == Kind.SPECIAL:
-            return node in (ROOT, STATUS_DIR) or self.status_file_name(node) is not None
+            return node.version == node.size == 0 and (
+                node in (ROOT, STATUS_DIR) or self.status_file_name(node) is not None
+            )
         if node.version >= len(self._versions):
             return False
         if node.kind == Kind.VERSION:
-            return True
+            return node.size == node.number == 0
         if not self._engine.size_allowed(node.size):
             return False
         if node.kind == Kind.SIZE:
-            return True
+            return node.number == 0
         mirror = self._mirrors[node.version]
         if node.kind == Kind.FOLDER:
             return mirror is not None and 0 < node.number < len(mirror)
-        if node.kind == Kind.SHARD and mirror is not None:
+        if node.number >= self._engine.count(self._versions[node.version]):
             return False
-        return node.number < self._engine.count(self._versions[node.version])
+        if node.kind == Kind.SHARD:
+            return mirror is None and self._shard_range(node).start == node.number
+        return True
 
     # -- listings -----------------------------------------------------------
 

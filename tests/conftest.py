@@ -6,18 +6,34 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from decodefs.sample import make_sample_corpus
+from tests import inprocess
 from tests.helpers import Mount, write_config, write_photos
 
 MountFactory = Callable[..., Mount]
+DaemonFactory = Callable[..., inprocess.InProcess]
 Tmpfs = Callable[[str], Path]  # size ("1m") -> the root of a fresh tmpfs
+
+# Properties run against module-scoped trees; examples never sleep, so no deadline.
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+# scripts/mutation.sh: fewer examples, each run alike, so a verdict is reproducible.
+settings.register_profile(
+    "mutation", parent=settings.get_profile("default"), derandomize=True, max_examples=25
+)
+settings.load_profile(os.environ.get("DECODEFS_HYPOTHESIS_PROFILE", "default"))
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 LARGE_COUNT = 6
@@ -38,6 +54,49 @@ def photos_dir(photos: dict[str, Path]) -> Path:
 def large(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """~7 MP photo-like JPEGs: a decode takes long enough for readers to pile up."""
     return make_sample_corpus(tmp_path_factory.mktemp("large"), LARGE_COUNT, 3072, 2304, seed=7)
+
+
+# Run by a child of the test session: once the session's end of the pipe closes
+# (at its end, or when a timeout ends it with os._exit and no teardown runs),
+# lazily unmount whatever is still mounted under the session's directories
+# (argv[1:]), deepest first, so no daemon or tmpfs outlives the run; then remove
+# the shared directory (argv[2]).
+_REAPER = """
+import shutil, subprocess, sys
+bases = [b.rstrip("/") + "/" for b in sys.argv[1:]]
+sys.stdin.buffer.read()
+with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+    found = [(line.split()[4], line.split(" - ")[1].split()[0]) for line in f]
+left = sorted((m for m in found if m[0].startswith(tuple(bases))), key=lambda m: -len(m[0]))
+for point, fstype in left:
+    command = ["fusermount3", "-u", "-z"] if fstype.startswith("fuse") else ["umount", "-l"]
+    subprocess.run([*command, point], capture_output=True, check=False)
+    print("decodefs tests: unmounted", point, "left mounted by the run", file=sys.stderr)
+shutil.rmtree(sys.argv[2], ignore_errors=True)
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This session's directory that every user may search (pytest's own are its
+    user's alone, and another pytest session resets their modes at its start).
+
+    Also: every mount under it or the session's temporary directories is
+    unmounted at the end, even one a test left behind because the run was cut
+    short (a timeout ends it with os._exit)."""
+    shared = Path(tempfile.mkdtemp(prefix="decodefs-tests-"))
+    os.chmod(shared, 0o711)
+    reaper = subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(tmp_path_factory.getbasetemp()), str(shared)],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a Ctrl-C of the run must not stop it first
+    )
+    try:
+        yield shared
+    finally:
+        assert reaper.stdin is not None
+        reaper.stdin.close()
+        reaper.wait(timeout=60)
 
 
 def _make_factory(base: Path, created: list[Mount]) -> MountFactory:
@@ -108,6 +167,34 @@ def module_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MountFac
 
 
 @pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """Start the daemon's layers in this process (tests/inprocess.py): call with the
+    versions (name -> source) and config keys; each one is closed at the end."""
+    started: list[inprocess.InProcess] = []
+
+    def start(versions: dict[str, Path], **config: Any) -> inprocess.InProcess:
+        daemon = inprocess.start(tmp_path, versions, **config)
+        started.append(daemon)
+        return daemon
+
+    try:
+        yield start
+    finally:
+        for daemon in started:
+            daemon.close()
+
+
+@pytest.fixture
+def originals(tmp_path: Path, photos: dict[str, Path]) -> Path:
+    """A private copy of the photos, flat, for tests that change originals."""
+    root = tmp_path / "originals"
+    root.mkdir()
+    for path in photos.values():
+        shutil.copy(path, root / path.name)
+    return root
+
+
+@pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
     """Mount a tmpfs of a given size ("1m") under tmp_path; all are unmounted at the end."""
     mounted: list[Path] = []
@@ -159,6 +246,21 @@ def fail_read_only(root: Path) -> None:
         ["findmnt", "-n", "-o", "SOURCE", str(root)], capture_output=True, text=True, check=True
     ).stdout.strip()
     Path("/sys/fs/ext4", os.path.basename(source), "trigger_fs_error").write_text("1")
+
+
+@pytest.fixture
+def shared_tmp(shared_root: Path) -> Iterator[Path]:
+    """An empty directory every user may reach, for this test alone; removed after it
+    (fixtures that mount in it unmount first)."""
+    for directory in shared_root.parents:
+        if not os.stat(directory).st_mode & 0o001:
+            pytest.skip(f"{directory} is not searchable by other users (set TMPDIR)")
+    shared = Path(tempfile.mkdtemp(dir=shared_root))
+    os.chmod(shared, 0o755)
+    try:
+        yield shared
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import io
 import json
 import os
@@ -14,17 +15,74 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import skimage.data
+import trio
 from PIL import Image
+
+T = TypeVar("T")
 
 SKIMAGE_DATA = Path(skimage.data.__file__).parent
 MOUNT_TIMEOUT = 60.0
+POLL_SECONDS = 0.01
+# How long a wait gives a condition by default; scripts/mutation.sh shortens it,
+# since a mutant that breaks a condition would otherwise cost the whole wait.
+WAIT_SECONDS = float(os.environ.get("DECODEFS_TEST_WAIT_SECONDS", "30"))
+
+
+# -- waiting on conditions --------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str | None = None) -> T:
+    """Poll ``predicate`` until it returns something true, and return that.
+
+    On timeout, fail with what was waited for and the last value seen (or the
+    exception the predicate last raised). A condition with a deadline, never a
+    fixed sleep: the poll interval only bounds how soon a met condition is seen.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            seen: object = predicate()
+        except AssertionError:
+            raise
+        except Exception as exc:  # e.g. a status file not there yet
+            seen = exc
+        else:
+            if seen:
+                return seen  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"waited {timeout} s for {what or _describe(predicate)}; last saw {seen!r}"
+            )
+        time.sleep(POLL_SECONDS)
+
+
+async def wait_for(predicate: Callable[[], T], timeout: float = 30.0, what: str | None = None) -> T:
+    """``wait_until`` for trio tests: polls between checkpoints. The deadline is real
+    time, so a MockClock that jumps ahead cannot end the wait early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen: object = predicate()
+        if seen:
+            return seen  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"waited {timeout} s for {what or _describe(predicate)}; last saw {seen!r}"
+            )
+        await trio.sleep(POLL_SECONDS)
+
+
+def _describe(predicate: Callable[[], object]) -> str:
+    try:
+        return inspect.getsource(predicate).strip()
+    except (OSError, TypeError):
+        return repr(predicate)
 
 
 # -- the reference decode ---------------------------------------------------
@@ -204,18 +262,17 @@ class Mount:
 
 
 def wait_until_live(mountpoint: Path, process: subprocess.Popen[bytes] | None, log: Path) -> None:
-    deadline = time.monotonic() + MOUNT_TIMEOUT
-    while time.monotonic() < deadline:
+    def live() -> bool:
         if process is not None and process.poll() is not None:
             raise AssertionError(
                 f"daemon exited with {process.returncode}:\n{log.read_text(errors='replace')}"
             )
-        if is_live_mount(mountpoint):
-            return
-        time.sleep(0.05)
-    raise AssertionError(
-        f"mount did not come up in {MOUNT_TIMEOUT} s:\n{log.read_text(errors='replace')}"
-    )
+        return is_live_mount(mountpoint)
+
+    try:
+        wait_until(live, MOUNT_TIMEOUT, f"the mount at {mountpoint} to answer")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{log.read_text(errors='replace')}") from None
 
 
 def is_live_mount(mountpoint: Path) -> bool:

@@ -21,9 +21,8 @@ from decodefs import DecodeSettings, decode_image
 from decodefs.decode import decoder_fingerprint
 from decodefs.entry import EntryKey, encode_trailer
 from decodefs.protocol import TRAILER_SIZE
-from tests.conditions import wait_until
 from tests.conftest import MountFactory
-from tests.helpers import decodefs, reference_npy, write_config
+from tests.helpers import decodefs, reference_npy, wait_until, write_config
 
 SIZE = 48
 
@@ -213,8 +212,7 @@ def test_adopt_is_interruptible_and_resumes(tmp_path: Path) -> None:
         text=True,
     )
     wait_until(
-        lambda: sum(1 for _ in store_arrays.glob("*/*.npy")) if store_arrays.is_dir() else 0,
-        lambda n: n > 0,
+        lambda: store_arrays.is_dir() and any(store_arrays.glob("*/*.npy")),
         what="entries adopted",
     )
     process.send_signal(signal.SIGINT)  # Ctrl-C

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from tests.helpers import (
     is_mounted,
     reference_npy,
     unmount_quietly,
+    wait_until,
     write_config,
 )
 
@@ -309,15 +309,7 @@ def test_warm_stops_with_one_line_when_the_daemon_dies_under_it(
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        seen: dict[str, object] = {}
-        while time.monotonic() < deadline:
-            seen = mount.stats()
-            if isinstance(seen["decodes"], int) and seen["decodes"] >= 1:
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError(f"the warm never decoded; stats: {seen}")
+        wait_until(lambda: mount.stats()["decodes"] >= 1, timeout=60, what="the warm's decode")
         assert warm.poll() is None, "the warm finished before the daemon could be killed"
         mount.kill9()
         out, err = warm.communicate(timeout=60)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,12 +55,39 @@ def test_prometheus_text_parses_with_every_figure() -> None:
 
 
 def test_repeated_errors_are_folded_not_dropped(caplog: pytest.LogCaptureFixture) -> None:
-    throttle = LogThrottle(logging.getLogger("test"), interval=0.2)
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("test"), interval=30.0, clock=lambda: now[0])
     caplog.set_level(logging.WARNING)
     for _ in range(50):
         throttle.log(logging.WARNING, "enospc", "store full")
+        now[0] += 0.5  # 25 s in all: within the interval
     throttle.log(logging.WARNING, "other", "something else")
     assert [r.getMessage() for r in caplog.records] == ["store full", "something else"]
-    time.sleep(0.25)
+    now[0] = 130.0  # the interval since the first line has passed
     throttle.log(logging.WARNING, "enospc", "store full")
-    assert "store full (and 49 more like it in the last" in caplog.records[-1].getMessage()
+    assert caplog.records[-1].getMessage() == ("store full (and 49 more like it in the last 30 s)")
+    throttle.log(logging.WARNING, "enospc", "store full")  # a new interval began
+    assert len(caplog.records) == 3
+
+
+def test_folded_lines_can_carry_the_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    throttle = LogThrottle(logging.getLogger("test"), interval=30.0, clock=lambda: now[0])
+    caplog.set_level(logging.ERROR)
+    for i in range(1000):
+        try:
+            raise KeyError(f"bug {i}")
+        except KeyError:
+            throttle.log(logging.ERROR, "bug", "handler failed", exc_info=True)
+    assert len(caplog.records) == 1
+    assert caplog.records[0].exc_info is not None
+    assert "KeyError: 'bug 0'" in caplog.text and caplog.text.count("Traceback") == 1
+    now[0] = 31.0
+    try:
+        raise KeyError("bug 1000")
+    except KeyError:
+        throttle.log(logging.ERROR, "bug", "handler failed", exc_info=True)
+    assert (
+        caplog.records[-1].getMessage() == "handler failed (and 999 more like it in the last 31 s)"
+    )
+    assert "KeyError: 'bug 1000'" in caplog.text

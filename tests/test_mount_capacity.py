@@ -86,19 +86,6 @@ def test_max_store_bytes_holds_under_a_stream_of_misses(
     assert sum(stored(store).values()) <= cap
 
 
-def test_least_recently_used_goes_first(
-    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
-) -> None:
-    store = tmp_path / "store"
-    uuids = sorted(photos)
-    mount = mounts({"v1": photos_dir}, max_store_bytes=3 * ENTRY)
-    for uuid in uuids[:3]:
-        mount.path("v1", "224", f"{uuid}.npy").read_bytes()
-    mount.path("v1", "224", f"{uuids[0]}.npy").read_bytes()  # a hit: uuids[0] is now recent
-    mount.path("v1", "224", f"{uuids[3]}.npy").read_bytes()
-    assert set(stored(store)) == {uuids[0], uuids[2], uuids[3]}  # uuids[1] was the oldest
-
-
 def test_an_open_file_is_never_evicted_from_under_its_reader(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from tests.conftest import LARGE_COUNT, MountFactory
 from tests.helpers import abort_fuse_connection, reference_npy
 
 _READER = """
-import hashlib, sys, time
-path, start = sys.argv[1], float(sys.argv[2])
-time.sleep(max(0.0, start - time.time()))
+import hashlib, os, sys
+path, gate = sys.argv[1], int(sys.argv[2])
+os.read(gate, 1)  # returns (empty) for every reader at once, when the gate closes
 with open(path, "rb") as f:
     print(hashlib.sha256(f.read()).hexdigest())
 """
@@ -27,26 +27,31 @@ def test_concurrent_cold_readers_cause_one_decode(mounts: MountFactory, large: l
     entry = mount.path("v1", "224", f"{original.stem}.npy")
     want = hashlib.sha256(reference_npy(original, 224)).hexdigest()
 
-    start = time.time() + 2.0  # every reader fires at once, threads and processes alike
+    # A gate: every reader, threads and processes alike, blocks reading a pipe
+    # until its write end closes; then all of them read at once.
+    gate, opener = os.pipe()
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", _READER, str(entry), str(start)],
+            [sys.executable, "-c", _READER, str(entry), str(gate)],
             stdout=subprocess.PIPE,
             text=True,
+            pass_fds=(gate,),
         )
         for _ in range(4)
     ]
     digests: list[str] = []
 
     def thread_reader() -> None:
-        time.sleep(max(0.0, start - time.time()))
+        os.read(gate, 1)
         digests.append(hashlib.sha256(entry.read_bytes()).hexdigest())
 
     threads = [threading.Thread(target=thread_reader) for _ in range(8)]
     for thread in threads:
         thread.start()
+    os.close(opener)  # open the gate
     for thread in threads:
         thread.join()
+    os.close(gate)
     for process in processes:
         out, _ = process.communicate(timeout=60)
         assert process.returncode == 0
@@ -85,7 +90,6 @@ def test_decodes_run_in_a_bounded_pool_while_hits_keep_flowing(
         queued_seen.append(stats["queued_decodes"])
         if stats["inflight_decodes"]:
             hits_during_decodes += 1
-        time.sleep(0.005)
     for thread in threads:
         thread.join()
 

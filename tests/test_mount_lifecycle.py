@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from tests.helpers import (
     is_mounted,
     reference_npy,
     unmount_quietly,
+    wait_until,
     write_config,
 )
 
@@ -47,19 +49,18 @@ def _pid_of(mountpoint: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
+def _gone(pid: int) -> bool:
     """Whether ``pid`` has exited (a zombie awaiting its reaper counts as exited)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return True
-        if state == "Z":
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    wait_until(lambda: _gone(pid), timeout, f"daemon {pid} to exit")
+    return True
 
 
 def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(
@@ -85,7 +86,7 @@ def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(
     result = decodefs("umount", mountpoint)
     assert result.returncode == 0, result.stderr
     assert not is_mounted(mountpoint)
-    assert _wait_gone(pid, timeout=0.5)  # umount already waited for it
+    assert _gone(pid)  # umount already waited for it
     log = (tmp_path / "daemon.log").read_text()
     assert "mounted" in log and "unmounted" in log and "ERROR" not in log
 
@@ -141,10 +142,7 @@ def test_sigterm_detaches_but_finishes_reads_already_open(
     with open(mount.path("v1", "224", f"{uuid}.npy"), "rb", buffering=0) as busy:
         head = busy.read(100)
         mount.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while is_mounted(mount.mountpoint) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not is_mounted(mount.mountpoint)  # gone from the namespace at once
+        wait_until(lambda: not is_mounted(mount.mountpoint), 10, "the mount to leave the namespace")
         assert mount.process.poll() is None  # but still serving the open file
         assert head + busy.read() == reference_npy(original, 224)
     assert mount.process.wait(timeout=30) == 0  # exits once the last file is closed
@@ -280,13 +278,17 @@ def test_sigusr1_logs_every_threads_stack_and_the_trio_tasks_and_keeps_serving(
             and "task decodefs.daemon._stop_on_signal at " in log  # where it waits
         )
 
+    process = mount.process
+    assert process is not None
     for times in (1, 2):  # the handler stays installed
-        mount.process.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 30
-        while not dumped(mount.log_text(), times):
-            assert time.monotonic() < deadline, f"no dump #{times} in:\n{mount.log_text()}"
-            assert mount.process.poll() is None, mount.log_text()
-            time.sleep(0.05)
+        process.send_signal(signal.SIGUSR1)
+        wait_until(
+            functools.partial(
+                lambda n: process.poll() is not None or dumped(mount.log_text(), n), times
+            ),
+            what=f"dump #{times} (or the daemon's exit)",
+        )
+        assert process.poll() is None, mount.log_text()
     log = mount.log_text()
     assert "Thread 0x" in log and 'File "' in log  # other threads' stacks, with their files
     assert re.search(r"^  task decodefs\.daemon\._serve", log, re.MULTILINE)  # nested under <init>

@@ -10,7 +10,6 @@ import os
 import shutil
 import stat
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from decodefs.decode import npy_file_size
 from decodefs.entry import EntryKey
 from decodefs.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory
-from tests.helpers import Mount, decodefs, errno_of, reference_npy
+from tests.helpers import Mount, decodefs, errno_of, reference_npy, wait_until
 
 SIZE = 64
 # Every photograph once, in class folders whose file names repeat, nested folders, a name
@@ -82,14 +81,6 @@ def as_npy(value: npt.NDArray[np.uint8]) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, value)
     return buffer.getvalue()
-
-
-def wait_until(condition: object, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def tree_of(root: Path, *, originals: bool) -> dict[str, tuple[list[str], list[str]]]:
@@ -254,7 +245,7 @@ def test_read_array_reads_stored_mirror_arrays_straight_from_the_store(
     after = mount.stats()
     assert after["hits"] == before["hits"] and after["decodes"] == before["decodes"]
     reader._reporter.flush()  # the hits, reported for LRU with their mirror keys
-    wait_until(lambda: mount.stats()["direct_hits"] == 3 * len(classes), "direct hits")
+    wait_until(lambda: mount.stats()["direct_hits"] == 3 * len(classes), what="direct hits")
     # A symlink to an array names that array's key, wherever the link lives.
     link = tmp_path / "alias.npy"
     link.symlink_to(array(mount, "dog/0001"))
@@ -281,7 +272,9 @@ def test_the_background_warm_fills_a_mirror_version(
     mounts: MountFactory, classes: dict[str, Path]
 ) -> None:
     mount = mirror_mount(mounts, source(classes), version_warm=True)
-    wait_until(lambda: mount.stats()["background_decodes"] == len(classes), "the warm", timeout=120)
+    wait_until(
+        lambda: mount.stats()["background_decodes"] == len(classes), timeout=120, what="the warm"
+    )
     for key, original in classes.items():
         assert array(mount, key).read_bytes() == reference_npy(original, SIZE), key
     stats = mount.stats()

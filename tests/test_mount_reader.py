@@ -10,8 +10,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
-import uuid as uuidlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,14 @@ import pytest
 from decodefs import read_array, reader
 from decodefs.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory, needs_root
-from tests.helpers import Mount, decodefs, reference_npy, unmount_quietly, write_config
+from tests.helpers import (
+    Mount,
+    decodefs,
+    reference_npy,
+    unmount_quietly,
+    wait_until,
+    write_config,
+)
 
 
 def as_npy(array: npt.NDArray[np.uint8]) -> bytes:
@@ -71,14 +76,9 @@ def test_direct_hits_are_reported_for_lru(
     first, *others = sorted(photos)
     for uuid in [first, others[0], others[1]]:
         read_array(mount.path("v1", "64", f"{uuid}.npy"))
-    time.sleep(1.1)
-    read_array(
-        mount.path("v1", "64", f"{first}.npy")
-    )  # a direct hit, reported (a second has passed)
-    deadline = time.monotonic() + 10
-    while mount.stats()["direct_hits"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert mount.stats()["direct_hits"] >= 1
+    read_array(mount.path("v1", "64", f"{first}.npy"))  # a direct hit
+    reader._reporter.flush()  # reported now, not at the reader's next report
+    wait_until(lambda: mount.stats()["direct_hits"] >= 1, 10, "the report to arrive")
     read_array(mount.path("v1", "64", f"{others[2]}.npy"))  # a miss that evicts the oldest
     store = mount.config.parent / "store"
     assert entry_file(store, 64, first).exists()  # recently read directly: kept
@@ -139,16 +139,12 @@ def test_paths_outside_decodefs_are_np_load(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory every user can reach (pytest's tmp_path is root-only)."""
-    base = Path("/tmp") / f"decodefs-reader-{uuidlib.uuid4().hex[:8]}"
-    base.mkdir()
-    os.chmod(base, 0o755)
+def shared_dir(shared_tmp: Path) -> Iterator[Path]:
+    """A directory every user can reach, in this test's tmp_path; unmounted at the end."""
     try:
-        yield base
+        yield shared_tmp
     finally:
-        unmount_quietly(base / "mnt")
-        shutil.rmtree(base, ignore_errors=True)
+        unmount_quietly(shared_tmp / "mnt")
 
 
 @needs_root
@@ -185,7 +181,7 @@ def test_a_user_who_may_not_read_the_store_reads_through_the_mount(
         ],
         capture_output=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == np.load(io.BytesIO(reference_npy(original, 64))).tobytes()
@@ -212,9 +208,7 @@ def test_garbage_on_the_report_socket_changes_nothing(
         for datagram in garbage:
             sock.sendto(datagram, address)
         sock.sendto(f"v1\t64\t{uuid}\n".encode(), address)  # the one real report
-    deadline = time.monotonic() + 10
-    while mount.stats()["direct_hits"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: mount.stats()["direct_hits"] >= 1, 10, "the one real report")
     assert mount.stats()["direct_hits"] == 1
     assert np.array_equal(
         np.load(mount.path("v1", "96", f"{uuid}.npy")),
@@ -359,9 +353,7 @@ def test_a_new_mount_on_a_reused_device_number_is_noticed(
     read_array(target)  # a miss in the new store: decoded and stored there
     read_array(target)  # a direct hit in store-2
     reader._reporter.flush()
-    deadline = time.monotonic() + 10
-    while second.stats()["direct_hits"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: second.stats()["direct_hits"] >= 1, 10, "the report to the new mount")
     assert second.stats()["direct_hits"] == 1
     if os.stat(second.mountpoint).st_dev != device:
         pytest.skip("the kernel gave the new mount another device number this time")

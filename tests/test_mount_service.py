@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tomllib
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +45,8 @@ def receive_until(sock: socket.socket, wanted: str) -> list[str]:
 def test_notify_ready_watchdog_and_stopping(
     tmp_path: Path, photos_dir: Path, notify_listener: tuple[socket.socket, str]
 ) -> None:
+    """Exactly what systemd is told, in order. The watchdog's timing (a ping per
+    interval, none while the probe fails or hangs) is test_notify.py's, in virtual time."""
     sock, address = notify_listener
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
@@ -59,19 +60,29 @@ def test_notify_ready_watchdog_and_stopping(
         stderr=log,
     )
     try:
-        before_ready = receive_until(sock, "READY=1")
+        assert receive_until(sock, "READY=1") == [
+            f"STATUS=indexing originals for {mountpoint}",
+            f"READY=1\nSTATUS=serving {mountpoint}",
+        ]
         assert is_live_mount(mountpoint)  # READY=1 came only once the mount answers
-        assert any("STATUS=indexing originals" in m for m in before_ready)
-        assert f"STATUS=serving {mountpoint}" in before_ready[-1]
 
-        pings = [m for m in (sock.recv(4096).decode() for _ in range(5))]
+        pings = [sock.recv(4096).decode() for _ in range(5)]
         assert pings == ["WATCHDOG=1"] * 5  # every 0.1 s: half of WATCHDOG_USEC
 
         daemon.send_signal(signal.SIGTERM)
-        stopping = receive_until(sock, "STOPPING=1")
-        assert f"STATUS=unmounting {mountpoint}" in stopping[-1]
+        *before, stopping = receive_until(sock, "STOPPING=1")
+        assert set(before) <= {"WATCHDOG=1"}  # pings sent before the signal arrived
+        assert stopping == f"STOPPING=1\nSTATUS=unmounting {mountpoint}"
         assert daemon.wait(timeout=30) == 0
         assert not is_mounted(mountpoint)
+        sock.setblocking(False)
+        after = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                after.append(sock.recv(4096).decode())
+        # Nothing but pings until it exited (the lazily unmounted mount point still
+        # answers the probe): no second READY, no STOPPING twice.
+        assert set(after) <= {"WATCHDOG=1"}
     finally:
         daemon.kill()
         daemon.wait()
@@ -117,7 +128,14 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
             ["systemd-analyze", "verify", str(units / unit)], capture_output=True, text=True
         )
         assert checked.returncode == 0, checked.stderr
-        assert checked.stdout == checked.stderr == "", checked.stderr  # warnings too
+        # Warnings too, but only about our units: other units on the machine, and
+        # what this systemd version thinks of them, are not ours to judge.
+        ours = [
+            line
+            for line in (checked.stdout + checked.stderr).splitlines()
+            if "decodefs" in line or str(root) in line
+        ]
+        assert ours == [], checked.stderr
 
     # The example config is valid once its paths exist.
     example = tomllib.loads((root / "etc" / "decodefs" / "config.toml").read_text())
@@ -131,17 +149,15 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
 
 
 @pytest.fixture
-def shared_mountpoint() -> Iterator[Path]:
-    """A mount point every user can reach (pytest's tmp_path is root-only)."""
-    base = Path("/tmp") / f"decodefs-shared-{uuid.uuid4().hex[:8]}"
-    base.mkdir(mode=0o755)
-    os.chmod(base, 0o755)
-    (base / "mnt").mkdir(mode=0o755)
+def shared_mountpoint(shared_tmp: Path) -> Iterator[Path]:
+    """A mount point every user can reach, in this test's tmp_path; always unmounted."""
+    mountpoint = shared_tmp / "mnt"
+    mountpoint.mkdir()
+    os.chmod(mountpoint, 0o755)
     try:
-        yield base / "mnt"
+        yield mountpoint
     finally:
-        unmount_quietly(base / "mnt")
-        shutil.rmtree(base, ignore_errors=True)
+        unmount_quietly(mountpoint)
 
 
 @needs_root

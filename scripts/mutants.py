@@ -1,0 +1,242 @@
+"""Hand-made mutants: the broken logic the fast tests must catch, each shown killed.
+
+Each mutant is one textual change to the package (the index cache never
+reused, single flight off, ...). For each, this applies the change to a copy
+of the tree, runs the in-process tests named for it, and reports "killed"
+(with the tests that failed) or "SURVIVED". The unchanged copy runs first and
+must pass. The working tree itself is never touched.
+
+    .venv/bin/python scripts/mutants.py              # all of them
+    .venv/bin/python scripts/mutants.py single-flight-off negative-cache-never-answers
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str
+    old: str  # must occur exactly once in path
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant(
+        "index-cache-never-reused",
+        "the cached source index is never loaded",
+        "decodefs/source.py",
+        "index = _load_cache(version, cache, key, root_real) if cache else None",
+        "index = None",
+        ("tests/test_source.py", "tests/test_engine.py"),
+    ),
+    Mutant(
+        "negative-cache-never-answers",
+        "a recent decode failure is never answered from the negative cache",
+        "decodefs/engine.py",
+        "reason = self._failures.get(key)",
+        "reason = None",
+        ("tests/test_engine.py", "tests/test_fs.py"),
+    ),
+    Mutant(
+        "single-flight-off",
+        "every opener of a cold key runs its own decode",
+        "decodefs/engine.py",
+        "flight = self._flights.get(key)\n",
+        "flight = None\n",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "checksum-not-compared",
+        "the trailer's checksum is never compared with the payload's",
+        "decodefs/entry.py",
+        "if hasher.intdigest() != _checksum_of(trailer):",
+        "if False:",
+        ("tests/test_store.py", "tests/test_engine.py"),
+    ),
+    Mutant(
+        "pinned-entry-evictable",
+        "eviction ignores pins",
+        "decodefs/capacity.py",
+        "            if self._pins.get(key):\n                return False",
+        "            if False:\n                return False",
+        ("tests/test_engine.py", "tests/test_store.py"),
+    ),
+    # Survivors of the mutmut run that mattered, killed since by added tests:
+    Mutant(
+        "eviction-stops-a-byte-short",
+        "eviction stops while the store is still one byte over its limit",
+        "decodefs/capacity.py",
+        "while self._shortfall(incoming) > 0:",
+        "while self._shortfall(incoming) > 1:",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "warm-trips-on-a-failure",
+        "the background warm reads the outcome of a decode that failed (and dies)",
+        "decodefs/engine.py",
+        "if flight.outcome is not None and flight.outcome.held is not None:\n"
+        "                flight.outcome.held.release()  # nobody reads it",
+        "if flight.outcome is None and flight.outcome.held is not None:\n"
+        "                flight.outcome.held.release()  # nobody reads it",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "warm-retries-fresh-failures",
+        "the background warm decodes originals that just failed again",
+        "decodefs/engine.py",
+        "if verified[index] or key in self._flights or key in self._failures:",
+        "if verified[index] or key in self._flights and key in self._failures:",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "verified-bit-of-another-entry",
+        "verifying one entry marks another as verified",
+        "decodefs/engine.py",
+        "self._bits[index >> 3] |= 1 << (index & 7)",
+        "self._bits[index >> 4] |= 1 << (index & 7)",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "check-reads-past-the-payload",
+        "an entry over 1 MiB is hashed with its trailer's bytes (so never verifies)",
+        "decodefs/entry.py",
+        "piece = os.pread(fd, min(_PIECE, length - offset), offset)",
+        "piece = os.pread(fd, min(_PIECE, length + offset), offset)",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "queued-decodes-never-counted-down",
+        "a decode that leaves the queue still counts as queued",
+        "decodefs/engine.py",
+        "                self.metrics.queued_decodes -= 1\n                queued = False",
+        "                queued = False",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "evictions-not-forgotten",
+        "an evicted entry stays verified, so its next open is a hit on a missing file",
+        "decodefs/engine.py",
+        "                self._verified_map(key.version, key.size).set(index, False)",
+        "                pass",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "reclaim-drops-one-at-a-time",
+        "reclaiming memory stops after dropping one cached array",
+        "decodefs/memory.py",
+        "        self._items.popitem()\n        return True",
+        "        self._items.popitem()\n        return False",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "one-unpin-frees-every-pin",
+        "releasing one of two handles on an entry unpins it for both",
+        "decodefs/capacity.py",
+        "            if count > 0:\n                pins[key] = count",
+        "            if count > 1:\n                pins[key] = count",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "max-pixels-ignored",
+        "the configured max_pixels is not passed to the decode",
+        "decodefs/engine.py",
+        "array = decode_image(path, key.size, settings, max_pixels=max_pixels)",
+        "array = decode_image(path, key.size, settings)",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "layout-not-checked",
+        "an intact entry of another .npy layout is served",
+        "decodefs/engine.py",
+        "problem = npy_layout_problem(checked.head, checked.length, key.size)",
+        "problem = None",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "fingerprint-change-keeps-entries",
+        "a new fingerprint does not discard the version's stored arrays",
+        "decodefs/store.py",
+        "            if recorded is not None:\n                log.warning(",
+        "            if False:\n                log.warning(",
+        ("tests/test_engine.py", "tests/test_store.py"),
+    ),
+]
+
+
+def copy_tree(target: Path) -> None:
+    for name in ("decodefs", "tests"):
+        shutil.copytree(ROOT / name, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", target / "pyproject.toml")
+
+
+def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[int, list[str], float]:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:randomly", "-p", "no:cacheprovider",
+         *tests],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    failed = re.findall(r"^FAILED (\S+)", result.stdout, re.MULTILINE)
+    (tree / "pytest.out").write_text(result.stdout + result.stderr)
+    return result.returncode, failed, time.monotonic() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    survived = 0
+    with tempfile.TemporaryDirectory(prefix="decodefs-mutants-") as work:
+        base = Path(work) / "tree"
+        copy_tree(base)
+        # The copy, not the installed package, must be what the tests import.
+        where = subprocess.run(
+            [sys.executable, "-c", "import decodefs; print(decodefs.__file__)"],
+            cwd=base, capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        assert where.startswith(str(base)), f"the tests would import {where}"
+        tests = tuple(sorted({t for m in chosen for t in m.tests}))
+        code, failed, seconds = run_tests(base, tests)
+        if code != 0:
+            print((base / "pytest.out").read_text()[-6000:], file=sys.stderr)
+            print(f"the unchanged tree fails {failed or code}: fix that first", file=sys.stderr)
+            return 2
+        print(f"unchanged: {len(tests)} test files pass ({seconds:.0f} s)")
+        for mutant in chosen:
+            tree = Path(work) / mutant.name
+            copy_tree(tree)
+            source = tree / mutant.path
+            text = source.read_text()
+            assert text.count(mutant.old) == 1, f"{mutant.name}: the change no longer applies"
+            source.write_text(text.replace(mutant.old, mutant.new))
+            code, failed, seconds = run_tests(tree, mutant.tests)
+            if code == 0:
+                survived += 1
+                print(f"SURVIVED {mutant.name}: {mutant.what} ({seconds:.0f} s)")
+            else:
+                print(f"killed   {mutant.name}: {mutant.what} ({seconds:.0f} s), by:")
+                for test in failed or [f"(pytest exit {code})"]:
+                    print(f"           {test}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

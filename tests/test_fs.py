@@ -1,0 +1,217 @@
+"""The operations class in-process: what the kernel asks, and the errno it gets back.
+
+``DecodeFS`` is called as pyfuse3 would call it, over a real tree, engine and
+store; readdir needs a token only the kernel can make, so listings are tested
+through the tree (test_tree.py) and through mounts.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pyfuse3
+import pytest
+
+from decodefs.decode import npy_file_size
+from decodefs.inodes import Kind, Node
+from decodefs.protocol import RECHECK_FLAG, TRAILER_SIZE, WARM_FLAG
+from tests.conftest import DaemonFactory
+from tests.helpers import reference_npy, write_bad_originals
+from tests.inprocess import CTX, InProcess
+
+SIZE = 48
+
+
+async def fuse_errno(call: object, *args: object) -> int:
+    """The errno an operation answers (the test fails if it succeeds)."""
+    try:
+        await call(*args)  # type: ignore[operator]
+    except pyfuse3.FUSEError as exc:
+        return exc.errno
+    raise AssertionError(f"{call}{args} succeeded")
+
+
+async def read_file(
+    d: InProcess, inode: int, flags: int = os.O_RDONLY, chunk: int = 1 << 17
+) -> bytes:
+    """open, read to the end in ``chunk``-byte requests, release: as the kernel does."""
+    info = await d.ops.open(inode, flags, CTX)
+    try:
+        pieces = []
+        offset = 0
+        while piece := bytes(await d.ops.read(info.fh, offset, chunk)):
+            pieces.append(piece)
+            offset += len(piece)
+        return b"".join(pieces)
+    finally:
+        await d.ops.release(info.fh)
+
+
+async def test_a_path_resolves_and_reads_the_reference_array(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    d = daemons({"v1": originals})
+    attrs = await d.lookup_path("v1", str(SIZE), "camera-tiff.npy")
+    assert stat.S_ISREG(attrs.st_mode) and stat.S_IMODE(attrs.st_mode) == 0o444
+    assert attrs.st_size == npy_file_size(SIZE) and attrs.st_nlink == 1
+    assert attrs.entry_timeout > 0 and attrs.attr_timeout > 0  # the kernel may cache it
+    assert d.stats()["decodes"] == 0  # metadata never decodes
+    want = reference_npy(originals / "camera-tiff.TIFF", SIZE)
+    assert await read_file(d, attrs.st_ino, chunk=4093) == want
+    sharded = await d.lookup_path("v1", str(SIZE), "ca", "camera-tiff.npy")
+    assert sharded.st_ino == attrs.st_ino  # one inode, one page cache
+    assert await read_file(d, sharded.st_ino) == want
+    stats = d.stats()
+    assert stats["decodes"] == stats["misses"] == 1 and stats["hits"] == 1
+    assert stats["bytes_served"] == 2 * len(want)
+
+
+async def test_reads_at_any_offset(daemons: DaemonFactory, originals: Path) -> None:
+    d = daemons({"v1": originals})
+    want = reference_npy(originals / "chelsea-444.JPG", SIZE)
+    attrs = await d.lookup_path("v1", str(SIZE), "chelsea-444.npy")
+    info = await d.ops.open(attrs.st_ino, os.O_RDONLY, CTX)
+    try:
+        for offset, size in [(0, 10), (127, 2), (len(want) - 10, 100), (len(want), 10)]:
+            assert bytes(await d.ops.read(info.fh, offset, size)) == want[offset : offset + size]
+        assert bytes(await d.ops.read(info.fh, len(want) + 5, 10)) == b""
+    finally:
+        await d.ops.release(info.fh)
+    assert d.engine.memory.used == 0 and not d.store.capacity.pinned(
+        d.key("v1", SIZE, "chelsea-444")
+    )
+
+
+async def test_errno_for_names_that_do_not_exist(daemons: DaemonFactory, originals: Path) -> None:
+    d = daemons({"v1": originals})
+    size_dir = (await d.lookup_path("v1", str(SIZE))).st_ino
+    ctx = CTX
+    assert await fuse_errno(d.ops.lookup, size_dir, b"missing.npy", ctx) == errno.ENOENT
+    assert await fuse_errno(d.ops.lookup, size_dir, b"a" * 256, ctx) == errno.ENAMETOOLONG
+    assert await fuse_errno(d.ops.lookup, pyfuse3.ROOT_INODE, b"v3", ctx) == errno.ENOENT
+    version = (await d.lookup_path("v1")).st_ino
+    for bad in [b"0", b"7", b"4097", b"064", b"+64", b" 64", b"64 "]:
+        assert await fuse_errno(d.ops.lookup, version, bad, ctx) == errno.ENOENT, bad
+    assert await fuse_errno(d.ops.getattr, 7 << 60, ctx) == errno.ENOENT
+    assert (await d.ops.lookup(size_dir, b"..", ctx)).st_ino == version
+    assert (await d.ops.lookup(size_dir, b".", ctx)).st_ino == size_dir
+    assert "unexpected" not in d.stats()["errors"]
+
+
+async def test_errno_for_what_the_mount_refuses(daemons: DaemonFactory, originals: Path) -> None:
+    d = daemons({"v1": originals})
+    entry = (await d.lookup_path("v1", str(SIZE), "coffee-webp.npy")).st_ino
+    size_dir = (await d.lookup_path("v1", str(SIZE))).st_ino
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
+        assert await fuse_errno(d.ops.open, entry, flags, CTX) == errno.EROFS, flags
+    assert await fuse_errno(d.ops.open, size_dir, os.O_RDONLY, CTX) == errno.EISDIR
+    assert await fuse_errno(d.ops.opendir, entry, CTX) == errno.ENOTDIR
+    assert await d.ops.opendir(size_dir, CTX) == size_dir
+    assert await fuse_errno(d.ops.unlink, size_dir, b"coffee-webp.npy", CTX) == errno.EROFS
+    assert await fuse_errno(d.ops.mkdir, size_dir, b"x", 0o755, CTX) == errno.EROFS
+    assert await fuse_errno(d.ops.create, size_dir, b"x.npy", 0o644, os.O_WRONLY, CTX) == (
+        errno.EROFS
+    )
+    assert await fuse_errno(d.ops.write, 1, 0, b"x") == errno.EROFS
+    assert await fuse_errno(d.ops.rename, size_dir, b"a", size_dir, b"b", 0, CTX) == errno.EROFS
+    assert await fuse_errno(d.ops.setxattr, entry, b"user.x", b"1", CTX) == errno.EROFS
+    assert await fuse_errno(d.ops.flush, 1) == errno.ENOSYS
+    assert d.stats()["decodes"] == 0
+
+
+async def test_errno_for_originals_that_fail(daemons: DaemonFactory, originals: Path) -> None:
+    bad = write_bad_originals(originals / "bad", originals / "astronaut-baseline.jpg")
+    d = daemons({"v1": originals}, error_cache_seconds=60)
+    for uuid in bad:
+        entry = (await d.lookup_path("v1", str(SIZE), f"{uuid}.npy")).st_ino
+        assert await fuse_errno(d.ops.open, entry, os.O_RDONLY, CTX) == errno.EIO, uuid
+        assert await fuse_errno(d.ops.open, entry, os.O_RDONLY, CTX) == errno.EIO, uuid
+    stats = d.stats()
+    assert stats["decode_errors"] == stats["decodes"] == len(bad)  # the second: cached
+    assert stats["errors"]["EIO"] == 2 * len(bad)
+
+    gone = (await d.lookup_path("v1", str(SIZE), "logo-alpha.npy")).st_ino
+    (originals / "logo-alpha.png").unlink()
+    assert await fuse_errno(d.ops.open, gone, os.O_RDONLY, CTX) == errno.ENOENT
+    assert d.stats()["errors"]["ENOENT"] == 1
+    # Everything else is still served.
+    ok = (await d.lookup_path("v1", str(SIZE), "rocket-cmyk.npy")).st_ino
+    assert await read_file(d, ok) == reference_npy(originals / "rocket-cmyk.jpg", SIZE)
+    assert "unexpected" not in d.stats()["errors"]
+
+
+async def test_open_flags_ask_for_a_warm_or_a_recheck(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    d = daemons({"v1": originals})
+    entry = (await d.lookup_path("v1", str(SIZE), "coffee-progressive.npy")).st_ino
+    want = reference_npy(originals / "coffee-progressive.jpeg", SIZE)
+    info = await d.ops.open(entry, os.O_RDONLY | WARM_FLAG, CTX)
+    await d.ops.release(info.fh)
+    assert d.stats()["warm_decodes"] == 1 and d.stats()["misses"] == 0
+    path = d.entry_path("v1", SIZE, "coffee-progressive")
+    assert await read_file(d, entry) == want  # verified in this life now
+    data = bytearray(path.read_bytes())
+    data[500] ^= 0x04
+    path.write_bytes(bytes(data))
+    assert await read_file(d, entry, os.O_RDONLY | RECHECK_FLAG) == want
+    assert d.stats()["corrupt_entries"] == 1
+    assert path.read_bytes()[:-TRAILER_SIZE] == want
+
+
+async def test_statfs_and_status_files(daemons: DaemonFactory, originals: Path) -> None:
+    d = daemons({"v1": originals})
+    for uuid in ("camera-gray", "chelsea-bmp"):
+        await d.array("v1", SIZE, uuid)
+    vfs = await d.ops.statfs(CTX)
+    assert vfs.f_files == 2 and vfs.f_namemax == 255
+    assert vfs.f_blocks == 2 * (npy_file_size(SIZE) + TRAILER_SIZE) // 4096
+    attrs = await d.lookup_path(".decodefs", "stats.json")
+    assert stat.S_ISREG(attrs.st_mode) and attrs.entry_timeout == attrs.attr_timeout == 0
+    served = d.stats()["bytes_served"]
+    stats = json.loads(await read_file(d, attrs.st_ino))
+    assert stats["decodes"] == 2 and stats["store_entries"] == 2
+    assert stats["bytes_served"] == served == d.stats()["bytes_served"]  # arrays only
+
+
+async def test_an_unexpected_exception_is_eio_and_logged_once_not_per_call(
+    daemons: DaemonFactory,
+    originals: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("DECODEFS_FAILPOINT_OPEN", "camera-gray")  # read when DecodeFS starts
+    d = daemons({"v1": originals})
+    entry = (await d.lookup_path("v1", str(SIZE), "camera-gray.npy")).st_ino
+    caplog.set_level(logging.DEBUG, logger="decodefs")
+    for _ in range(1000):
+        assert await fuse_errno(d.ops.open, entry, os.O_RDONLY, CTX) == errno.EIO
+    assert d.stats()["errors"]["unexpected"] == 1000
+    lines = [r for r in caplog.records if r.name == "decodefs.fs" and r.levelno >= logging.ERROR]
+    assert len(lines) == 1  # the first, with its traceback; the rest are folded
+    assert lines[0].exc_info is not None and "unexpected error in open" in lines[0].getMessage()
+    assert "failpoint" in caplog.text and "Traceback" in caplog.text
+    # Another request is answered as usual.
+    other = (await d.lookup_path("v1", str(SIZE), "camera-tiff.npy")).st_ino
+    assert await read_file(d, other) == reference_npy(originals / "camera-tiff.TIFF", SIZE)
+
+
+async def test_every_handle_is_released(daemons: DaemonFactory, originals: Path) -> None:
+    d = daemons({"v1": originals}, max_store_bytes=1)  # the store takes nothing: all in memory
+    inodes = [
+        (await d.lookup_path("v1", str(SIZE), f"{p.stem}.npy")).st_ino
+        for p in sorted(originals.iterdir())
+    ]
+    infos = [await d.ops.open(ino, os.O_RDONLY, CTX) for ino in inodes]
+    assert all(d.store.capacity.pinned(d.key("v1", SIZE, p.stem)) for p in originals.iterdir())
+    for info in infos:
+        await d.ops.release(info.fh)
+    await d.ops.release(123_456)  # one the kernel never had: nothing happens
+    assert not any(d.store.capacity.pinned(d.key("v1", SIZE, p.stem)) for p in originals.iterdir())
+    assert d.engine.memory.used == d.stats()["memory_cache_bytes"]
+    assert Node.from_ino(inodes[0]).kind == Kind.ENTRY
