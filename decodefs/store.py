@@ -545,12 +545,23 @@ class Store:
 
     def _check_marker(self, root: int) -> None:
         try:
-            recorded = json.loads(_read_small(root, MARKER_FILE))
+            text = _read_small(root, MARKER_FILE)
         except FileNotFoundError:
+            text = b""
+        except OSError as exc:
+            raise StoreError(
+                f"store: {os.path.join(self.root, MARKER_FILE)} is unreadable ({exc}); "
+                "remove it to reuse the store"
+            ) from exc
+        if not text:
+            # Missing, or empty as a crash soon after it was written leaves it (nothing in
+            # the store is synced): it says nothing, and every entry records its format.
             with contextlib.suppress(OSError):  # a read-only store stays unmarked
                 _write_json_at(root, MARKER_FILE, {"format": STORE_FORMAT}, 0o644)
             return
-        except (OSError, ValueError) as exc:
+        try:
+            recorded = json.loads(text)
+        except ValueError as exc:
             raise StoreError(
                 f"store: {os.path.join(self.root, MARKER_FILE)} is unreadable ({exc}); "
                 "remove it to reuse the store"

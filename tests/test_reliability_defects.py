@@ -6,11 +6,22 @@ See docs/reliability.md for the runs that found them.
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 from pathlib import Path
 
+import numpy as np
+
+from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
+from decodefs.entry import EntryKey
+from decodefs.protocol import STORE_FORMAT
+from decodefs.store import Store
 from tests.conftest import MountFactory
 from tests.helpers import errno_of
+
+V1 = decoder_fingerprint(DecodeSettings())
+KEY = EntryKey("v1", 16, "abcdef")
+PAYLOAD = npy_bytes(np.full((16, 16, 3), 7, dtype=np.uint8))
 
 
 def test_a_vanished_source_logs_one_line_not_one_per_read(
@@ -29,3 +40,21 @@ def test_a_vanished_source_logs_one_line_not_one_per_read(
             assert errno_of(mount.path("v1", "64", f"{uuid}.npy").read_bytes) == errno.ENOENT
     assert mount.stats()["errors"]["ENOENT"] == 3 * len(photos)
     assert mount.log_text().count("is gone") == 1
+
+
+def test_an_empty_store_marker_left_by_a_crash_is_written_again(tmp_path: Path) -> None:
+    # Part 4: an ext4 store that failed (errors=remount-ro) shortly after it was made came
+    # back from e2fsck with a 0-byte .decodefs-store (written without fsync, as everything
+    # in the store), and the daemon refused the whole store from then on.
+    root = tmp_path / "store"
+    store = Store(root, {"v1": V1})
+    store.open()
+    store.write(KEY, PAYLOAD)
+    store.close()
+    (root / ".decodefs-store").write_bytes(b"")
+    again = Store(root, {"v1": V1})
+    again.open()
+    checked = again.verify(KEY)
+    assert checked is not None and again.read_range(KEY, 0, checked.length) == PAYLOAD
+    again.close()
+    assert json.loads((root / ".decodefs-store").read_text()) == {"format": STORE_FORMAT}
