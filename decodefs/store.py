@@ -170,6 +170,7 @@ class Store:
             clock=clock,
         )
         self.writable = False
+        self._unusable: str | None = None  # why the store made again cannot be used (logged)
         # Bumped whenever every entry may be gone at once (the store was removed):
         # whoever remembers entries as verified must forget them.
         self.generation = 0
@@ -249,8 +250,12 @@ class Store:
             except (OSError, StoreError) as exc:
                 os.close(fresh)
                 self._root_fd = None
-                log.error("store %s was made again but cannot be used: %s", self.root, exc)
+                # Logged once, not at every check for as long as it lasts.
+                level = logging.DEBUG if str(exc) == self._unusable else logging.ERROR
+                self._unusable = str(exc)
+                log.log(level, "store %s was made again but cannot be used: %s", self.root, exc)
                 return True
+            self._unusable = None
             self.generation += 1
             log.warning("store %s made again (empty); storing arrays again", self.root)
             return True

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
 from decodefs.entry import EntryKey
@@ -58,3 +60,28 @@ def test_an_empty_store_marker_left_by_a_crash_is_written_again(tmp_path: Path) 
     assert checked is not None and again.read_range(KEY, 0, checked.length) == PAYLOAD
     again.close()
     assert json.loads((root / ".decodefs-store").read_text()) == {"format": STORE_FORMAT}
+
+
+def test_a_store_made_again_that_cannot_be_used_is_logged_once_not_every_check(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Part 4: the daemon checks the store every 5 s; one that was made again but could not
+    # be used logged the same ERROR line at every check, for as long as it lasted.
+    root = tmp_path / "store"
+    store = Store(root, {"v1": V1})
+    store.open()
+    shutil.rmtree(root)
+    root.mkdir(mode=0o700)
+    (root / ".decodefs-store").write_text("{not json")
+    with caplog.at_level(logging.DEBUG, logger="decodefs.store"):
+        for _ in range(4):
+            store.check()
+    unusable = [
+        r
+        for r in caplog.records
+        if "cannot be used" in r.getMessage() and r.levelno >= logging.ERROR
+    ]
+    assert len(unusable) == 1
+    (root / ".decodefs-store").unlink()  # fixed: used again, and a new problem is logged again
+    assert store.check() and store.writable
+    store.close()
