@@ -103,6 +103,7 @@ class Sizes:
     hostile_stored: int = 30
     hostile_cold: int = 60
     hostile_size: int = MAX_SIZE  # the configured max_size, which the opens use
+    hostile_fallback: bool = True  # the same opens of arrays the store does not take
     big_png: int = 9000
     kill_trials: int = 20
     kill_originals: int = 500
@@ -120,6 +121,7 @@ QUICK: Final = Sizes(
     hostile_stored=3,
     hostile_cold=4,
     hostile_size=1024,
+    hostile_fallback=False,  # it hangs the daemon: docs/reliability.md, defect 1
     big_png=2000,
     kill_trials=1,
     kill_originals=40,
@@ -1054,7 +1056,131 @@ def part_memory(h: Harness, sizes: Sizes) -> Part:
         big_after_kib=big_after,
         phases=[dataclasses.asdict(p) for p in phases],
     )
+    if sizes.hostile_fallback:
+        memory_fallback(h, part, sizes, source, cold)
     return part
+
+
+_HOLDER: Final = """
+import os, sys
+fds = []
+for path in sys.argv[1:]:
+    try:
+        fds.append(os.open(path, os.O_RDONLY))
+        print("opened", flush=True)
+    except OSError as exc:
+        print("error", exc.errno, flush=True)
+sys.stdin.readline()
+"""
+
+
+def memory_fallback(
+    h: Harness, part: Part, sizes: Sizes, source: Path, cold: Sequence[Path]
+) -> None:
+    """The hostile opens again, of arrays the store does not take: another user's reads of
+    a size no version lists (allow_other on), served from memory and held while open."""
+    size = sizes.hostile_size
+    d = h.daemon("memory-fallback", {VERSION: source}, sizes=[224], max_size=size, allow_other=True)
+    d.mount()
+    fit = DEFAULT_MEMORY_CACHE // (2 * npy_file_size(size))
+    holders = []
+    for i in range(sizes.hostile_processes):
+        chosen = [d.path(cold[(i + j) % len(cold)].stem, size) for j in range(sizes.hostile_open)]
+        command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                   sys.executable, "-c", _HOLDER, *map(str, chosen)]  # fmt: skip
+        holders.append(
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        )
+    opened = [0] * len(holders)
+
+    def count(i: int, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            opened[i] += line.startswith("opened")
+
+    readers = [
+        threading.Thread(target=count, args=(i, p), daemon=True) for i, p in enumerate(holders)
+    ]
+    for reader in readers:
+        reader.start()
+    total = sizes.hostile_processes * sizes.hostile_open
+    last, quiet_since = -1, time.monotonic()
+    while sum(opened) < total and time.monotonic() - quiet_since < 30:
+        if sum(opened) != last:
+            last, quiet_since = sum(opened), time.monotonic()
+        time.sleep(0.2)
+    held = sum(opened)
+    stats = d.stats()
+    # Someone else's cold read of a listed size, meanwhile.
+    innocent: list[str] = []
+    other = cold[-1]
+
+    def read_listed() -> None:
+        try:
+            d.path(other.stem, 224).read_bytes()
+            innocent.append("returned")
+        except OSError as exc:
+            innocent.append(errno_name(exc))
+
+    bystander = threading.Thread(target=read_listed, daemon=True)
+    started = time.monotonic()
+    bystander.start()
+    bystander.join(timeout=15)
+    bystander_result = innocent[0] if innocent else "still blocked after 15 s"
+    for process in holders:
+        process.kill()
+    time.sleep(2)
+    stuck = [p.pid for p in holders if not wait_gone(p.pid, 0)]
+    states = collections.Counter(process_state(pid) for pid in stuck)
+    assert d.pid is not None
+    os.kill(d.pid, signal.SIGTERM)
+    stopped = wait_gone(d.pid, 25)
+    if not stopped:
+        d.kill9()  # the only way out: every blocked request then fails
+    bystander.join(timeout=30)
+    for process in holders:
+        process.wait(timeout=30)
+    waited = time.monotonic() - started
+    part.say(
+        "The same opens of arrays the store does not take: uid 65534 reads a size no version "
+        f'lists ({size}; allow_other on, unlisted_sizes = "owner"), which the daemon serves '
+        f"from memory and holds while the file is open. {sizes.hostile_processes} processes "
+        f"open {sizes.hostile_open} arrays each from a pool of {len(cold)}; each array holds "
+        f"2 x {npy_file_size(size) / MIB:.0f} MiB of the 512 MiB memory budget, so {fit} fit."
+    )
+    part.table(
+        ["arrays the store does not take", "value"],
+        [
+            ["opens done (then no progress for 30 s)", f"{held:,} of {total:,}"],
+            ["stats: memory_bytes / memory_waits",
+             f"{stats['memory_bytes'] / MIB:,.0f} MiB / {stats['memory_waits']:,}"],
+            ["root's read of another array at a listed size (224), meanwhile",
+             bystander_result],
+            ["holders after kill -9 (2 s later)",
+             f"{len(stuck)} of {len(holders)} still there"
+             + (f" (state {', '.join(sorted(states))})" if stuck else "")],
+            ["the daemon after SIGTERM", "exited" if stopped else "still running after 25 s; "
+             "killed with SIGKILL, which freed every blocked reader"],
+        ],
+    )  # fmt: skip
+    part.figures["fallback"] = {
+        "opened": held, "total": total, "fit": fit, "bystander": bystander_result,
+        "stuck_after_kill": len(stuck), "stopped_on_sigterm": stopped, "seconds": waited,
+    }  # fmt: skip
+    part.expect(
+        held == total,
+        f"arrays the store does not take: {total - held} opens blocked for good once {fit} "
+        "arrays were held (hold-and-wait on the memory budget: docs/reliability.md, defect 1)",
+    )
+    part.expect(bystander_result == "returned", f"another reader's cold read: {bystander_result}")
+    part.expect(stopped, "the daemon did not stop on SIGTERM")
+
+
+def process_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 # == 3. kill -9 ===========================================================================
@@ -2311,7 +2437,11 @@ def main() -> int:
     parser.add_argument("--output", type=Path, help="write the markdown here too")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     for f in dataclasses.fields(Sizes):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=None)
     args = parser.parse_args()
     base = QUICK if args.quick else Sizes()
     sizes = dataclasses.replace(
