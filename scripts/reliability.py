@@ -67,6 +67,7 @@ import trio
 from PIL import Image
 
 from decodefs import DecodeError, decode_image, npy_file_size, npy_header, read_array
+from decodefs.fs import MAX_REQUEST_TASKS
 from decodefs.mountinfo import mounts
 from decodefs.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
@@ -1061,6 +1062,18 @@ def part_memory(h: Harness, sizes: Sizes) -> Part:
     return part
 
 
+_FLOOD_THREADS: Final = MAX_REQUEST_TASKS + 100  # more than the daemon's request tasks
+_FLOOD: Final = """
+import os, sys, threading, time
+def hold(path):
+    try:
+        os.open(path, os.O_RDONLY)
+    except OSError:
+        pass
+for i in range(int(sys.argv[1])):
+    threading.Thread(target=hold, args=(sys.argv[2 + i % (len(sys.argv) - 2)],)).start()
+time.sleep(3600)
+"""
 _HOLDER: Final = """
 import os, sys
 fds = []
@@ -1083,6 +1096,8 @@ def memory_fallback(
     d = h.daemon("memory-fallback", {VERSION: source}, sizes=[224], max_size=size, allow_other=True)
     d.mount()
     fit = DEFAULT_MEMORY_CACHE // (2 * npy_file_size(size))
+    hit = cold[-2]
+    d.path(hit.stem, 224).read_bytes()  # stored: a hit from now on
     holders = []
     for i in range(sizes.hostile_processes):
         chosen = [d.path(cold[(i + j) % len(cold)].stem, size) for j in range(sizes.hostile_open)]
@@ -1127,6 +1142,17 @@ def memory_fallback(
     bystander.start()
     bystander.join(timeout=15)
     bystander_result = innocent[0] if innocent else "still blocked after 15 s"
+    # More blocked opens than the daemon has request tasks: one process of uid 65534.
+    flood = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+         sys.executable, "-c", _FLOOD, str(_FLOOD_THREADS),
+         *(str(d.path(p.stem, size)) for p in cold)],
+        stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    holders.append(flood)
+    time.sleep(10)
+    hit_result = timed_read(d.path(hit.stem, 224), 10)
+    stats_result = timed_read(d.mountpoint / ".decodefs/stats.json", 10)
     for process in holders:
         process.kill()
     time.sleep(2)
@@ -1156,6 +1182,9 @@ def memory_fallback(
              f"{stats['memory_bytes'] / MIB:,.0f} MiB / {stats['memory_waits']:,}"],
             ["root's read of another array at a listed size (224), meanwhile",
              bystander_result],
+            [f"then {_FLOOD_THREADS} more threads of uid 65534 open such arrays: root's read of "
+             "a stored array (224)", hit_result],
+            ["... and of `.decodefs/stats.json`", stats_result],
             ["holders after kill -9 (2 s later)",
              f"{len(stuck)} of {len(holders)} still there"
              + (f" (state {', '.join(sorted(states))})" if stuck else "")],
@@ -1166,6 +1195,7 @@ def memory_fallback(
     part.figures["fallback"] = {
         "opened": held, "total": total, "fit": fit, "bystander": bystander_result,
         "stuck_after_kill": len(stuck), "stopped_on_sigterm": stopped, "seconds": waited,
+        "hit_while_flooded": hit_result, "stats_while_flooded": stats_result,
     }  # fmt: skip
     part.expect(
         held == total,
@@ -1174,6 +1204,28 @@ def memory_fallback(
     )
     part.expect(bystander_result == "returned", f"another reader's cold read: {bystander_result}")
     part.expect(stopped, "the daemon did not stop on SIGTERM")
+    part.expect(
+        hit_result.startswith("returned"),
+        f"with {_FLOOD_THREADS} opens blocked, a stored array's read: {hit_result}",
+    )
+
+
+def timed_read(path: Path, timeout: float) -> str:
+    """Read ``path`` on a thread: how long it took, or that it had not returned in time."""
+    outcome: list[str] = []
+
+    def read() -> None:
+        started = time.monotonic()
+        try:
+            path.read_bytes()
+            outcome.append(f"returned in {time.monotonic() - started:.2f} s")
+        except OSError as exc:
+            outcome.append(errno_name(exc))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else f"no answer in {timeout:.0f} s"
 
 
 def process_state(pid: int) -> str:
@@ -1190,7 +1242,7 @@ def process_state(pid: int) -> str:
 class KillTrial:
     kind: str
     size: int
-    killed_after: float
+    decodes_before_kill: int
     stored_at_kill: int
     temp_left: int
     rows_without_file_at_kill: int
@@ -1225,7 +1277,7 @@ def miss_stream(d: Daemon, originals: Sequence[Path], size: int, stop: threading
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=READ_TIMEOUT)
+        t.join(timeout=600)
 
 
 class Work:
@@ -1247,10 +1299,9 @@ class Work:
             )
             self._stream.start()
 
-    def first_entry(self) -> bool:
-        """Wait until the first array of the size is stored: the work is under way."""
-        size_dir = self._daemon.store / VERSION / str(self._size)
-        return wait_until(lambda: any(size_dir.glob("*/*.npy")), 60, interval=0.005)
+    def until_decoded(self, count: int, since: int) -> bool:
+        """Wait until the daemon has run ``count`` decodes more than ``since``."""
+        return wait_until(lambda: self._daemon.stats()["decodes"] - since >= count, 120, 0.005)
 
     def wait(self) -> None:
         if self._warm is not None:
@@ -1260,13 +1311,16 @@ class Work:
 
 
 def kill_trial(
-    d: Daemon, kind: str, size: int, paths: Sequence[Path], ref: Reference, after: float
+    d: Daemon, kind: str, size: int, paths: Sequence[Path], ref: Reference, rng: random.Random
 ) -> KillTrial:
-    """Start a warm or a miss stream at ``size``, kill -9 the daemon ``after`` seconds after
-    its first array is stored, restart it on the same mount point and check the store."""
+    """Start a warm or a miss stream at ``size``, kill -9 the daemon once it has decoded a
+    random number of the arrays (and a random 0-50 ms more), restart it on the same mount
+    point and check the store."""
+    since = d.stats()["decodes"]
+    decodes = rng.randrange(1, len(paths))
     work = Work(d, kind, size, paths)
-    work.first_entry()
-    time.sleep(after)
+    work.until_decoded(decodes, since)
+    time.sleep(rng.uniform(0, 0.05))
     d.kill9()
     work.wait()
     files, rows = store_files(d.store), catalog_rows(d.store)
@@ -1283,7 +1337,7 @@ def kill_trial(
     return KillTrial(
         kind=kind,
         size=size,
-        killed_after=after,
+        decodes_before_kill=decodes,
         stored_at_kill=stored_at_kill,
         temp_left=temp_left,
         rows_without_file_at_kill=len(rows - files),
@@ -1306,29 +1360,22 @@ def part_kill(h: Harness, sizes: Sizes) -> Part:
     ref = Reference()
     d = h.daemon("kill", {VERSION: source}, sizes=[64])
     d.mount()
-    # How long a warm and a stream of misses store arrays for, to kill within that.
-    windows = {}
-    for kind, size in (("warm", 8), ("misses", 9)):
-        work = Work(d, kind, size, paths)
-        work.first_entry()
-        started = time.monotonic()
-        work.wait()
-        windows[kind] = time.monotonic() - started
     rng = random.Random(3)
     trials: list[KillTrial] = []
-    size = 10
-    for kind, window in windows.items():
+    size = 8
+    for kind in ("warm", "misses"):
         for _ in range(sizes.kill_trials):
-            trials.append(kill_trial(d, kind, size, paths, ref, rng.uniform(0, 0.9 * window)))
+            trials.append(kill_trial(d, kind, size, paths, ref, rng))
             size += 1
     final_status, final_line = verify_store(d)
     files, rows = store_files(d.store), catalog_rows(d.store)
     part.say(
         f"{sizes.kill_trials} trials each: `kill -9` of the daemon at a random moment during "
         f"`decodefs warm MNT v1 SIZE --jobs 2` of {len(paths)} originals (JPEGs of 256x192) or "
-        "during a stream of misses of them from two reader threads: between 0 and 90% of the "
-        "time a whole warm (stream) stores arrays for after its first one "
-        f"({windows['warm']:.1f} s, {windows['misses']:.1f} s). Each trial uses a size not "
+        "during a stream of misses of them from two reader threads: once the daemon has run a "
+        f"random number (1 to {len(paths) - 1}) of the decodes, plus 0-50 ms, so that every "
+        "kill lands in the middle of the work, wherever a write happens to be. Each trial uses "
+        "a size not "
         "read before, so it starts cold, and the store keeps every earlier trial's entries. "
         "Then `decodefs mount` on the same mount point, `decodefs verify CONFIG`, and a read "
         "of every array of the trial's size compared with `decode_image`. Catalog: the rows of "
@@ -1345,8 +1392,8 @@ def part_kill(h: Harness, sizes: Sizes) -> Part:
             [
                 f"during {'`decodefs warm`' if kind == 'warm' else 'a stream of misses'}",
                 len(mine),
-                f"{min(t.killed_after for t in mine):.2f}-"
-                f"{max(t.killed_after for t in mine):.2f} s after the first entry",
+                f"{min(t.decodes_before_kill for t in mine)}-"
+                f"{max(t.decodes_before_kill for t in mine)} decodes in",
                 f"{stored[0]}/{stored[len(stored) // 2]}/{stored[-1]} of {len(paths)}",
                 sum(t.cleared_stale for t in mine),
                 sum(t.temp_left for t in mine),
@@ -2026,23 +2073,24 @@ def _mutate_once(
 
 
 def _mutate_dimensions(data: bytes, extension: str, rng: np.random.Generator) -> bytes:
-    """Another width and/or height in the header: tiny, huge, zero, or just under max_pixels."""
+    """Another width and/or height in the header: zero, tiny, random or (one time in eight)
+    huge: past max_pixels, or just under it."""
     out = bytearray(data)
     if extension == "jpg":
         found = _SOF.search(data)
         if found is None:
             return data
         offset = found.start() + 5  # marker, length (2), precision (1), then height, width
-        for field_at in rng.permutation([offset, offset + 2])[: int(rng.integers(1, 3))]:
-            value = int(rng.choice([0, 1, 2, 7, 255, 4096, 9000, 9459, 16384, 65535,
-                                    int(rng.integers(1, 65536))]))  # fmt: skip
-            out[field_at : field_at + 2] = struct.pack(">H", value)
-        return bytes(out)
-    for field_at in rng.permutation([16, 20])[: int(rng.integers(1, 3))]:
-        value = int(rng.choice([0, 1, 2, 7, 9000, 9459, 65536, 2**31 - 1, 2**32 - 1,
-                                int(rng.integers(1, 1 << 17))]))  # fmt: skip
-        out[field_at : field_at + 4] = struct.pack(">I", value)
-    if rng.random() < 0.7:  # Pillow checks the chunk's CRC: fix it, mostly
+        fields, width, huge = [offset, offset + 2], 2, [9000, 9459, 16384, 65535]
+    else:
+        fields, width, huge = [16, 20], 4, [9000, 9459, 65536, 2**31 - 1, 2**32 - 1]
+    for field_at in rng.permutation(fields)[: int(rng.integers(1, 3))]:
+        if rng.random() < 0.125:
+            value = int(rng.choice(huge))
+        else:
+            value = int(rng.choice([0, 1, 2, 7, 255, int(rng.integers(1, 4097))]))
+        out[field_at : field_at + width] = value.to_bytes(width, "big")
+    if extension == "png" and rng.random() < 0.7:  # Pillow checks the chunk's CRC: fix it, mostly
         out[29:33] = struct.pack(">I", zlib.crc32(bytes(out[12:29])))
     return bytes(out)
 
@@ -2146,7 +2194,8 @@ def part_fuzz(h: Harness, sizes: Sizes) -> Part:
         "mutated from a seeded numpy RNG (reproducible: `np.random.default_rng([6, i])`): "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(kinds.items()))
         + '. "dimensions" rewrites the header\'s width and/or height (JPEG SOF, PNG IHDR '
-        "with its CRC fixed 70% of the time) to 0, tiny, huge or just under max_pixels. Each "
+        "with its CRC fixed 70% of the time) to 0, tiny, random, or one time in eight huge "
+        "(past max_pixels, or just under it). Each "
         f"is read once through the mount at size {size} (two reader threads) and compared with "
         f"`decode_image` of the same file in this process ({decoded:,} decode, "
         f"{len(files) - decoded:,} raise DecodeError)."
