@@ -3,7 +3,8 @@
   1 load      reader processes x random reads (np.load, open().read(), read_array) of
               small arrays, the store capped so that about 30% of reads are cold
   2 memory    processes each holding arrays open at max_size, stored and cold; one
-              9000x9000 PNG: the daemon's RSS against its memory budgets
+              9000x9000 PNG: the daemon's RSS against its memory budgets; then the same
+              opens of arrays the store does not take (--no-hostile-fallback: not those)
   3 kill      kill -9 of the daemon during `decodefs warm` and during a stream of misses,
               then `decodefs mount` on the same mount point: the store afterwards
   4 store     the store full, read-only at runtime (ext4 error), removed at runtime, and

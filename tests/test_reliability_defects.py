@@ -87,7 +87,7 @@ def test_a_store_made_again_that_cannot_be_used_is_logged_once_not_every_check(
         if "cannot be used" in r.getMessage() and r.levelno >= logging.ERROR
     ]
     assert len(unusable) == 1
-    (root / ".decodefs-store").unlink()  # fixed: used again, and a new problem is logged again
+    (root / ".decodefs-store").unlink()  # put right: the store is used again
     assert store.check() and store.writable
     store.close()
 
