@@ -645,7 +645,13 @@ class Engine:
                 self.decode_memory.release(granted)
         except OriginalMissing as exc:
             self.metrics.errors["ENOENT"] += 1
-            log.warning("original of %s is gone: %s", key, exc)
+            self._throttle.log(  # once per version per interval: a whole source may vanish
+                logging.WARNING,
+                f"original-gone-{key.version}",
+                "original of %s is gone: %s",
+                key,
+                exc,
+            )
             raise OriginalNotFound(str(exc)) from exc
         except DecodeError as exc:
             self.metrics.decodes += 1  # it ran: `decodes` counts every decode

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -40,7 +41,9 @@ class Job(Generic[T]):
         self._tid: int | None = None
         self._boosted = False
         self._future = executor.submit(self._call, fn)
-        self._future.add_done_callback(self._wake)
+        # Not a bound method: the future would refer back to the Job, and its result (a
+        # whole decoded array) would wait for the cycle collector after the Job is gone.
+        self._future.add_done_callback(functools.partial(_wake, self._token, self._done))
 
     async def wait(self) -> T:
         with trio.CancelScope(shield=True):  # a thread cannot be stopped: wait for it
@@ -68,10 +71,6 @@ class Job(Generic[T]):
             with self._lock:
                 self._tid = None
 
-    def _wake(self, _: object) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(self._done.set)
-
 
 class LowPriorityPool:
     def __init__(self, workers: int) -> None:
@@ -85,6 +84,11 @@ class LowPriorityPool:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _wake(token: trio.lowlevel.TrioToken, done: trio.Event, _: object) -> None:
+    with contextlib.suppress(trio.RunFinishedError):
+        token.run_sync_soon(done.set)
 
 
 def _set_nice(tid: int, value: int) -> None:

@@ -176,6 +176,7 @@ class Store:
             clock=clock,
         )
         self.writable = False
+        self._unusable: str | None = None  # why the store made again cannot be used (logged)
         # Bumped whenever every entry may be gone at once (the store was removed):
         # whoever remembers entries as verified must forget them.
         self.generation = 0
@@ -255,8 +256,12 @@ class Store:
             except (OSError, StoreError) as exc:
                 os.close(fresh)
                 self._root_fd = None
-                log.error("store %s was made again but cannot be used: %s", self.root, exc)
+                # Logged once, not at every check for as long as it lasts.
+                level = logging.DEBUG if str(exc) == self._unusable else logging.ERROR
+                self._unusable = str(exc)
+                log.log(level, "store %s was made again but cannot be used: %s", self.root, exc)
                 return True
+            self._unusable = None
             self.generation += 1
             log.warning("store %s made again (empty); storing arrays again", self.root)
             return True
@@ -654,12 +659,23 @@ class Store:
 
     def _check_marker(self, root: int) -> None:
         try:
-            recorded = json.loads(_read_small(root, STORE_MARKER))
+            text = _read_small(root, STORE_MARKER)
         except FileNotFoundError:
+            text = b""
+        except OSError as exc:
+            raise StoreError(
+                f"store: {os.path.join(self.root, STORE_MARKER)} is unreadable ({exc}); "
+                "remove it to reuse the store"
+            ) from exc
+        if not text:
+            # Missing, or empty as a crash soon after it was written leaves it (nothing in
+            # the store is synced): it says nothing, and every entry records its format.
             with contextlib.suppress(OSError):  # a read-only store stays unmarked
                 _write_json_at(root, STORE_MARKER, {"format": STORE_FORMAT}, 0o644)
             return
-        except (OSError, ValueError) as exc:
+        try:
+            recorded = json.loads(text)
+        except ValueError as exc:
             raise StoreError(
                 f"store: {os.path.join(self.root, STORE_MARKER)} is unreadable ({exc}); "
                 "remove it to reuse the store"
