@@ -72,6 +72,8 @@ PROBE_TIMEOUT: Final = 5.0
 _M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
 # After SIGTERM, how long readers holding an open file are still served.
 SHUTDOWN_GRACE: Final = 10.0
+# Then how long requests already running may take to finish before they are cancelled.
+REQUESTS_GRACE: Final = 5.0
 
 
 class MountError(Exception):
@@ -281,8 +283,10 @@ async def _serve(
     access_socket: str | None,
 ) -> None:
     stopping = trio.Event()  # set once a signal asked us to stop
+    serving = trio.CancelScope()  # cancelled if requests outlast the grace after a signal
+    aborted = False
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier, stopping)
+        nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier, stopping, serving)
         nursery.start_soon(_dump_on_sigusr1)
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
@@ -291,7 +295,8 @@ async def _serve(
             nursery.start_soon(engine.l2.run)  # publishes to the cluster's L2
         if access_socket is not None:
             nursery.start_soon(_receive_direct_hits, engine, access_socket)
-        aborted = await fuse.serve()
+        with serving:
+            aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
     if find_mount(mountpoint) is not None and not stopping.is_set():
         # Still mounted, and nobody asked us to stop: not an unmount, so the
@@ -327,13 +332,19 @@ async def _receive_direct_hits(engine: Engine, path: str) -> None:
 
 
 async def _stop_on_signal(
-    fuse: FuseMount, mountpoint: str, notifier: ServiceNotifier, stopping: trio.Event
+    fuse: FuseMount,
+    mountpoint: str,
+    notifier: ServiceNotifier,
+    stopping: trio.Event,
+    serving: trio.CancelScope,
 ) -> None:
     """SIGTERM/SIGINT: detach at once, let open files finish, then stop.
 
     The lazy unmount takes the mount out of the namespace (no new opens) while
     readers that already hold a file keep being served, for up to
     SHUTDOWN_GRACE seconds, so a service restart does not fail a read half-way.
+    Requests still running REQUESTS_GRACE seconds after that are cancelled
+    (pyfuse3 waits for its request tasks), so nothing keeps the daemon alive.
     """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
@@ -349,6 +360,9 @@ async def _stop_on_signal(
         await trio.sleep(SHUTDOWN_GRACE)
         log.warning("files still open after %.0f s; stopping anyway", SHUTDOWN_GRACE)
     fuse.stop()
+    await trio.sleep(REQUESTS_GRACE)
+    log.warning("requests still running %.0f s after stopping; cancelling them", REQUESTS_GRACE)
+    serving.cancel()
 
 
 @contextlib.contextmanager

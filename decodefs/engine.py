@@ -17,8 +17,13 @@ on a warm decode boosts it). Every open handle and every flight pins its key
 in the store, so eviction never removes a file someone relies on.
 
 Memory: a stored array is served from its file, never held. Every array in
-memory (a decode in flight, an array the store refused) counts against one
-budget (memory.py); when it is spent, new decodes wait.
+memory (a decode in flight, an array the store did not take) counts against
+one budget (memory.py); when it is spent, new decodes wait. An open file holds
+no memory between its requests: an array the store did not take lives in the
+memory cache, which the budget may always reclaim, and a read that finds it
+dropped fetches it again (``memory_refills``). So memory is only ever waited
+for by requests in progress, which finish: no reader holding files open can
+make another's open wait for good.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
@@ -60,7 +65,6 @@ __all__ = [
     "STORE_CHECK_SECONDS",
     "Engine",
     "Handle",
-    "NotStored",
     "OriginalNotFound",
     "OriginalUndecodable",
 ]
@@ -85,14 +89,6 @@ class OriginalUndecodable(Exception):
     """The original exists but cannot be decoded (EIO)."""
 
 
-class NotStored(Exception):
-    """A warm request decoded an array the store would not take (``kind``: an errno name)."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
-
-
 class Purpose(enum.Enum):
     """Why an array is acquired: it decides priority, eviction and what is counted."""
 
@@ -103,18 +99,26 @@ class Purpose(enum.Enum):
 
 @dataclass
 class Handle:
-    """One open array, pinned in the store until released. ``held`` is set when the
-    bytes are in memory; otherwise reads come from the store entry, verified
-    earlier in this daemon's life."""
+    """One open array, pinned in the store until released. Reads come from the store
+    entry, verified earlier in this daemon's life, or with ``in_memory`` from the
+    memory cache (fetched again if it was dropped); the handle itself holds nothing."""
 
     key: EntryKey
+    index: int
     length: int
-    held: HeldArray | None = None
+    in_memory: bool = False
+    may_store: bool = True  # whether a fetch for this handle may store the array
+
+    @property
+    def memory_key(self) -> Hashable:
+        """Its array's key in the memory cache: one kept for a user who may not store
+        it is kept apart, so that a user who may still stores it."""
+        return self.key if self.may_store else (self.key, "unlisted")
 
 
 @dataclass(frozen=True)
 class _Outcome:
-    held: HeldArray | None  # the bytes, when the store did not take them (one hold for the flight)
+    held: HeldArray | None  # the bytes, when the store did not take them (a hold for each opener)
     decoded: bool  # a decode ran for it (a miss), rather than a verified stored hit
     refused: str | None = None  # why the store would not take it (an errno name)
 
@@ -278,9 +282,6 @@ class Engine:
         return size in self.config.versions[version].sizes
 
     def release(self, handle: Handle) -> None:
-        if handle.held is not None:
-            handle.held.release()
-            handle.held = None
         self.store.capacity.unpin(handle.key)
 
     def note_direct_hits(self, report: bytes) -> None:
@@ -307,10 +308,10 @@ class Engine:
         if offset >= end:
             return b""
         data: memoryview | bytes
-        if handle.held is None:
-            data = await self._read_stored(handle, offset, end - offset)
+        if handle.in_memory:
+            data = await self._read_memory(handle, offset, end - offset)
         else:
-            data = handle.held.data[offset:end]
+            data = await self._read_stored(handle, offset, end - offset)
         self.metrics.bytes_served += len(data)
         return data
 
@@ -399,10 +400,11 @@ class Engine:
             "memory_cache_entries": len(self._memory_cache),
             "memory_bytes": self.memory.used,
             "memory_limit_bytes": self.memory.limit,
-            "memory_waits": m.memory_waits,
+            "memory_waits": self.memory.waits,
+            "memory_refills": m.memory_refills,
             "decode_memory_bytes": self.decode_memory.used,
             "decode_memory_limit_bytes": self.decode_memory.limit,
-            "decode_memory_waits": m.decode_memory_waits,
+            "decode_memory_waits": self.decode_memory.waits,
             "unlisted_not_stored": m.unlisted_not_stored,
             "bytes_served": m.bytes_served,
             "inflight_decodes": m.inflight_decodes,
@@ -436,17 +438,38 @@ class Engine:
         reading = purpose is Purpose.READ
         length = npy_file_size(key.size)
         verified = self._verified_map(key.version, key.size)
+        handle = Handle(key, index, length, may_store=may_store)
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
             self.metrics.hits += reading
             self.store.capacity.record_access(key)
-            return Handle(key, length)
-        cached = self._memory_cache.get(key)
-        if cached is not None:
+            return handle
+        if self._memory_cache.touch(handle.memory_key):
             self.metrics.hits += reading
-            return Handle(key, length, held=cached)
+            handle.in_memory = True
+            return handle
         self._check_recent_failure(key)
+        outcome = await self._outcome(key, index, purpose, may_store=may_store)
+        if not reading:  # a size this user may not store is no sign of a full store
+            self.metrics.warm_not_stored += outcome.refused not in (None, "unlisted")
+        elif outcome.decoded:
+            self.metrics.misses += 1
+        else:
+            self.metrics.hits += 1
+            self.store.capacity.record_access(key)
+        if outcome.held is not None:
+            # Kept where memory can be reclaimed, not by this handle (see the docstring).
+            self._memory_cache.put(handle.memory_key, outcome.held)
+            outcome.held.release()
+            handle.in_memory = True
+        return handle
 
+    async def _outcome(
+        self, key: EntryKey, index: int, purpose: Purpose, *, may_store: bool
+    ) -> _Outcome:
+        """``key`` acquired by this task or by the one already at it (single flight);
+        an outcome in memory comes with a hold for the caller to release."""
+        reading = purpose is Purpose.READ
         while True:
             flight = self._flights.get(key)
             if flight is None:
@@ -466,16 +489,8 @@ class Engine:
             # The flight was abandoned (its task cancelled, at shutdown): try again.
         if flight.error is not None:
             raise flight.error
-        outcome = flight.outcome
-        assert outcome is not None
-        if not reading:  # a size this user may not store is no sign of a full store
-            self.metrics.warm_not_stored += outcome.refused not in (None, "unlisted")
-        elif outcome.decoded:
-            self.metrics.misses += 1
-        else:
-            self.metrics.hits += 1
-            self.store.capacity.record_access(key)
-        return Handle(key, length, held=outcome.held)  # the hold the flight made for us
+        assert flight.outcome is not None
+        return flight.outcome
 
     async def _fly(
         self, key: EntryKey, index: int, purpose: Purpose, *, may_store: bool = True
@@ -549,7 +564,7 @@ class Engine:
                 problem,
             )
         # Twice the array: the decoded pixels and their .npy bytes, for a moment.
-        granted = await self._take_memory(2 * npy_file_size(key.size))
+        granted = await self.memory.acquire(2 * npy_file_size(key.size))
         try:
             payload, decoded = await self._obtain(key, index, purpose, flight, may_store=may_store)
             data = memoryview(payload)
@@ -573,7 +588,6 @@ class Engine:
             self.metrics.errors[f"store_{exc.kind}"] += 1
             if purpose is Purpose.READ:
                 self.metrics.memory_fallbacks += 1
-                self._memory_cache.put(key, held)
                 self._throttle.log(
                     logging.WARNING, f"store-{exc.kind}", "%s; serving it from memory", exc
                 )
@@ -594,10 +608,6 @@ class Engine:
             return await decode(), True
         obtained = await self.l2.obtain(key, decode, publish=may_store)
         return obtained.data, obtained.decoded
-
-    async def _take_memory(self, nbytes: int) -> int:
-        self.metrics.memory_waits += self.memory.would_wait(nbytes)
-        return await self.memory.acquire(nbytes)
 
     def _verify_stored(self, key: EntryKey) -> str | None:
         """Worker thread: None if the entry passes every check, "" if there is none,
@@ -633,7 +643,6 @@ class Engine:
 
         try:
             peak = await self._in_thread(self._read_limiter, locate)
-            self.metrics.decode_memory_waits += self.decode_memory.would_wait(peak)
             granted = await self.decode_memory.acquire(peak)  # a bigger one runs alone
             try:
                 if purpose is Purpose.READ:
@@ -717,8 +726,18 @@ class Engine:
                 self._warm_stopped = True
                 return
 
-    async def _read_stored(self, handle: Handle, offset: int, size: int) -> bytes:
-        """Bytes of an entry verified earlier in this daemon's life (and pinned)."""
+    async def _read_stored(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
+        """Bytes of an entry verified earlier in this daemon's life (and pinned); if it
+        went away or cannot be read, fetched again (and stored again if it can be)."""
+        data = await self._read_entry(handle, offset, size)
+        if data is not None:
+            return data
+        self._verified_map(handle.key.version, handle.key.size).set(handle.index, False)
+        handle.in_memory = True
+        return await self._read_memory(handle, offset, size)
+
+    async def _read_entry(self, handle: Handle, offset: int, size: int) -> bytes | None:
+        """The bytes from the store entry; None (logged) if it cannot give them."""
         try:
             data = await self._in_thread(
                 self._read_limiter, self.store.read_range, handle.key, offset, size
@@ -732,32 +751,39 @@ class Engine:
                 handle.key,
                 exc,
             )
-            return await self._reacquire(handle, offset, size)
+            return None
         if len(data) != size:
             self._throttle.log(
                 logging.WARNING, "store-reread", "stored entry %s shrank; rebuilding it", handle.key
             )
-            return await self._reacquire(handle, offset, size)
+            return None
         return data
 
-    async def _reacquire(self, handle: Handle, offset: int, size: int) -> bytes:
-        """The entry went away under an open handle: decode it again into memory for
-        this handle. The next open finds it unverified and stores it again."""
+    async def _read_memory(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
+        """Bytes of an array the store did not take, from the memory cache; fetched
+        again (one flight per key) if the cache dropped it since."""
         key = handle.key
-        index = self._sources[key.version].find(key.uuid)
-        assert index is not None  # the index never loses uuids within a daemon's life
-        self._verified_map(key.version, key.size).set(index, False)
-        held = self._memory_cache.get(key)
+        held = self._memory_cache.get(handle.memory_key)
         if held is None:
-            granted = await self._take_memory(2 * npy_file_size(key.size))
-            try:
-                data = memoryview(await self._decode(key, index, Purpose.READ, _Flight()))
-            except BaseException:
-                self.memory.release(granted)
-                raise
-            held = self.memory.hold(data, granted)
-        handle.held = held  # a handle reading the store holds nothing yet
-        return bytes(held.data[offset : offset + size])
+            self.metrics.memory_refills += 1
+            self._check_recent_failure(key)
+            outcome = await self._outcome(
+                key, handle.index, Purpose.READ, may_store=handle.may_store
+            )
+            if outcome.held is None:  # the store took it this time: read the file
+                handle.in_memory = False
+                data = await self._read_entry(handle, offset, size)
+                if data is None:  # stored, then unreadable at once: the store is failing
+                    raise OriginalUndecodable(f"stored entry {key} cannot be read back")
+                return data
+            held = outcome.held
+            self._memory_cache.put(handle.memory_key, held)
+        try:
+            # The slice keeps the bytes alive until they are sent; the budget counts
+            # the cache's hold (for an array too big to cache, only this moment).
+            return held.data[offset : offset + size]
+        finally:
+            held.release()
 
     @staticmethod
     async def _in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:

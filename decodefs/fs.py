@@ -19,7 +19,7 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import pyfuse3
 
-from .engine import Engine, Handle, NotStored, OriginalNotFound, OriginalUndecodable
+from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
 from .metrics import LogThrottle, Metrics
 from .protocol import FS_NAME, OpenRequest
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
@@ -58,8 +58,6 @@ def _errno_boundary(
             raise pyfuse3.FUSEError(errno.ENOENT) from None
         except OriginalUndecodable:
             raise pyfuse3.FUSEError(errno.EIO) from None
-        except NotStored as exc:
-            raise pyfuse3.FUSEError(getattr(errno, exc.kind, errno.ENOSPC)) from None
         except Exception as exc:
             self._metrics.errors["unexpected"] += 1
             # Folded like any repeated error: a bug that every request hits must

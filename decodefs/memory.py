@@ -4,8 +4,8 @@ arrays served from memory because the store would not take them.
 ``MemoryBudget`` counts the bytes; an ``acquire`` that does not fit first drops
 arrays only the cache still holds, then waits (first come, first served) until
 releases make room, so a flood of opens waits instead of growing the daemon.
-A ``HeldArray`` is released when its last holder (the cache, or an open file)
-lets go. Everything here runs on the trio thread. This module knows nothing
+A ``HeldArray`` is released when its last holder (the cache, or a request
+in progress) lets go. Everything here runs on the trio thread. This module knows nothing
 of FUSE, the store or images.
 """
 
@@ -26,14 +26,11 @@ class MemoryBudget:
         self.used = 0
         self._waiting: collections.deque[tuple[int, trio.Event]] = collections.deque()
         self._caches: list[MemoryCache] = []
+        self.waits = 0  # acquires that had to wait (reclaiming cached arrays was not enough)
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
-
-    def would_wait(self, nbytes: int) -> bool:
-        """Whether ``acquire(nbytes)`` would wait now (cached arrays aside)."""
-        return bool(self._waiting) or not self._fits(min(nbytes, self.limit))
 
     async def acquire(self, nbytes: int) -> int:
         """Take ``nbytes`` (at most the whole budget, which one array may need);
@@ -46,6 +43,7 @@ class MemoryBudget:
             return nbytes
         ticket = (nbytes, trio.Event())
         self._waiting.append(ticket)
+        self.waits += 1
         try:
             await ticket[1].wait()
         except BaseException:
@@ -67,8 +65,12 @@ class MemoryBudget:
             self._grant()
 
     def hold(self, data: memoryview, granted: int) -> HeldArray:
-        """Hand the ``granted`` bytes of a decode over to the array it produced."""
-        return HeldArray(data, granted, self)
+        """Hand the ``granted`` bytes of a decode over to the array it produced;
+        what the decode needed beyond the array itself is given back."""
+        kept = min(granted, len(data))
+        if granted > kept:
+            self.release(granted - kept)
+        return HeldArray(data, kept, self)
 
     def _fits(self, nbytes: int) -> bool:
         return self.used + nbytes <= self.limit
@@ -127,6 +129,10 @@ class MemoryCache:
         self._budget = budget
         self._items = _DroppingLRU(maxsize=budget.limit, getsizeof=lambda held: held.nbytes)
         budget._caches.append(self)
+
+    def touch(self, key: Hashable) -> bool:
+        """Whether ``key`` is cached (now the most recently used)."""
+        return self._items.get(key) is not None
 
     def get(self, key: Hashable) -> HeldArray | None:
         """A new hold on ``key``'s array (the caller releases it), or None."""

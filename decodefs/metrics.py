@@ -70,8 +70,7 @@ class Metrics:
     background_decodes: int = 0  # decodes the daemon's own background warm ran
     warm_decodes: int = 0  # decodes that warm requests (O_NONBLOCK opens, decodefs warm) ran
     warm_not_stored: int = 0  # warm requests whose array the store would not take
-    memory_waits: int = 0  # decodes that waited for the memory budget
-    decode_memory_waits: int = 0  # decodes that waited for decode memory (decode_memory_bytes)
+    memory_refills: int = 0  # reads of an open file whose array the memory cache had dropped
     unlisted_not_stored: int = 0  # arrays of unlisted sizes served from memory (unlisted_sizes)
     direct_hits: int = 0  # arrays readers read straight from the store (read_array) and reported
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
@@ -135,6 +134,7 @@ _COUNTERS: Final = {
     "warm_decodes": "Decodes that warm requests (decodefs warm, O_NONBLOCK opens) ran",
     "warm_not_stored": "Warm requests whose array the store would not take",
     "memory_waits": "Decodes that waited for the memory budget",
+    "memory_refills": "Reads of an open file whose array the memory cache had dropped",
     "decode_memory_waits": "Decodes that waited for decode memory",
     "unlisted_not_stored": "Arrays of sizes no version lists, served from memory to other users",
     "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",

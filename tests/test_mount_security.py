@@ -11,6 +11,8 @@ import errno
 import io
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +143,58 @@ def test_a_store_another_user_prepared_is_refused_before_anything_is_mounted(
     assert f"belongs to uid {NOBODY}" in lines[0] and "Traceback" not in result.stderr
     assert not os.path.ismount(mountpoint)
     assert os.listdir(victim) == ["precious"]
+
+
+HOLD_OPEN = """
+import os, sys
+fds = [os.open(path, os.O_RDONLY) for path in sys.argv[1:]]  # all held at once
+print("opened", flush=True)
+sys.stdin.readline()  # until told: then read each one through its open file
+for fd in fds:
+    sys.stdout.buffer.write(os.pread(fd, 1 << 30, 0))
+    os.close(fd)
+"""
+
+
+def test_files_held_open_by_another_user_cannot_starve_the_daemons_memory(
+    public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    # The repro of docs/reliability.md's hold-and-wait: another user holds open more
+    # arrays than the memory budget fits, of sizes the store does not take for them.
+    # Every open returns, everyone else's misses still decode, and each held file
+    # reads right (fetched again if memory had to drop it meanwhile).
+    budget = 2 << 20
+    mount = public_mounts(
+        {"v1": photos_dir}, allow_other=True, sizes=[64], memory_cache_bytes=budget
+    )
+    uuid = sorted(photos)[0]
+    sizes = range(300, 316)  # 16 arrays of ~270 KiB: twice the budget
+    paths = [str(mount.path("v1", str(size), f"{uuid}.npy")) for size in sizes]
+    hostile = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        + [sys.executable, "-c", HOLD_OPEN, *paths],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert hostile.stdout is not None and hostile.stdin is not None
+        assert hostile.stdout.readline() == b"opened\n"  # all 16 at once
+        assert mount.stats()["memory_bytes"] <= budget
+        for other in sorted(photos)[1:4]:
+            result = subprocess.run(
+                ["cat", mount.path("v1", "64", f"{other}.npy")], capture_output=True, timeout=60
+            )
+            assert result.stdout == reference_npy(photos[other], 64)
+        hostile.stdin.write(b"go\n")
+        hostile.stdin.close()
+        out = hostile.stdout.read()
+        assert hostile.wait(timeout=60) == 0
+    finally:
+        hostile.kill()
+        hostile.wait()
+    want = b"".join(reference_npy(photos[uuid], size) for size in sizes)
+    assert out == want
+    stats = mount.stats()
+    assert stats["memory_waits"] == 0 and stats["memory_refills"] >= 8
+    assert stats["memory_bytes"] <= budget and stats["store_entries"] == 3
+    assert stats["unlisted_not_stored"] == stats["decodes"] - 3 >= len(sizes)

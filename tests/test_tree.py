@@ -126,6 +126,8 @@ class Model:
             return node.number == 0
         if node.kind == Kind.SHARD:
             return node.number in self.shards(node.version).values()
+        if node.kind == Kind.FOLDER:  # only a mirror version has folders; these are uuid ones
+            return False
         return node.number < len(self.uuids[self.versions[node.version]])
 
     def is_dir(self, node: Node) -> bool:
