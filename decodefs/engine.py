@@ -28,6 +28,8 @@ make another's open wait for good.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import enum
 import functools
 import logging
@@ -67,6 +69,7 @@ __all__ = [
     "Handle",
     "OriginalNotFound",
     "OriginalUndecodable",
+    "UserBusy",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,10 @@ _FAILURE_CACHE_MAX: Final = 100_000
 ACCESS_FLUSH_SECONDS: Final = 30.0
 STORE_CHECK_SECONDS: Final = 5.0
 _MAX_PENDING_ACCESSES: Final = 1_000_000  # ~200 MB at most between two flushes
+# Requests of one other user that may wait for a decode at once: a quarter of the
+# daemon's request tasks (fs.MAX_REQUEST_TASKS, 512), so that one user's flood of cold
+# opens can never take the tasks every other request (hits, closes, stats) needs.
+WAITING_PER_USER: Final = 128
 _WARM_STOPS: Final = (
     "background warm of %s stops: the store takes no more without evicting what readers use"
 )
@@ -87,6 +94,10 @@ class OriginalNotFound(Exception):
 
 class OriginalUndecodable(Exception):
     """The original exists but cannot be decoded (EIO)."""
+
+
+class UserBusy(Exception):
+    """Another user already has WAITING_PER_USER requests waiting for decodes (EAGAIN)."""
 
 
 class Purpose(enum.Enum):
@@ -108,6 +119,7 @@ class Handle:
     length: int
     in_memory: bool = False
     may_store: bool = True  # whether a fetch for this handle may store the array
+    uid: int | None = None  # who opened it, if not the daemon's own user
 
     @property
     def memory_key(self) -> Hashable:
@@ -162,6 +174,7 @@ class Engine:
         *,
         clock: Callable[[], float] = trio.current_time,
         l2: L2Tier | None = None,
+        waiting_per_user: int = WAITING_PER_USER,
     ) -> None:
         self.config = config
         self.l2 = l2  # the cluster's shared tier (cluster.py), asked before decoding
@@ -191,6 +204,9 @@ class Engine:
             maxsize=_FAILURE_CACHE_MAX, ttl=config.error_cache_seconds, timer=clock
         )
         self._throttle = LogThrottle(log)
+        # Requests of each other user waiting for a decode now (see WAITING_PER_USER).
+        self._waiting_by: collections.Counter[int] = collections.Counter()
+        self.waiting_per_user = waiting_per_user
 
     # -- the namespace, for the fs layer ------------------------------------
 
@@ -266,6 +282,7 @@ class Engine:
                 index,
                 Purpose.WARM_REQUEST if warm else Purpose.READ,
                 may_store=self._may_store(version, size, uid),
+                uid=None if uid == self._owner else uid,
             )
         except BaseException:
             self.store.capacity.unpin(key)
@@ -432,13 +449,19 @@ class Engine:
     # -- internals ----------------------------------------------------------
 
     async def _open_pinned(
-        self, key: EntryKey, index: int, purpose: Purpose, *, may_store: bool = True
+        self,
+        key: EntryKey,
+        index: int,
+        purpose: Purpose,
+        *,
+        may_store: bool = True,
+        uid: int | None = None,
     ) -> Handle:
         self._forget_evicted()
         reading = purpose is Purpose.READ
         length = npy_file_size(key.size)
         verified = self._verified_map(key.version, key.size)
-        handle = Handle(key, index, length, may_store=may_store)
+        handle = Handle(key, index, length, may_store=may_store, uid=uid)
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
             self.metrics.hits += reading
@@ -449,7 +472,8 @@ class Engine:
             handle.in_memory = True
             return handle
         self._check_recent_failure(key)
-        outcome = await self._outcome(key, index, purpose, may_store=may_store)
+        with self._waiting(uid):
+            outcome = await self._outcome(key, index, purpose, may_store=may_store)
         if not reading:  # a size this user may not store is no sign of a full store
             self.metrics.warm_not_stored += outcome.refused not in (None, "unlisted")
         elif outcome.decoded:
@@ -463,6 +487,31 @@ class Engine:
             outcome.held.release()
             handle.in_memory = True
         return handle
+
+    @contextlib.contextmanager
+    def _waiting(self, uid: int | None) -> Iterator[None]:
+        """Count a request of ``uid`` (None: the daemon's own user) waiting for a decode;
+        past WAITING_PER_USER of that user's, answer UserBusy at once instead."""
+        if uid is None:
+            yield
+            return
+        if self._waiting_by[uid] >= self.waiting_per_user:
+            self.metrics.errors["EAGAIN"] += 1
+            self._throttle.log(
+                logging.WARNING,
+                f"busy-{uid}",
+                "uid %d already has %d requests waiting for decodes; answering EAGAIN",
+                uid,
+                self._waiting_by[uid],
+            )
+            raise UserBusy(uid)
+        self._waiting_by[uid] += 1
+        try:
+            yield
+        finally:
+            self._waiting_by[uid] -= 1
+            if not self._waiting_by[uid]:
+                del self._waiting_by[uid]
 
     async def _outcome(
         self, key: EntryKey, index: int, purpose: Purpose, *, may_store: bool
@@ -767,9 +816,10 @@ class Engine:
         if held is None:
             self.metrics.memory_refills += 1
             self._check_recent_failure(key)
-            outcome = await self._outcome(
-                key, handle.index, Purpose.READ, may_store=handle.may_store
-            )
+            with self._waiting(handle.uid):
+                outcome = await self._outcome(
+                    key, handle.index, Purpose.READ, may_store=handle.may_store
+                )
             if outcome.held is None:  # the store took it this time: read the file
                 handle.in_memory = False
                 data = await self._read_entry(handle, offset, size)

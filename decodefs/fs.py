@@ -19,7 +19,14 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import pyfuse3
 
-from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
+from .engine import (
+    WAITING_PER_USER,
+    Engine,
+    Handle,
+    OriginalNotFound,
+    OriginalUndecodable,
+    UserBusy,
+)
 from .metrics import LogThrottle, Metrics
 from .protocol import FS_NAME, OpenRequest
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
@@ -31,6 +38,7 @@ log = logging.getLogger(__name__)
 # pyfuse3 starts a worker task per concurrent request up to this many; a reader
 # waiting on a decode holds one, so keep it well above any plausible reader count.
 MAX_REQUEST_TASKS: Final = 512
+assert MAX_REQUEST_TASKS >= 2 * WAITING_PER_USER  # one user's waits leave tasks for the rest
 # Content never changes for a name within a mount, so let the kernel cache
 # names and attributes for a day; status files are live and never cached.
 CACHE_TIMEOUT: Final = 86400.0
@@ -58,6 +66,8 @@ def _errno_boundary(
             raise pyfuse3.FUSEError(errno.ENOENT) from None
         except OriginalUndecodable:
             raise pyfuse3.FUSEError(errno.EIO) from None
+        except UserBusy:
+            raise pyfuse3.FUSEError(errno.EAGAIN) from None
         except Exception as exc:
             self._metrics.errors["unexpected"] += 1
             # Folded like any repeated error: a bug that every request hits must

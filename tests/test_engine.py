@@ -19,7 +19,7 @@ import trio.testing
 from PIL import Image
 
 from decodefs.decode import DecodeSettings, decode_image, npy_bytes, npy_file_size
-from decodefs.engine import OriginalNotFound, OriginalUndecodable
+from decodefs.engine import OriginalNotFound, OriginalUndecodable, UserBusy
 from decodefs.protocol import TRAILER_SIZE
 from tests.conftest import DaemonFactory, Tmpfs, needs_root
 from tests.helpers import reference_npy, wait_for
@@ -388,6 +388,47 @@ async def test_open_files_hold_no_memory_so_an_open_never_waits_on_them(
     d.engine.release(other)
     assert d.engine.memory.used == ARRAY and d.engine.memory.waiting == 0
     assert not d.engine.store.capacity.pinned(d.key("v1", SIZE, first))
+
+
+async def test_one_other_user_may_have_only_so_many_requests_waiting_for_decodes(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    # Each waiting request holds one of the daemon's request tasks; past its share, a
+    # user's next cold open is answered EAGAIN at once, and nobody else is affected.
+    d = daemons({"v1": originals})
+    d.engine.waiting_per_user = 2
+    hostile, other = 60001, 60002
+    first, second, third, fourth = uuids_of(originals)[:4]
+    blocker = await d.engine.decode_memory.acquire(d.engine.decode_memory.limit)
+    got: dict[str, bytes] = {}
+
+    async def read(uuid: str, uid: int | None) -> None:
+        index = d.index("v1", uuid)
+        handle = await d.engine.open("v1", SIZE, index, uid=uid)
+        try:
+            got[uuid] = await d.read_all(handle)
+        finally:
+            d.engine.release(handle)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, first, hostile)
+        nursery.start_soon(read, second, hostile)
+        await wait_for(lambda: d.engine.decode_memory.waiting == 2, what="two waiting decodes")
+        with pytest.raises(UserBusy):
+            await d.engine.open("v1", SIZE, d.index("v1", third), uid=hostile)
+        assert d.stats()["errors"]["EAGAIN"] == 1
+        nursery.start_soon(read, third, other)  # another user still waits its turn
+        nursery.start_soon(read, fourth, None)  # and so does the daemon's own
+        await wait_for(lambda: d.engine.decode_memory.waiting == 4, what="all four waiting")
+        d.engine.decode_memory.release(blocker)
+    for uuid in (first, second, third, fourth):
+        assert got[uuid] == reference_npy(original(originals, uuid), SIZE), uuid
+    with trio.fail_after(30):  # the share was given back: the hostile user may ask again
+        await read(fourth, hostile)
+    assert got[fourth] == reference_npy(original(originals, fourth), SIZE)
+    assert not any(
+        d.engine.store.capacity.pinned(d.key("v1", SIZE, u)) for u in (first, second, third)
+    )
 
 
 async def test_a_refill_the_store_now_takes_is_read_from_the_store(

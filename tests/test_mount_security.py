@@ -145,6 +145,7 @@ def test_a_store_another_user_prepared_is_refused_before_anything_is_mounted(
     assert os.listdir(victim) == ["precious"]
 
 
+AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
 HOLD_OPEN = """
 import os, sys
 fds = [os.open(path, os.O_RDONLY) for path in sys.argv[1:]]  # all held at once
@@ -171,8 +172,7 @@ def test_files_held_open_by_another_user_cannot_starve_the_daemons_memory(
     sizes = range(300, 316)  # 16 arrays of ~270 KiB: twice the budget
     paths = [str(mount.path("v1", str(size), f"{uuid}.npy")) for size in sizes]
     hostile = subprocess.Popen(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-        + [sys.executable, "-c", HOLD_OPEN, *paths],
+        [*AS_NOBODY, sys.executable, "-c", HOLD_OPEN, *paths],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )

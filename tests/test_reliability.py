@@ -123,3 +123,14 @@ def test_every_mount_and_run_directory_is_gone(report: dict[str, Any]) -> None:
     ]
     assert left == []
     assert not any(Path(run).exists() for run in report["run_directories"])
+
+
+def test_files_held_open_of_arrays_the_store_does_not_take_starve_no_one(
+    report: dict[str, Any],
+) -> None:
+    # docs/reliability.md, defect 1: these opens used to hang the daemon for good.
+    f = figures(report, "memory")["fallback"]
+    assert f["opened"] == f["total"] and f["bystander"] == "returned"
+    assert f["hit_while_flooded"].startswith("returned")
+    assert f["stats_while_flooded"].startswith("returned")
+    assert f["stuck_after_kill"] == 0 and f["stopped_on_sigterm"]
