@@ -175,6 +175,30 @@ MUTANTS = [
         "            if False:\n                log.warning(",
         ("tests/test_engine.py", "tests/test_store.py"),
     ),
+    Mutant(
+        "open-files-hold-memory",
+        "an open file keeps its array's memory until closed (the hold-and-wait)",
+        "decodefs/engine.py",
+        "            outcome.held.release()\n            handle.in_memory = True",
+        "            handle.in_memory = True",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "waiting-per-user-unbounded",
+        "another user may have any number of requests waiting for decodes",
+        "decodefs/engine.py",
+        "if self._waiting_by[uid] >= self.waiting_per_user:",
+        "if False:",
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "refill-never-stores",
+        "an array fetched again for an open file is never stored, even when the store has room",
+        "decodefs/engine.py",
+        "key, handle.index, Purpose.READ, may_store=handle.may_store",
+        "key, handle.index, Purpose.READ, may_store=False",
+        ("tests/test_engine.py",),
+    ),
 ]
 
 
