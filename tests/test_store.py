@@ -29,9 +29,11 @@ def payload(seed: int = 0, size: int = 16) -> bytes:
 
 
 def stored_and_closed(root: Path, uuids: list[str]) -> None:
-    """Write an entry of size 16 for each uuid (payload(i) for the i-th) and close the store."""
+    """Write an entry of size 16 for each uuid (payload(i) for the i-th) and close the store,
+    once its catalog is filled (closed before, the next start would fill it again)."""
     s = Store(root, {"v1": V1})
     s.open()
+    s.wait_for_usage()
     for i, uuid in enumerate(uuids):
         s.write(EntryKey("v1", 16, uuid), payload(i))
     s.close()
