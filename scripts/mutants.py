@@ -40,7 +40,7 @@ MUTANTS = [
         "index-cache-never-reused",
         "the cached source index is never loaded",
         "decodefs/source.py",
-        "index = _load_cache(version, cache, key, root_real) if cache else None",
+        "index = _load_cache(version, cache, key, root_real, layout) if cache else None",
         "index = None",
         ("tests/test_source.py", "tests/test_engine.py"),
     ),
