@@ -17,7 +17,8 @@ import pytest
 from decodefs.mountinfo import mounts
 from tests.conftest import needs_root
 
-pytestmark = needs_root
+# The script mounts a dozen daemons in turn: minutes under load, not the usual 120 s.
+pytestmark = [needs_root, pytest.mark.timeout(900)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reliability.py"
 
