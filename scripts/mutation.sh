@@ -28,7 +28,7 @@ else
 fi
 # The in-process tests: real stores, sources and decodes, no mount.
 tests=(tests/test_engine.py tests/test_fs.py tests/test_tree.py tests/test_store.py
-       tests/test_source.py tests/test_catalog.py)
+       tests/test_source.py tests/test_catalog.py tests/test_mirror.py)
 
 work="$ROOT/.mutation"
 rm -rf "$work"
