@@ -6,6 +6,7 @@ stopped and every JuiceFS mount unmounted in a ``finally``, pass or fail."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import shutil
@@ -77,6 +78,16 @@ def _port_free(port: int) -> bool:
     return True
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with_the_tests() -> None:
+    """In the child, before exec: be killed when the test process dies, even when a
+    timeout ends the run with os._exit and no fixture's teardown runs (the session's
+    reaper then unmounts what is left)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _stop(process: subprocess.Popen[bytes], timeout: float = 15) -> None:
     if process.poll() is not None:
         return
@@ -132,6 +143,7 @@ class SeaweedFS:
             cwd=self.directory,
             env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
             start_new_session=True,
+            preexec_fn=_die_with_the_tests,
         )
         log.close()
         try:
@@ -263,6 +275,7 @@ class JuiceFS:
             stdout=log,
             stderr=log,
             start_new_session=True,
+            preexec_fn=_die_with_the_tests,
         )
         log.close()
         self.meta = f"redis://127.0.0.1:{port}/1"
@@ -318,6 +331,7 @@ class JuiceFS:
             stdout=log,
             stderr=log,
             start_new_session=True,
+            preexec_fn=_die_with_the_tests,
         )
         log.close()
         self.clients.append(client)
