@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import is_mounted, unmount_quietly
+from tests.helpers import is_mounted, unmount_quietly, wait_until
 
 # The credentials a test's daemons, workers and clients use, the standard AWS way.
 # SeaweedFS started without an identity config accepts any.
@@ -44,17 +43,18 @@ def tool(name: str) -> str:
 
 
 def wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, seen: Callable[[], object] = str
+    condition: Callable[[], Any],
+    timeout: float,
+    what: str,
+    seen: Callable[[], object] | None = None,
 ) -> Any:
-    """Poll ``condition`` until it is truthy; fail with what was last seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not so after {timeout:g} s (last seen: {seen()})")
-        time.sleep(0.05)
+    """helpers.wait_until, whose failure also shows ``seen()`` (a server's log, stats)."""
+    try:
+        return wait_until(condition, timeout, what)
+    except AssertionError as exc:
+        if seen is None:
+            raise
+        raise AssertionError(f"{exc}\n{seen()}") from None
 
 
 def free_port_block(count: int, offset: int = 0) -> int:

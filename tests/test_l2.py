@@ -30,7 +30,7 @@ from decodefs.l2 import L2Backend, L2Error, PosixL2, lease_name, object_name, op
 from decodefs.metrics import render_prometheus
 from decodefs.source import scan_source
 from decodefs.store import Store
-from tests.helpers import reference_npy
+from tests.helpers import reference_npy, wait_for
 from tests.servers import S3_ENV, SeaweedFS, seaweed  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.trio
@@ -129,15 +129,6 @@ def cluster(
     return Cluster(tmp_path, photos_dir, url, {"l2_endpoint": server.endpoint})
 
 
-async def until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    """Wait (on the trio clock) until ``condition()`` holds."""
-    with trio.move_on_after(timeout):
-        while not condition():
-            await trio.sleep(0.01)
-        return
-    raise AssertionError(f"{what}: not so after {timeout} s")
-
-
 def entry_of(key: EntryKey, payload: bytes) -> bytes:
     return payload + encode_trailer(key, payload, decoder_fingerprint_v1().digest)
 
@@ -199,7 +190,7 @@ async def test_a_second_node_reads_every_array_from_l2_without_decoding(
     async with cluster.node("a") as a:
         for uuid in photos:
             await a.read(uuid)
-        await until(lambda: a.stats()["l2_publishes"] == len(photos), "A published all")
+        await wait_for(lambda: a.stats()["l2_publishes"] == len(photos), what="A published all")
         assert a.stats()["decodes"] == a.stats()["l2_misses"] == len(photos)
     async with cluster.node("b") as b:
         for uuid, path in photos.items():
@@ -225,7 +216,7 @@ async def test_an_object_is_the_store_entry_under_the_decoder_fingerprint(
     uuid = sorted(photos)[0]
     async with cluster.node("a") as a:
         await a.read(uuid)
-        await until(lambda: a.stats()["l2_publishes"] == 1, "published")
+        await wait_for(lambda: a.stats()["l2_publishes"] == 1, what="published")
         local = (Path(a.store.root) / EntryKey("v1", SIZE, uuid).relpath).read_bytes()
     fingerprint = decoder_fingerprint_v1().hex
     assert name_of(uuid) == f"v1/{fingerprint}/{SIZE}/{uuid[:2]}/{uuid}.npy"
@@ -238,11 +229,13 @@ async def test_other_decode_settings_never_take_each_others_arrays(
     uuid = sorted(photos)[0]
     async with cluster.node("a") as a:
         await a.read(uuid)
-        await until(lambda: a.stats()["l2_publishes"] == 1, "published")
+        await wait_for(lambda: a.stats()["l2_publishes"] == 1, what="published")
     async with cluster.node("b", version_keys={"resample": "nearest"}) as b:
         nearest = await b.read(uuid)
         assert b.stats()["decodes"] == 1 and b.stats()["l2_hits"] == 0
-        await until(lambda: b.stats()["l2_publishes"] == 1, "B published under its own name")
+        await wait_for(
+            lambda: b.stats()["l2_publishes"] == 1, what="B published under its own name"
+        )
     assert nearest != reference_npy(photos[uuid], SIZE)
 
 
@@ -265,7 +258,7 @@ async def test_a_corrupt_object_is_never_served_and_is_replaced(
     async with cluster.node("a") as a:
         await a.read(uuid)
         await a.read(neighbour)
-        await until(lambda: a.stats()["l2_publishes"] == 2, "published")
+        await wait_for(lambda: a.stats()["l2_publishes"] == 2, what="published")
     backend = cluster.backend()
     good = backend.get(name_of(uuid), 1 << 20)
     other = backend.get(name_of(neighbour), 1 << 20)
@@ -276,7 +269,7 @@ async def test_a_corrupt_object_is_never_served_and_is_replaced(
         assert await b.read(uuid) == reference_npy(photos[uuid], SIZE)
         stats = b.stats()
         assert stats["l2_corrupt"] == 1 and stats["decodes"] == 1 and stats["l2_hits"] == 0
-        await until(lambda: b.stats()["l2_publishes"] == 1, "B published a good object")
+        await wait_for(lambda: b.stats()["l2_publishes"] == 1, what="B published a good object")
     assert backend.get(name_of(uuid), 1 << 20) == good
 
 
@@ -295,7 +288,9 @@ async def test_an_object_of_another_store_format_is_left_alone(
         assert await b.read(uuid) == payload
         assert b.stats()["l2_errors"]["foreign_format"] >= 1 and b.stats()["l2_corrupt"] == 0
         assert b.stats()["decodes"] == 1
-        await until(lambda: b.stats()["l2_publish_exists"] == 1, "B's publish found it there")
+        await wait_for(
+            lambda: b.stats()["l2_publish_exists"] == 1, what="B's publish found it there"
+        )
     assert backend.get(name_of(uuid), 1 << 20) == bytes(foreign)
 
 
@@ -321,8 +316,9 @@ async def test_nodes_cold_at_once_decode_each_array_once(
         assert decodes == len(photos), (a.stats(), b.stats())
         assert a.stats()["l2_leases"] + b.stats()["l2_leases"] >= len(photos)
         assert a.stats()["l2_hits"] + b.stats()["l2_hits"] == len(photos)
-        await until(
-            lambda: a.stats()["l2_publish_queue"] + b.stats()["l2_publish_queue"] == 0, "flushed"
+        await wait_for(
+            lambda: a.stats()["l2_publish_queue"] + b.stats()["l2_publish_queue"] == 0,
+            what="flushed",
         )
     backend = cluster.backend()
     assert not any(backend.size(lease_name(name_of(u))) for u in photos)  # all let go
@@ -349,7 +345,7 @@ async def test_a_waiter_decodes_itself_once_the_holders_lease_runs_out(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
-            await until(lambda: b.tier.metrics.lease_waits == 1, "B waits for the lease")
+            await wait_for(lambda: b.tier.metrics.lease_waits == 1, what="B waits for the lease")
             assert b.stats()["decodes"] == 0
             mock_clock.jump(30)  # the lease runs out
         assert result == [reference_npy(photos[uuid], SIZE)]
@@ -372,7 +368,7 @@ async def test_a_waiter_takes_the_holders_array_as_soon_as_it_is_published(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
-            await until(lambda: b.tier.metrics.lease_waits == 1, "B waits for the lease")
+            await wait_for(lambda: b.tier.metrics.lease_waits == 1, what="B waits for the lease")
             key = EntryKey("v1", SIZE, uuid)
             payload = reference_npy(photos[uuid], SIZE)
             await trio.to_thread.run_sync(backend.create, name_of(uuid), entry_of(key, payload))
@@ -389,7 +385,7 @@ async def test_an_expired_lease_is_taken_over(cluster: Cluster, photos: dict[str
     async with cluster.node("b") as b:
         assert await b.read(uuid) == reference_npy(photos[uuid], SIZE)
         assert b.stats()["l2_leases"] == 1 and b.stats()["l2_lease_waits"] == 0
-        await until(lambda: b.stats()["l2_publish_queue"] == 0, "published")
+        await wait_for(lambda: b.stats()["l2_publish_queue"] == 0, what="published")
     assert backend.size(lease) is None
 
 
@@ -467,7 +463,7 @@ async def test_the_breaker_tries_again_after_its_backoff_and_closes(
         mock_clock.jump(10)
         await a.read(uuids[5])
         assert a.stats()["l2_state"] == "closed" and a.stats()["l2_breaker_opens"] == 1
-        await until(lambda: a.stats()["l2_publishes"] == 1, "published again")
+        await wait_for(lambda: a.stats()["l2_publishes"] == 1, what="published again")
 
 
 async def test_a_full_publish_queue_drops_publishes_and_lets_go_of_leases(
@@ -476,7 +472,7 @@ async def test_a_full_publish_queue_drops_publishes_and_lets_go_of_leases(
     async with cluster.node("a", l2_publish_queue_bytes=1) as a:
         for uuid, path in photos.items():
             assert await a.read(uuid) == reference_npy(path, SIZE)
-        await until(lambda: a.stats()["l2_publish_queue"] == 0, "leases let go")
+        await wait_for(lambda: a.stats()["l2_publish_queue"] == 0, what="leases let go")
         assert a.stats()["l2_publish_dropped"] == len(photos)
         assert a.stats()["l2_publishes"] == 0
     backend = cluster.backend()
