@@ -133,7 +133,7 @@ def adopt(
     _refuse_if_in_use(config.store)
     store = Store(
         config.store,
-        {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()},
+        config.fingerprints(),
         max_bytes=config.max_store_bytes,
         min_free_fraction=config.min_free_fraction,
         shared=config.allow_other,

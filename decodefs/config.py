@@ -151,6 +151,11 @@ class Config:
     log_level: LogLevel = "info"
     l2: L2Config | None = None
 
+    def fingerprints(self) -> dict[str, Fingerprint]:
+        """Each version's fingerprint, as the store is opened with: whoever opens the
+        store must pass the same ones, or it discards a version's arrays as stale."""
+        return {name: version.fingerprint() for name, version in self.versions.items()}
+
     def as_dict(self) -> dict[str, object]:
         """The effective config, for /.decodefs/config.json."""
         extra: dict[str, object] = {} if self.l2 is None else {"l2": self.l2.as_dict()}

@@ -220,7 +220,7 @@ def _serve_mount(
     _return_large_allocations()
     store = Store(
         config.store,
-        {name: v.fingerprint() for name, v in config.versions.items()},
+        config.fingerprints(),
         max_bytes=config.max_store_bytes,
         min_free_fraction=config.min_free_fraction,
         shared=config.allow_other,
@@ -536,7 +536,7 @@ def _l2_tier(config: Config) -> L2Tier | None:
     """The cluster's shared tier, if the config names one (no call is made yet)."""
     if config.l2 is None:
         return None
-    fingerprints = {name: v.fingerprint() for name, v in config.versions.items()}
+    fingerprints = config.fingerprints()
     tier = L2Tier(open_backend(config.l2), config.l2, fingerprints)
     log.info("L2: %s (lease %g s)", tier.backend.description, config.l2.lease_seconds)
     return tier

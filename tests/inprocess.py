@@ -14,7 +14,7 @@ from typing import Any
 import pyfuse3
 
 from decodefs.config import Config, parse_config
-from decodefs.decode import decoder_fingerprint, quiet_pillow_warnings
+from decodefs.decode import quiet_pillow_warnings
 from decodefs.engine import Engine, Handle
 from decodefs.entry import EntryKey
 from decodefs.fs import DecodeFS
@@ -109,7 +109,7 @@ def start(
     (base / "locks").mkdir(exist_ok=True)
     st = Store(
         config.store,
-        {name: decoder_fingerprint(v.decode) for name, v in config.versions.items()},
+        config.fingerprints(),
         max_bytes=config.max_store_bytes,
         min_free_fraction=config.min_free_fraction,
         shared=config.allow_other,

@@ -18,9 +18,11 @@ import numpy as np
 from PIL import Image
 
 from decodefs import DecodeSettings, decode_image
+from decodefs.config import load_config
 from decodefs.decode import decoder_fingerprint
 from decodefs.entry import EntryKey, encode_trailer
 from decodefs.protocol import TRAILER_SIZE
+from decodefs.store import Store
 from tests.conftest import MountFactory
 from tests.helpers import decodefs, reference_npy, wait_until, write_config
 
@@ -180,6 +182,31 @@ def test_a_cache_decoded_another_way_is_refused(
     assert result.returncode == 1
     assert result.stderr.startswith("decodefs: error: version 'v1' has layout = 'mirror'")
     assert cache_files(cache) == before
+
+
+def test_adopt_leaves_the_other_versions_of_the_store_alone(
+    photos_dir: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    # The config also has a mirror version, whose arrays the daemon stored under that
+    # version's own fingerprint (its layout included): adopt must open the store with
+    # the same fingerprints, or the store takes them for stale and discards them.
+    config_path = write_config(tmp_path / "adopt.toml", tmp_path / "store", {"v1": photos_dir})
+    with config_path.open("a") as config_file:
+        config_file.write(f'[versions.folders]\nsource = "{photos_dir}"\nlayout = "mirror"\n')
+    config = load_config(config_path)
+    store = Store(config.store, config.fingerprints())  # as the daemon opens it
+    store.open()
+    store.close()
+    kept = tmp_path / "store" / "folders" / "kept"
+    kept.write_bytes(b"an array the daemon stored")
+    marker = (tmp_path / "store" / "folders" / ".fingerprint.json").read_bytes()
+
+    write_cache(tmp_path / "cache", photos)
+    result = adopt(tmp_path / "cache", config_path)
+    assert result.returncode == 0, result.stderr
+    assert "discarding" not in result.stderr
+    assert kept.read_bytes() == b"an array the daemon stored"
+    assert (tmp_path / "store" / "folders" / ".fingerprint.json").read_bytes() == marker
 
 
 def tiny_corpus(directory: Path, count: int) -> dict[str, Path]:

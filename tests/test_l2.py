@@ -94,7 +94,7 @@ class Cluster:
         base.mkdir()
         config = parse_config(self._raw(base, **keys), base_dir=base)
         assert config.l2 is not None
-        fingerprints = {n: decoder_fingerprint(v.decode) for n, v in config.versions.items()}
+        fingerprints = config.fingerprints()
         store = Store(config.store, fingerprints, lock_dir=str(base))
         store.open()
         tier = L2Tier(open_backend(config.l2), config.l2, fingerprints, wall=wall)
