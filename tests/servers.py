@@ -81,6 +81,19 @@ def _port_free(port: int) -> bool:
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
+def _start(command: list[str], log: Path, **options: Any) -> subprocess.Popen[bytes]:
+    """A server in its own session, logging to ``log``, killed with the test process."""
+    with log.open("ab") as output:
+        return subprocess.Popen(
+            command,
+            stdout=output,
+            stderr=output,
+            start_new_session=True,
+            preexec_fn=_die_with_the_tests,
+            **options,
+        )
+
+
 def _die_with_the_tests() -> None:
     """In the child, before exec: be killed when the test process dies, even when a
     timeout ends the run with os._exit and no fixture's teardown runs (the session's
@@ -117,7 +130,6 @@ class SeaweedFS:
         self.directory.mkdir(parents=True, exist_ok=True)
         base = free_port_block(10, offset=10000)  # weed's gRPC ports are its HTTP ports + 10000
         self.endpoint = f"http://127.0.0.1:{base + 3}"
-        log = open(self.directory / "weed.log", "ab")  # noqa: SIM115 - the child's
         command = [
             tool("weed"),
             "mini",
@@ -136,16 +148,12 @@ class SeaweedFS:
             f"-s3.port.lance={base + 7}",
             f"-filer.localSocket={self.directory}/filer.sock",
         ]  # fmt: skip
-        self.process = subprocess.Popen(
+        self.process = _start(
             command,
-            stdout=log,
-            stderr=log,
+            self.directory / "weed.log",
             cwd=self.directory,
             env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-            start_new_session=True,
-            preexec_fn=_die_with_the_tests,
         )
-        log.close()
         try:
             wait_for(self._answers, START_TIMEOUT, "SeaweedFS S3 answers", self.log_tail)
         except BaseException:
@@ -254,7 +262,6 @@ class JuiceFS:
     def start(self, nodes: int = 2) -> JuiceFS:
         self.directory.mkdir(parents=True, exist_ok=True)
         port = free_port_block(1)
-        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - the child's
         command = [
             shutil.which("redis-server") or "/usr/bin/redis-server",
             "--port",
@@ -270,14 +277,7 @@ class JuiceFS:
             "--protected-mode",
             "no",
         ]  # fmt: skip
-        self.redis = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-            preexec_fn=_die_with_the_tests,
-        )
-        log.close()
+        self.redis = _start(command, self.directory / "redis.log")
         self.meta = f"redis://127.0.0.1:{port}/1"
         wait_for(lambda: _redis_pong(port), START_TIMEOUT, "redis answers PING")
         bucket = self.seaweed.bucket(f"jfs-{secrets.token_hex(3)}")
@@ -312,7 +312,6 @@ class JuiceFS:
     def _mount(self, node: int) -> None:
         mountpoint = self.directory / f"node{node}"
         mountpoint.mkdir()
-        log = open(self.directory / f"juicefs-{node}.log", "ab")  # noqa: SIM115 - the child's
         command = [
             tool("juicefs"),
             "mount",
@@ -326,14 +325,7 @@ class JuiceFS:
             self.meta,
             str(mountpoint),
         ]  # fmt: skip
-        client = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-            preexec_fn=_die_with_the_tests,
-        )
-        log.close()
+        client = _start(command, self.directory / f"juicefs-{node}.log")
         self.clients.append(client)
         self.mounts.append(mountpoint)
 
