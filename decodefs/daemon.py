@@ -69,6 +69,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT: Final = 5.0
+# The mount's readahead: an array of up to 591x591 (1 MiB) arrives in one READ request.
+READAHEAD_KB: Final = 1024
 _M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
 # After SIGTERM, how long readers holding an open file are still served.
 SHUTDOWN_GRACE: Final = 10.0
@@ -291,6 +293,7 @@ async def _serve(
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
         nursery.start_soon(engine.watch_store_forever)
+        nursery.start_soon(engine.drop_pages_forever)
         if engine.l2 is not None:
             nursery.start_soon(engine.l2.run)  # publishes to the cluster's L2
         if access_socket is not None:
@@ -445,6 +448,8 @@ async def _once_live(
 ) -> None:
     # A statvfs answered by our own handlers proves the kernel can reach us.
     await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    # After the kernel's INIT, which sets the readahead to what libfuse answered.
+    await trio.to_thread.run_sync(_raise_readahead, mountpoint)
     log.info("mounted %s", mountpoint)
     notifier.notify("READY=1", f"STATUS=serving {mountpoint}")
     if on_ready is not None:
@@ -603,6 +608,28 @@ def _return_large_allocations() -> None:
             log.debug("mallopt(M_MMAP_THRESHOLD) refused; large decodes may stay resident")
     except (OSError, AttributeError) as exc:  # not glibc
         log.debug("cannot set malloc's mmap threshold: %s", exc)
+
+
+def _raise_readahead(mountpoint: str) -> None:
+    """Let the kernel read an array ahead in one READ request (READAHEAD_KB), not in
+    pieces of its default 128 KiB: each request is a round trip through the daemon.
+
+    The mount's readahead is its backing device's (/sys/class/bdi/MAJOR:MINOR), which
+    FUSE caps at INIT to what libfuse answers (the kernel's default); only root may
+    raise it, once the mount is live. Found through the mount table.
+    """
+    ours = [m for m in mounts() if m.mountpoint == mountpoint and m.fstype == FS_TYPE]
+    if not ours:
+        return
+    major, minor = ours[-1].device
+    path = f"/sys/class/bdi/{major}:{minor}/read_ahead_kb"
+    try:
+        with open(path, "r+", encoding="ascii") as f:
+            if int(f.read()) < READAHEAD_KB:
+                f.seek(0)
+                f.write(str(READAHEAD_KB))
+    except (OSError, ValueError) as exc:
+        log.debug("cannot raise the readahead of %s (%s): %s", mountpoint, path, exc)
 
 
 def _daemon_pid(mountpoint: str) -> int | None:

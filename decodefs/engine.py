@@ -57,10 +57,11 @@ from .decode import (
 from .entry import EntryKey
 from .memory import HeldArray, MemoryBudget, MemoryCache
 from .metrics import LogThrottle, Metrics
+from .pagecache import PendingDrops
 from .pools import Job, LowPriorityPool
 from .protocol import parse_access_report
 from .source import MirrorFolders, OriginalMissing, SourceIndex
-from .store import CorruptEntry, Store, StoreReadError, StoreWriteError
+from .store import CorruptEntry, Store, StoreReadError, StoreWriteError, VerifiedEntry
 
 __all__ = [
     "ACCESS_FLUSH_SECONDS",
@@ -100,6 +101,14 @@ class UserBusy(Exception):
     """Another user already has WAITING_PER_USER requests waiting for decodes (EAGAIN)."""
 
 
+class Pages(enum.Enum):
+    """Whose the page cache's copy of an entry file is, as far as one open knows."""
+
+    NOT_OURS = "not ours"  # resident before the daemon read it (or unknown): left alone
+    READ_IN = "read in"  # the daemon read it in from the disk: dropped once served
+    WRITTEN = "written"  # the daemon wrote it: dropped once written back
+
+
 class Purpose(enum.Enum):
     """Why an array is acquired: it decides priority, eviction and what is counted."""
 
@@ -108,7 +117,7 @@ class Purpose(enum.Enum):
     BACKGROUND = "background warm"  # the daemon's own warm: low priority, never evicts
 
 
-@dataclass
+@dataclass(slots=True)
 class Handle:
     """One open array, pinned in the store until released. Reads come from the store
     entry, verified earlier in this daemon's life, or with ``in_memory`` from the
@@ -120,6 +129,7 @@ class Handle:
     in_memory: bool = False
     may_store: bool = True  # whether a fetch for this handle may store the array
     uid: int | None = None  # who opened it, if not the daemon's own user
+    pages: Pages = Pages.NOT_OURS  # the entry file's cached pages, dropped at release if ours
 
     @property
     def memory_key(self) -> Hashable:
@@ -133,6 +143,7 @@ class _Outcome:
     held: HeldArray | None  # the bytes, when the store did not take them (a hold for each opener)
     decoded: bool  # a decode ran for it (a miss), rather than a verified stored hit
     refused: str | None = None  # why the store would not take it (an errno name)
+    pages: Pages = Pages.NOT_OURS  # what getting it did to the entry file's page cache
 
     @property
     def stored(self) -> bool:
@@ -152,16 +163,20 @@ class _Bitmap:
     """One bit per original: 46 KiB per (version, size) at 370k originals."""
 
     def __init__(self, size: int) -> None:
-        self._bits = bytearray((size + 7) // 8)
+        self.bits = bytearray((size + 7) // 8)
 
     def __getitem__(self, index: int) -> bool:
-        return bool(self._bits[index >> 3] & (1 << (index & 7)))
+        return bool(self.bits[index >> 3] & (1 << (index & 7)))
 
     def set(self, index: int, value: bool) -> None:
         if value:
-            self._bits[index >> 3] |= 1 << (index & 7)
+            self.bits[index >> 3] |= 1 << (index & 7)
         else:
-            self._bits[index >> 3] &= ~(1 << (index & 7)) & 0xFF
+            self.bits[index >> 3] &= ~(1 << (index & 7)) & 0xFF
+
+
+# EntryKey(...) without NamedTuple's Python-level __new__, for open's hot path.
+_new_key = tuple.__new__
 
 
 class Engine:
@@ -204,6 +219,9 @@ class Engine:
             maxsize=_FAILURE_CACHE_MAX, ttl=config.error_cache_seconds, timer=clock
         )
         self._throttle = LogThrottle(log)
+        # Entries whose pages the daemon brought into the page cache, to drop when due.
+        self._drops: PendingDrops[EntryKey] = PendingDrops()
+        self._drops_wakeup = trio.Event()
         # Requests of each other user waiting for a decode now (see WAITING_PER_USER).
         self._waiting_by: collections.Counter[int] = collections.Counter()
         self.waiting_per_user = waiting_per_user
@@ -215,6 +233,9 @@ class Engine:
 
     def size_allowed(self, size: int) -> bool:
         return self.config.min_size <= size <= self.config.max_size
+
+    def allowed_sizes(self) -> range:
+        return range(self.config.min_size, self.config.max_size + 1)
 
     def count(self, version: str) -> int:
         return len(self._sources[version])
@@ -275,6 +296,7 @@ class Engine:
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:
             self._verified_map(version, size).set(index, False)
+            self.store.close_kept(key)  # it may read a damaged file: verify and open again
         self.store.capacity.pin(key)
         try:
             return await self._open_pinned(
@@ -288,6 +310,31 @@ class Engine:
             self.store.capacity.unpin(key)
             raise
 
+    def open_verified(self, version: str, size: int, index: int, uid: int | None) -> Handle | None:
+        """``open``'s hot path, with nothing to wait for: a handle for an array verified
+        earlier in this daemon's life, opened by a reader; None if ``open`` must do more.
+
+        The verified bits change only on this thread; evictions, noted by the store's
+        threads, are checked after the pin, so eviction cannot take the file once
+        the check has passed. Written for the fewest steps: it runs for most requests.
+        """
+        verified = self._verified.get((version, size))
+        if verified is None or not verified.bits[index >> 3] >> (index & 7) & 1:
+            return None
+        key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
+        capacity = self.store.capacity
+        capacity.pin(key)
+        if capacity.evicted or self.store.generation != self._store_generation:
+            capacity.unpin(key)
+            return None
+        capacity.record_access(key)
+        self.metrics.hits += 1
+        if uid == self._owner:
+            return Handle(key, index, npy_file_size(size))
+        return Handle(
+            key, index, npy_file_size(size), False, self._may_store(version, size, uid), uid
+        )
+
     def close(self) -> None:
         self._warm_pool.shutdown()
         if self.l2 is not None:
@@ -300,6 +347,38 @@ class Engine:
 
     def release(self, handle: Handle) -> None:
         self.store.capacity.unpin(handle.key)
+        if handle.pages is not Pages.NOT_OURS:
+            # Served (or never to be read through this open): the mount's page cache
+            # holds what readers need, so the entry file's copy goes (pagecache.py).
+            self._drop_later(handle.key, handle.pages)
+
+    def _drop_later(self, key: EntryKey, pages: Pages) -> None:
+        self._drops.add(key, self._clock(), written=pages is Pages.WRITTEN)
+        self._drops_wakeup.set()
+
+    async def drop_pages_forever(self) -> None:
+        """Drop the entry files' pages that the daemon brought into the page cache,
+        when they are due (pagecache.PendingDrops)."""
+        while True:
+            due = self._drops.next_due()
+            wait = math.inf if due is None else due - self._clock()
+            if wait > 0:
+                self._drops_wakeup = trio.Event()
+                with trio.move_on_after(wait):
+                    await self._drops_wakeup.wait()
+                continue
+            await self.drop_due_pages()
+
+    async def drop_due_pages(self) -> None:
+        """One round of ``drop_pages_forever``: the drops due now, in a worker thread."""
+        keys = self._drops.due(self._clock())
+        if keys:
+            await self._in_thread(self._write_limiter, self._drop_pages, keys)
+            self.metrics.page_drops += len(keys)
+
+    def _drop_pages(self, keys: Sequence[EntryKey]) -> None:
+        for key in keys:
+            self.store.drop_pages(key)
 
     def note_direct_hits(self, report: bytes) -> None:
         """Hits that readers read straight from the store (protocol.parse_access_report).
@@ -320,11 +399,11 @@ class Engine:
                 return  # until the next flush: the LRU order of the rest can wait
             self.metrics.direct_hits += 1
 
-    async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
+    async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes | bytearray:
         end = min(offset + size, handle.length)
         if offset >= end:
             return b""
-        data: memoryview | bytes
+        data: memoryview | bytes | bytearray
         if handle.in_memory:
             data = await self._read_memory(handle, offset, end - offset)
         else:
@@ -430,6 +509,9 @@ class Engine:
             "warm_decodes": m.warm_decodes,
             "warm_not_stored": m.warm_not_stored,
             "direct_hits": m.direct_hits,
+            "store_reads_inline": m.store_reads_inline,
+            "store_reads_threaded": m.store_reads_threaded,
+            "page_drops": m.page_drops,
             "errors": dict(m.errors),
             "decode_seconds": m.decode_seconds.as_dict(),
             **(self.l2.stats() if self.l2 is not None else {}),
@@ -474,6 +556,7 @@ class Engine:
         self._check_recent_failure(key)
         with self._waiting(uid):
             outcome = await self._outcome(key, index, purpose, may_store=may_store)
+        handle.pages = outcome.pages
         if not reading:  # a size this user may not store is no sign of a full store
             self.metrics.warm_not_stored += outcome.refused not in (None, "unlisted")
         elif outcome.decoded:
@@ -594,15 +677,18 @@ class Engine:
     ) -> _Outcome:
         """``key`` verified in the store, else freshly decoded (and stored if possible
         and ``may_store``)."""
+        reading = purpose is Purpose.READ
         try:
-            problem = await self._in_thread(self._read_limiter, self._verify_stored, key)
+            found = await self._in_thread(self._read_limiter, self._verify_stored, key, reading)
         except StoreReadError as exc:
             # Say nothing of its integrity and leave it; decode and replace it.
             self.metrics.errors[f"store_read_{exc.kind}"] += 1
             self._throttle.log(logging.WARNING, f"store-read-{exc.kind}", "%s; decoding it", exc)
-            problem = ""
-        if problem is None:
-            return _Outcome(None, decoded=False)
+            found = ""
+        if isinstance(found, VerifiedEntry):
+            pages = Pages.READ_IN if found.brought_in else Pages.NOT_OURS
+            return _Outcome(None, decoded=False, pages=pages)
+        problem = found
         if problem:
             self.metrics.corrupt_entries += 1
             self._throttle.log(  # once per entry: a read-only store cannot drop it
@@ -625,10 +711,13 @@ class Engine:
             self.metrics.unlisted_not_stored += 1
             return _Outcome(held, decoded=decoded, refused="unlisted")
         try:
-            # A warm never evicts what readers have stored.
+            # A warm never evicts what readers have stored. A reader's entry is kept
+            # open: its reads find the written pages with no thread hop.
             await self._in_thread(
                 self._write_limiter,
-                functools.partial(self.store.write, key, data, may_evict=purpose is Purpose.READ),
+                functools.partial(
+                    self.store.write, key, data, may_evict=reading, keep_open=reading
+                ),
             )
         except StoreWriteError as exc:
             if exc.kind == "ENOENT":  # the store's directory is gone: notice it now
@@ -645,7 +734,7 @@ class Engine:
             held.release()
             raise
         held.release()  # stored: every reader reads the file
-        return _Outcome(None, decoded=decoded)
+        return _Outcome(None, decoded=decoded, pages=Pages.WRITTEN)
 
     async def _obtain(
         self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool
@@ -658,11 +747,12 @@ class Engine:
         obtained = await self.l2.obtain(key, decode, publish=may_store)
         return obtained.data, obtained.decoded
 
-    def _verify_stored(self, key: EntryKey) -> str | None:
-        """Worker thread: None if the entry passes every check, "" if there is none,
-        why not if it was bad (and is removed)."""
+    def _verify_stored(self, key: EntryKey, keep_open: bool) -> VerifiedEntry | str:
+        """Worker thread: the entry if it passes every check (kept open for reads on
+        the event loop if ``keep_open``), "" if there is none, why not if it was bad
+        (and is removed)."""
         try:
-            checked = self.store.verify(key)
+            checked = self.store.verify(key, keep_open=keep_open)
         except CorruptEntry as exc:
             return exc.reason
         if checked is None:
@@ -671,7 +761,7 @@ class Engine:
         if problem is not None:
             self.store.remove(key)
             return problem
-        return None
+        return checked
 
     async def _decode(self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight) -> bytes:
         source = self._sources[key.version]
@@ -770,26 +860,55 @@ class Engine:
                 flight = await self._fly(key, index, Purpose.BACKGROUND)
             finally:
                 capacity.unpin(key)
-            if flight.outcome is not None and flight.outcome.held is not None:
-                flight.outcome.held.release()  # nobody reads it
+            outcome = flight.outcome
+            if outcome is not None and outcome.pages is not Pages.NOT_OURS:
+                self._drop_later(key, outcome.pages)  # nobody reads it through the mount now
+            if outcome is not None and outcome.held is not None:
+                outcome.held.release()  # nobody reads it
                 self._warm_stopped = True
                 return
 
-    async def _read_stored(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
+    async def _read_stored(
+        self, handle: Handle, offset: int, size: int
+    ) -> memoryview | bytes | bytearray:
         """Bytes of an entry verified earlier in this daemon's life (and pinned); if it
         went away or cannot be read, fetched again (and stored again if it can be)."""
-        data = await self._read_entry(handle, offset, size)
+        data = await self._read_file(handle, offset, size)
         if data is not None:
             return data
         self._verified_map(handle.key.version, handle.key.size).set(handle.index, False)
         handle.in_memory = True
         return await self._read_memory(handle, offset, size)
 
-    async def _read_entry(self, handle: Handle, offset: int, size: int) -> bytes | None:
-        """The bytes from the store entry; None (logged) if it cannot give them."""
+    async def _read_file(self, handle: Handle, offset: int, size: int) -> bytes | bytearray | None:
+        """The bytes from the store entry: on this thread if its pages are resident
+        and its file is kept open, else from a worker thread; None if it cannot give them."""
+        # Resident pages of an entry kept open are served here, on the event loop.
+        kept = handle.key in self.store.files
+        if kept:
+            data = self.store.read_resident(handle.key, offset, size)
+            if data is not None and len(data) == size:
+                self.metrics.store_reads_inline += 1
+                return data
+        # Not resident (that miss started their readahead, so a later look would
+        # find them resident): the read below brings them in and drops them.
+        return await self._read_entry(handle, offset, size, brought_in=kept)
+
+    async def _read_entry(
+        self, handle: Handle, offset: int, size: int, *, brought_in: bool = False
+    ) -> bytes | None:
+        """The bytes from the store entry, read in a worker thread, its pages dropped
+        from the page cache if the daemon brought them in; None (logged) if it cannot
+        give them."""
+        ours = brought_in or handle.pages is not Pages.NOT_OURS
+        self.metrics.store_reads_threaded += 1
         try:
             data = await self._in_thread(
-                self._read_limiter, self.store.read_range, handle.key, offset, size
+                self._read_limiter,
+                functools.partial(self.store.read_served, drop=ours),
+                handle.key,
+                offset,
+                size,
             )
         except OSError as exc:
             # Removed behind our back or unreadable: never fail the reader.
@@ -808,7 +927,9 @@ class Engine:
             return None
         return data
 
-    async def _read_memory(self, handle: Handle, offset: int, size: int) -> memoryview | bytes:
+    async def _read_memory(
+        self, handle: Handle, offset: int, size: int
+    ) -> memoryview | bytes | bytearray:
         """Bytes of an array the store did not take, from the memory cache; fetched
         again (one flight per key) if the cache dropped it since."""
         key = handle.key
@@ -822,7 +943,8 @@ class Engine:
                 )
             if outcome.held is None:  # the store took it this time: read the file
                 handle.in_memory = False
-                data = await self._read_entry(handle, offset, size)
+                handle.pages = outcome.pages
+                data = await self._read_file(handle, offset, size)
                 if data is None:  # stored, then unreadable at once: the store is failing
                     raise OriginalUndecodable(f"stored entry {key} cannot be read back")
                 return data

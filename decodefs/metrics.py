@@ -73,6 +73,9 @@ class Metrics:
     memory_refills: int = 0  # reads of an open file whose array the memory cache had dropped
     unlisted_not_stored: int = 0  # arrays of unlisted sizes served from memory (unlisted_sizes)
     direct_hits: int = 0  # arrays readers read straight from the store (read_array) and reported
+    store_reads_inline: int = 0  # READs served from resident store pages on the request loop
+    store_reads_threaded: int = 0  # READs that went to a worker thread (pages not resident)
+    page_drops: int = 0  # entry files whose pages the daemon brought in, then dropped
     inflight_decodes: int = 0  # decodes running in the pool (at most decode_workers)
     queued_decodes: int = 0  # decodes waiting for a pool slot
     errors: Counter[str] = field(default_factory=Counter)  # errno name -> count
@@ -139,6 +142,9 @@ _COUNTERS: Final = {
     "unlisted_not_stored": "Arrays of sizes no version lists, served from memory to other users",
     "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",
     "bytes_served": "Bytes delivered in READ replies",
+    "store_reads_inline": "READs served from resident store pages on the request loop",
+    "store_reads_threaded": "READs of the store served by a worker thread",
+    "page_drops": "Entry files whose page cache the daemon brought in, then dropped",
 }
 _GAUGES: Final = {
     "store_bytes": "Bytes of stored entries",

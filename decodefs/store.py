@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import secrets
 import shutil
 import sqlite3
@@ -49,11 +50,12 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
+from . import pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .entry import STALE, EntryKey, FileCheck, check_entry, check_entry_file, encode_trailer
+from .entry import STALE, EntryKey, check_entry, check_entry_file, encode_trailer
 from .protocol import ACCESS_SOCKET, STORE_FORMAT, STORE_MARKER, TRAILER_SIZE
 from .trusted import DIRECTORY_FLAGS as _DIR
 from .trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
@@ -69,6 +71,7 @@ __all__ = [
     "StoreReadError",
     "StoreUsage",
     "StoreWriteError",
+    "VerifiedEntry",
     "iter_entries",
     "lock_store",
 ]
@@ -77,6 +80,7 @@ log = logging.getLogger(__name__)
 
 
 CATALOG_FILE: Final = ".catalog.sqlite3"
+KEPT_OPEN: Final = 256  # entries kept open at most (Store.files), within a 16th of the fd limit
 _FINGERPRINT_FILE: Final = ".fingerprint.json"
 _TMP: Final = ".tmp"
 _TRASH: Final = ".trash"
@@ -116,6 +120,14 @@ class CorruptEntry(Exception):
 
 class CannotMove(Exception):
     """A file may not be moved into the store (``Store.move_in``); nothing was changed."""
+
+
+class VerifiedEntry(NamedTuple):
+    """What ``Store.verify`` found: an entry that passed every check."""
+
+    head: bytes  # the payload's first bytes (up to 4 KiB: its .npy header)
+    length: int  # the payload's length
+    brought_in: bool  # the check read its pages from the disk into the page cache
 
 
 class Fingerprint(Protocol):
@@ -175,6 +187,12 @@ class Store:
             unlink=self._unlink_entry,
             clock=clock,
         )
+        # Entries kept open for reads on the event loop (pagecache.EntryFiles): enough for
+        # every reader of recent misses and first opens; few next to the descriptor limit.
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.files: pagecache.EntryFiles[EntryKey] = pagecache.EntryFiles(
+            max(1, min(KEPT_OPEN, fd_limit // 16))
+        )
         self.writable = False
         self._unusable: str | None = None  # why the store made again cannot be used (logged)
         # Bumped whenever every entry may be gone at once (the store was removed):
@@ -213,6 +231,7 @@ class Store:
         catalog = self.capacity.detach()
         if catalog is not None:
             catalog.close()
+        self.files.clear()
         with self._state_lock:
             for fd in (self._root_fd, self._tmp_fd, self._lock_fd, *self._retired_fds):
                 if fd is not None:
@@ -268,19 +287,22 @@ class Store:
 
     # -- entries ----------------------------------------------------------------------
 
-    def verify(self, key: EntryKey) -> FileCheck | None:
+    def verify(self, key: EntryKey, *, keep_open: bool = False) -> VerifiedEntry | None:
         """Check ``key``'s entry: its payload's first bytes (for its own .npy header)
         and length; None if there is none.
 
-        Reads the file in pieces: nothing is held in memory. Raises CorruptEntry
-        (after removing the file) if the entry fails its check, StoreReadError
-        if it cannot be read at all.
+        Reads the file in pieces: nothing is held in memory. ``brought_in`` says
+        whether the check read its pages from the disk into the page cache,
+        rather than finding them there (pagecache.py). With ``keep_open``, the
+        entry stays open for ``read_resident``. Raises CorruptEntry (after
+        removing the file) if the entry fails its check, StoreReadError if it
+        cannot be read at all.
         """
         fd = self._root_fd
         if fd is None:
             return None
         try:
-            entry = os.open(key.relpath, _READ, dir_fd=fd)
+            entry = self._open_entry(key)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
@@ -289,15 +311,23 @@ class Store:
                 raise CorruptEntry(key, "a symlink, not an entry") from exc
             raise StoreReadError(key, exc) from exc
         try:
+            resident = pagecache.is_resident(entry)
             checked = check_entry_file(entry, key, self._fingerprints[key.version].digest)
         except OSError as exc:
-            raise StoreReadError(key, exc) from exc
-        finally:
             os.close(entry)
+            raise StoreReadError(key, exc) from exc
+        except BaseException:
+            os.close(entry)
+            raise
         if checked.problem is not None:
+            os.close(entry)
             self.remove(key)
             raise CorruptEntry(key, checked.problem)
-        return checked
+        if keep_open:
+            self.files.keep(key, entry)
+        else:
+            os.close(entry)
+        return VerifiedEntry(checked.head, checked.length, brought_in=resident is False)
 
     def read_range(self, key: EntryKey, offset: int, length: int) -> bytes:
         """Bytes of an entry verified earlier; raises OSError if it is gone or unreadable.
@@ -305,18 +335,58 @@ class Store:
         Opens the file for each call, so no descriptor outlives the request and
         an entry replaced meanwhile is read whole from its new file.
         """
-        fd = self._root_fd
-        if fd is None:
-            raise FileNotFoundError(errno.ENOENT, "the store is gone", key.relpath)
-        entry = os.open(key.relpath, _READ, dir_fd=fd)
+        return self.read_served(key, offset, length, drop=False)
+
+    def read_resident(self, key: EntryKey, offset: int, length: int) -> bytearray | None:
+        """Bytes of an entry kept open (by ``verify`` or ``write`` with ``keep_open``)
+        if its pages are resident; else None. Never waits for a device: the event
+        loop may call it."""
+        return self.files.read_resident(key, offset, length)
+
+    def close_kept(self, key: EntryKey) -> None:
+        """Stop keeping ``key``'s entry open (it is to be checked again)."""
+        self.files.discard(key)
+
+    def read_served(self, key: EntryKey, offset: int, length: int, *, drop: bool) -> bytes:
+        """``read_range`` for bytes about to be served through the mount: their pages
+        are dropped from the page cache afterwards if ``drop`` or if this read brought
+        them in from the disk; pages someone else keeps resident stay (pagecache.py).
+        Fewer bytes only if the file is shorter."""
+        entry = self._open_entry(key)
         try:
-            return os.pread(entry, length, offset)
+            resident = pagecache.is_resident(entry, offset)
+            data = _read_all(entry, length, offset)
+            if drop or resident is False:
+                pagecache.drop(entry, offset, length)
+            return data
         finally:
             os.close(entry)
 
-    def write(self, key: EntryKey, payload: bytes | memoryview, *, may_evict: bool = True) -> None:
+    def drop_pages(self, key: EntryKey) -> None:
+        """Let the kernel drop the page cache of ``key``'s entry (pagecache.py); quietly
+        nothing if it is gone."""
+        try:
+            entry = self._open_entry(key)
+        except OSError:
+            return
+        try:
+            pagecache.drop(entry)
+        finally:
+            os.close(entry)
+
+    def write(
+        self,
+        key: EntryKey,
+        payload: bytes | memoryview,
+        *,
+        may_evict: bool = True,
+        keep_open: bool = False,
+    ) -> None:
         """Atomically store ``payload`` for ``key``, evicting first if over a limit.
 
+        With ``keep_open``, the new entry stays open for ``read_resident``. The
+        written pages' writeback starts at once, so that they can be dropped from
+        the page cache soon (pagecache.py).
         Raises StoreWriteError: the store is full, read-only, unwritable or gone,
         or at its limit (EDQUOT) with everything left pinned or ``may_evict`` False.
         """
@@ -329,14 +399,15 @@ class Store:
         try:
             with self.capacity.room(key, nbytes, may_evict=may_evict):
                 fd = os.open(
-                    name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                     self.file_mode, dir_fd=tmp_dir,
                 )  # fmt: skip
                 try:
-                    with open(fd, "wb") as f:
+                    with open(fd, "wb", closefd=False) as f:
                         _set_mode(fd, self.file_mode)  # whatever the umask
                         f.write(payload)
                         f.write(trailer)
+                    pagecache.start_writeback(fd)
                     shard = self._entry_dir(root, key)
                     try:
                         self.capacity.commit(
@@ -348,10 +419,16 @@ class Store:
                         )
                     finally:
                         os.close(shard)
+                    if keep_open:
+                        self.files.keep(key, fd)
+                        fd = -1
                 except BaseException:
                     with contextlib.suppress(OSError):
                         os.unlink(name, dir_fd=tmp_dir)
                     raise
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
         except OSError as exc:
             if exc.errno == errno.EROFS:
                 self.writable = False  # check() notices when it can be written again
@@ -575,6 +652,7 @@ class Store:
                 catalog.close()
         self._retired_fds += [fd for fd in (self._root_fd, self._tmp_fd) if fd is not None]
         self._root_fd = self._tmp_fd = None
+        self.files.clear()
 
     def _still_there(self, fd: int) -> bool:
         try:
@@ -595,7 +673,20 @@ class Store:
             raise OSError(errno.ENOENT, "the store is gone")
         return os.fstatvfs(fd)
 
+    def _open_entry(self, key: EntryKey) -> int:
+        """``key``'s entry file open for reading, without updating its access time
+        where the store's owner may ask so (no journal write for a read)."""
+        fd = self._root_fd
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, "the store is gone", key.relpath)
+        try:
+            return os.open(key.relpath, _READ | os.O_NOATIME, dir_fd=fd)
+        except PermissionError:  # O_NOATIME needs the file's owner
+            return os.open(key.relpath, _READ, dir_fd=fd)
+
     def _unlink_entry(self, key: EntryKey) -> None:
+        # First, so that no kept descriptor holds the removed entry's blocks.
+        self.files.discard(key)
         fd = self._root_fd
         if fd is None:
             return
@@ -984,17 +1075,17 @@ def _same_file(st: os.stat_result, directory: int, name: str) -> bool:
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
-def _read_all(fd: int, length: int) -> bytes:
-    """Up to ``length`` bytes of ``fd`` from its start (fewer if it is shorter)."""
+def _read_all(fd: int, length: int, start: int = 0) -> bytes:
+    """Up to ``length`` bytes of ``fd`` from ``start`` (fewer if it is shorter)."""
     pieces = []
     offset = 0
     while offset < length:
-        piece = os.pread(fd, length - offset, offset)
+        piece = os.pread(fd, length - offset, start + offset)
         if not piece:
             break
         pieces.append(piece)
         offset += len(piece)
-    return b"".join(pieces)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _read_small(root: int, relpath: str) -> bytes:

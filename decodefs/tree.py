@@ -26,7 +26,7 @@ from typing import Final, NamedTuple
 
 from . import protocol
 from .engine import Engine
-from .inodes import Kind, Node
+from .inodes import Kind, Node, entry_fields
 from .source import Folder, MirrorFolders
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
@@ -74,6 +74,9 @@ class Tree:
         self._status_files = [name.encode() for name in status_files]
         self._mirrors = tuple(engine.mirror(name) for name in self._versions)
         self._mounted_ns = time.time_ns()
+        # For ``entry``, per request: the index is a snapshot, so counts never change.
+        self._counts = tuple(engine.count(name) for name in self._versions)
+        self._sizes = engine.allowed_sizes()
 
     # -- names -> nodes -----------------------------------------------------
 
@@ -109,6 +112,18 @@ class Tree:
             shard = self._shard_name(parent)
             if entry is not None and self._uuid(entry)[:2] == shard:
                 return entry
+        return None
+
+    def entry(self, ino: int) -> tuple[str, int, int] | None:
+        """(version, size, original index) of the array ``ino`` names, or None (not an
+        array's number, or one that names nothing): ``exists`` for open's hot path."""
+        fields = entry_fields(ino)
+        if fields is None:
+            return None
+        version, size, index = fields
+        counts = self._counts
+        if version < len(counts) and index < counts[version] and size in self._sizes:
+            return self._versions[version], size, index
         return None
 
     def parent(self, node: Node) -> Node:

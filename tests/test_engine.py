@@ -143,6 +143,7 @@ async def test_stats_report_every_figure(daemons: DaemonFactory, originals: Path
         "decode_memory_waits", "unlisted_not_stored", "bytes_served", "inflight_decodes",
         "queued_decodes",
         "background_decodes", "warm_decodes", "warm_not_stored", "direct_hits", "errors",
+        "store_reads_inline", "store_reads_threaded", "page_drops",
         "decode_seconds", "uptime_seconds", "versions",
     }  # fmt: skip
     assert stats["store_usage_complete"] is True and stats["store_writable"] is True

@@ -39,17 +39,19 @@ async def fuse_errno(call: object, *args: object) -> int:
 async def read_file(
     d: InProcess, inode: int, flags: int = os.O_RDONLY, chunk: int = 1 << 17
 ) -> bytes:
-    """open, read to the end in ``chunk``-byte requests, release: as the kernel does."""
-    info = await d.ops.open(inode, flags, CTX)
+    """open, read to the end in ``chunk``-byte requests, release: as the kernel does
+    (the handle is taken from the FileInfo at once, as pyfuse3 does: the next open
+    may reuse it)."""
+    fh = (await d.ops.open(inode, flags, CTX)).fh
     try:
         pieces = []
         offset = 0
-        while piece := bytes(await d.ops.read(info.fh, offset, chunk)):
+        while piece := bytes(await d.ops.read(fh, offset, chunk)):
             pieces.append(piece)
             offset += len(piece)
         return b"".join(pieces)
     finally:
-        await d.ops.release(info.fh)
+        await d.ops.release(fh)
 
 
 async def test_a_path_resolves_and_reads_the_reference_array(
@@ -162,6 +164,54 @@ async def test_open_flags_ask_for_a_warm_or_a_recheck(
     assert await read_file(d, entry, os.O_RDONLY | RECHECK_FLAG) == want
     assert d.stats()["corrupt_entries"] == 1
     assert path.read_bytes()[:-TRAILER_SIZE] == want
+
+
+async def test_verified_hits_take_the_hot_path_with_a_handle_each(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    now = [1000.0]  # the store's wall clock, for last-access times
+    d = daemons({"v1": originals}, store_clock=lambda: now[0])
+    uuid = "camera-gray"
+    entry = (await d.lookup_path("v1", str(SIZE), f"{uuid}.npy")).st_ino
+    want = reference_npy(originals / "camera-gray.jpg", SIZE)
+    assert await read_file(d, entry) == want  # a miss: stored, verified in this life
+    key, capacity = d.key("v1", SIZE, uuid), d.store.capacity
+    capacity.flush_accesses()
+    now[0] = 2000.0
+    fhs = [(await d.ops.open(entry, os.O_RDONLY, CTX)).fh for _ in range(3)]
+    assert len(set(fhs)) == 3  # one FileInfo may be reused; never a handle
+    assert capacity.pinned(key)  # eviction cannot take it while any is open
+    for fh in fhs:
+        assert bytes(await d.ops.read(fh, 0, len(want) + 10)) == want
+    for fh in fhs[:2]:
+        await d.ops.release(fh)
+    assert capacity.pinned(key)
+    await d.ops.release(fhs[2])
+    assert not capacity.pinned(key)
+    stats = d.stats()
+    assert stats["hits"] == 3 and stats["misses"] == stats["decodes"] == 1
+    capacity.flush_accesses()  # the hits order the LRU: their time reached the catalog
+    catalog = capacity.detach()
+    assert catalog is not None and catalog.oldest(1)[0].last_access == 2000.0
+    capacity.attach(catalog, filled=True)
+
+
+async def test_an_eviction_the_engine_has_not_noted_sends_an_open_the_whole_way(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    # The store evicts in its own threads; until the engine notes it, a verified bit
+    # may name a file that is gone. The hot path must not trust it then.
+    d = daemons({"v1": originals}, max_store_bytes=npy_file_size(SIZE) + TRAILER_SIZE)
+    first, second = "camera-gray", "chelsea-bmp"
+    entry = (await d.lookup_path("v1", str(SIZE), f"{first}.npy")).st_ino
+    assert await read_file(d, entry) == reference_npy(originals / "camera-gray.jpg", SIZE)
+    await d.array("v1", SIZE, second)  # evicts the first; the engine notes it at its next open
+    assert not d.entry_path("v1", SIZE, first).exists()
+    assert len(d.store.capacity.evicted) == 1
+    assert await read_file(d, entry) == reference_npy(originals / "camera-gray.jpg", SIZE)
+    stats = d.stats()
+    assert stats["decodes"] == 3  # decoded again, as a miss: no read of a file that is gone
+    assert stats["misses"] == 3 and stats["hits"] == 0 and stats["memory_refills"] == 0
 
 
 async def test_statfs_and_status_files(daemons: DaemonFactory, originals: Path) -> None:

@@ -18,7 +18,7 @@ def snapshot() -> dict[str, object]:
         "hits": 10, "misses": 4, "decodes": 5, "decode_errors": 1, "coalesced": 2,
         "corrupt_entries": 1, "evictions": 3, "store_write_errors": 0, "memory_fallbacks": 0,
         "background_decodes": 0, "warm_decodes": 0, "warm_not_stored": 0, "memory_waits": 0,
-        "memory_refills": 0,
+        "memory_refills": 0, "store_reads_inline": 0, "store_reads_threaded": 0, "page_drops": 0,
         "direct_hits": 0, "bytes_served": 12345, "memory_bytes": 0, "memory_limit_bytes": 1,
         "decode_memory_waits": 0, "unlisted_not_stored": 0, "decode_memory_bytes": 0,
         "decode_memory_limit_bytes": 1,

@@ -293,6 +293,23 @@ def test_exists_is_exactly_what_a_walk_from_the_root_reaches(hostile: Hostile, n
     assert hostile.daemon.tree.exists(parsed) == hostile.model.exists(parsed)
 
 
+@given(node=INODES)
+@example(node=Node(Kind.ENTRY, 0, 64, len(HOSTILE_STEMS)).ino)  # one past the last original
+@example(node=Node(Kind.ENTRY, 2, 64, 0).ino)  # no such version
+@example(node=Node(Kind.ENTRY, 0, 7, 0).ino)  # a size below the bounds
+def test_entry_names_exactly_the_arrays_that_exist(hostile: Hostile, node: int) -> None:
+    # open's hot path resolves an inode without a Node; it must agree with the model.
+    tree, model = hostile.daemon.tree, hostile.model
+    try:
+        parsed = Node.from_ino(node)
+    except IndexError:
+        parsed = None
+    want = None
+    if parsed is not None and parsed.kind == Kind.ENTRY and model.exists(parsed):
+        want = (tree.version_name(parsed), parsed.size, parsed.number)
+    assert tree.entry(node) == want
+
+
 # -- listings ---------------------------------------------------------------------------------
 
 
