@@ -293,7 +293,8 @@ async def _serve(
         nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.flush_accesses_forever)
         nursery.start_soon(engine.watch_store_forever)
-        nursery.start_soon(engine.drop_pages_forever)
+        nursery.start_soon(engine.reads.drop_forever)
+        nursery.start_soon(engine.note_stored)
         if engine.l2 is not None:
             nursery.start_soon(engine.l2.run)  # publishes to the cluster's L2
         if access_socket is not None:

@@ -57,11 +57,12 @@ from .decode import (
 from .entry import EntryKey
 from .memory import HeldArray, MemoryBudget, MemoryCache
 from .metrics import LogThrottle, Metrics
-from .pagecache import PendingDrops
 from .pools import Job, LowPriorityPool
 from .protocol import parse_access_report
+from .serving import EntryReads, Pages
 from .source import MirrorFolders, OriginalMissing, SourceIndex
 from .store import CorruptEntry, Store, StoreReadError, StoreWriteError, VerifiedEntry
+from .threads import run_in_thread
 
 __all__ = [
     "ACCESS_FLUSH_SECONDS",
@@ -101,14 +102,6 @@ class UserBusy(Exception):
     """Another user already has WAITING_PER_USER requests waiting for decodes (EAGAIN)."""
 
 
-class Pages(enum.Enum):
-    """Whose the page cache's copy of an entry file is, as far as one open knows."""
-
-    NOT_OURS = "not ours"  # resident before the daemon read it (or unknown): left alone
-    READ_IN = "read in"  # the daemon read it in from the disk: dropped once served
-    WRITTEN = "written"  # the daemon wrote it: dropped once written back
-
-
 class Purpose(enum.Enum):
     """Why an array is acquired: it decides priority, eviction and what is counted."""
 
@@ -130,6 +123,10 @@ class Handle:
     may_store: bool = True  # whether a fetch for this handle may store the array
     uid: int | None = None  # who opened it, if not the daemon's own user
     pages: Pages = Pages.NOT_OURS  # the entry file's cached pages, dropped at release if ours
+    unverified: bool = False  # stored, but not yet checked in this daemon's life: its first
+    # READ checks it (and rebuilds it if it fails), so the open needed no disk; that READ
+    # counts the open as a hit or a miss, if a reader's
+    reader: bool = True  # opened by a reader (not a warm request)
 
     @property
     def memory_key(self) -> Hashable:
@@ -207,8 +204,11 @@ class Engine:
         self._read_limiter = trio.CapacityLimiter(config.io_workers)
         self._write_limiter = trio.CapacityLimiter(config.io_workers)
         self._flights: dict[EntryKey, _Flight] = {}
-        # (version, size) -> a bit per original, set once verified in this daemon's life.
+        # (version, size) -> a bit per original, set once verified in this daemon's life;
+        # and a bit per original believed stored (from the catalog, and the writes since),
+        # so that its open needs no disk: the first READ verifies it.
         self._verified: dict[tuple[str, int], _Bitmap] = {}
+        self._stored: dict[tuple[str, int], _Bitmap] = {}
         self._store_generation = store.generation
         self.memory = MemoryBudget(config.memory_cache_bytes)
         # What decodes take while they run: 8 bytes a pixel (decode.decode_peak_bytes).
@@ -219,9 +219,8 @@ class Engine:
             maxsize=_FAILURE_CACHE_MAX, ttl=config.error_cache_seconds, timer=clock
         )
         self._throttle = LogThrottle(log)
-        # Entries whose pages the daemon brought into the page cache, to drop when due.
-        self._drops: PendingDrops[EntryKey] = PendingDrops()
-        self._drops_wakeup = trio.Event()
+        # Serving READs of stored entries, and dropping the entry pages they brought in.
+        self.reads = EntryReads(store, self._read_limiter, self.metrics, clock=clock)
         # Requests of each other user waiting for a decode now (see WAITING_PER_USER).
         self._waiting_by: collections.Counter[int] = collections.Counter()
         self.waiting_per_user = waiting_per_user
@@ -294,9 +293,8 @@ class Engine:
         costs no more than a flood of reads.
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
-        if recheck:
-            self._verified_map(version, size).set(index, False)
-            self.store.close_kept(key)  # it may read a damaged file: verify and open again
+        if recheck:  # check it now, at this open, whatever was believed of it
+            self._not_stored(key, index)
         self.store.capacity.pin(key)
         try:
             return await self._open_pinned(
@@ -311,16 +309,21 @@ class Engine:
             raise
 
     def open_verified(self, version: str, size: int, index: int, uid: int | None) -> Handle | None:
-        """``open``'s hot path, with nothing to wait for: a handle for an array verified
-        earlier in this daemon's life, opened by a reader; None if ``open`` must do more.
+        """``open``'s hot path, with nothing to wait for: a handle for a reader's open of
+        an array verified earlier in this daemon's life, or believed stored (its first
+        READ then verifies it); None if ``open`` must do more.
 
-        The verified bits change only on this thread; evictions, noted by the store's
-        threads, are checked after the pin, so eviction cannot take the file once
-        the check has passed. Written for the fewest steps: it runs for most requests.
+        The bits change only on this thread; evictions, noted by the store's threads,
+        are checked after the pin, so eviction cannot take the file once the check
+        has passed. Written for the fewest steps: it runs for most requests.
         """
         verified = self._verified.get((version, size))
-        if verified is None or not verified.bits[index >> 3] >> (index & 7) & 1:
-            return None
+        bit = 1 << (index & 7)
+        unverified = verified is None or not verified.bits[index >> 3] & bit
+        if unverified:
+            stored = self._stored.get((version, size))
+            if stored is None or not stored.bits[index >> 3] & bit:
+                return None
         key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
         capacity = self.store.capacity
         capacity.pin(key)
@@ -328,12 +331,31 @@ class Engine:
             capacity.unpin(key)
             return None
         capacity.record_access(key)
-        self.metrics.hits += 1
-        if uid == self._owner:
-            return Handle(key, index, npy_file_size(size))
-        return Handle(
-            key, index, npy_file_size(size), False, self._may_store(version, size, uid), uid
-        )
+        self.metrics.hits += not unverified
+        handle = Handle(key, index, npy_file_size(size), unverified=unverified)
+        if uid != self._owner:
+            handle.uid, handle.may_store = uid, self._may_store(version, size, uid)
+        return handle
+
+    async def note_stored(self) -> None:
+        """Learn from the catalog which arrays of the configured sizes are stored, so that
+        their opens need no disk (each is verified at its first READ). Before this, or
+        for other sizes, an open verifies the entry first."""
+        generation = self.store.generation
+        for version in self.version_names:
+            source = self._sources[version]
+            for size in self.config.versions[version].sizes:
+                uuids = await run_in_thread(
+                    self._read_limiter, self.store.stored_uuids, version, size
+                )
+                if self.store.generation != generation:
+                    return  # the store was lost meanwhile: what it held is gone
+                stored = self._stored_map(version, size)
+                for uuid in uuids:
+                    index = source.find(uuid)
+                    if index is not None:
+                        stored.set(index, True)
+                await trio.lowlevel.checkpoint()
 
     def close(self) -> None:
         self._warm_pool.shutdown()
@@ -349,36 +371,8 @@ class Engine:
         self.store.capacity.unpin(handle.key)
         if handle.pages is not Pages.NOT_OURS:
             # Served (or never to be read through this open): the mount's page cache
-            # holds what readers need, so the entry file's copy goes (pagecache.py).
-            self._drop_later(handle.key, handle.pages)
-
-    def _drop_later(self, key: EntryKey, pages: Pages) -> None:
-        self._drops.add(key, self._clock(), written=pages is Pages.WRITTEN)
-        self._drops_wakeup.set()
-
-    async def drop_pages_forever(self) -> None:
-        """Drop the entry files' pages that the daemon brought into the page cache,
-        when they are due (pagecache.PendingDrops)."""
-        while True:
-            due = self._drops.next_due()
-            wait = math.inf if due is None else due - self._clock()
-            if wait > 0:
-                self._drops_wakeup = trio.Event()
-                with trio.move_on_after(wait):
-                    await self._drops_wakeup.wait()
-                continue
-            await self.drop_due_pages()
-
-    async def drop_due_pages(self) -> None:
-        """One round of ``drop_pages_forever``: the drops due now, in a worker thread."""
-        keys = self._drops.due(self._clock())
-        if keys:
-            await self._in_thread(self._write_limiter, self._drop_pages, keys)
-            self.metrics.page_drops += len(keys)
-
-    def _drop_pages(self, keys: Sequence[EntryKey]) -> None:
-        for key in keys:
-            self.store.drop_pages(key)
+            # holds what readers need, so the entry file's copy goes (serving.py).
+            self.reads.release(handle.key, handle.pages)
 
     def note_direct_hits(self, report: bytes) -> None:
         """Hits that readers read straight from the store (protocol.parse_access_report).
@@ -403,6 +397,8 @@ class Engine:
         end = min(offset + size, handle.length)
         if offset >= end:
             return b""
+        if handle.unverified:
+            await self._verify_for_read(handle)
         data: memoryview | bytes | bytearray
         if handle.in_memory:
             data = await self._read_memory(handle, offset, end - offset)
@@ -549,6 +545,11 @@ class Engine:
             self.metrics.hits += reading
             self.store.capacity.record_access(key)
             return handle
+        if purpose is not Purpose.BACKGROUND and self._stored_map(key.version, key.size)[index]:
+            # Believed stored: the open needs no disk; a READ verifies it first.
+            self.store.capacity.record_access(key)
+            handle.unverified, handle.reader = True, reading
+            return handle
         if self._memory_cache.touch(handle.memory_key):
             self.metrics.hits += reading
             handle.in_memory = True
@@ -570,6 +571,25 @@ class Engine:
             outcome.held.release()
             handle.in_memory = True
         return handle
+
+    async def _verify_for_read(self, handle: Handle) -> None:
+        """Before the first bytes of an entry opened as believed stored: check it, as an
+        open would have (a single flight: it is rebuilt if it fails)."""
+        key, index = handle.key, handle.index
+        decoded = False
+        if not self._verified_map(key.version, key.size)[index]:  # none verified it since
+            self._check_recent_failure(key)
+            with self._waiting(handle.uid):
+                outcome = await self._outcome(key, index, Purpose.READ, may_store=handle.may_store)
+            handle.pages, decoded = outcome.pages, outcome.decoded
+            if outcome.held is not None:
+                self._memory_cache.put(handle.memory_key, outcome.held)
+                outcome.held.release()
+                handle.in_memory = True
+        handle.unverified = False  # only now: a READ cancelled before this checks again
+        if handle.reader:  # the open's count: a miss if the entry failed and was rebuilt
+            self.metrics.misses += decoded
+            self.metrics.hits += not decoded
 
     @contextlib.contextmanager
     def _waiting(self, uid: int | None) -> Iterator[None]:
@@ -633,6 +653,7 @@ class Engine:
             flight.outcome = await self._acquire(key, index, purpose, flight, may_store=may_store)
             if flight.outcome.stored:
                 self._verified_map(key.version, key.size).set(index, True)
+                self._stored_map(key.version, key.size).set(index, True)
         except Exception as exc:
             flight.error = exc
         finally:
@@ -652,19 +673,33 @@ class Engine:
             source = self._sources.get(key.version)  # None: a version no longer configured
             index = source.find(key.uuid) if source is not None else None
             if index is not None:
-                self._verified_map(key.version, key.size).set(index, False)
+                self._not_stored(key, index)
 
     def _notice_store_generation(self) -> None:
         if self.store.generation != self._store_generation:
             # The store was removed or made again: nothing verified before is there.
             self._store_generation = self.store.generation
             self._verified.clear()
+            self._stored.clear()
+            self.reads.forget_all()
 
     def _verified_map(self, version: str, size: int) -> _Bitmap:
         verified = self._verified.get((version, size))
         if verified is None:
             verified = self._verified[version, size] = _Bitmap(self.count(version))
         return verified
+
+    def _stored_map(self, version: str, size: int) -> _Bitmap:
+        stored = self._stored.get((version, size))
+        if stored is None:
+            stored = self._stored[version, size] = _Bitmap(self.count(version))
+        return stored
+
+    def _not_stored(self, key: EntryKey, index: int) -> None:
+        """``key``'s entry is gone or not to be trusted: its opens go the whole way."""
+        self._verified_map(key.version, key.size).set(index, False)
+        self._stored_map(key.version, key.size).set(index, False)
+        self.reads.forget(key)
 
     def _check_recent_failure(self, key: EntryKey) -> None:
         reason = self._failures.get(key)
@@ -686,8 +721,11 @@ class Engine:
             self._throttle.log(logging.WARNING, f"store-read-{exc.kind}", "%s; decoding it", exc)
             found = ""
         if isinstance(found, VerifiedEntry):
+            if found.payload is not None:  # its READs come next: served from these bytes
+                self.reads.keep_fresh(key, found.payload)
             pages = Pages.READ_IN if found.brought_in else Pages.NOT_OURS
             return _Outcome(None, decoded=False, pages=pages)
+        self._not_stored(key, index)  # none, or a bad one (removed): rebuilt below
         problem = found
         if problem:
             self.metrics.corrupt_entries += 1
@@ -711,13 +749,10 @@ class Engine:
             self.metrics.unlisted_not_stored += 1
             return _Outcome(held, decoded=decoded, refused="unlisted")
         try:
-            # A warm never evicts what readers have stored. A reader's entry is kept
-            # open: its reads find the written pages with no thread hop.
+            # A warm never evicts what readers have stored.
             await self._in_thread(
                 self._write_limiter,
-                functools.partial(
-                    self.store.write, key, data, may_evict=reading, keep_open=reading
-                ),
+                functools.partial(self.store.write, key, data, may_evict=reading),
             )
         except StoreWriteError as exc:
             if exc.kind == "ENOENT":  # the store's directory is gone: notice it now
@@ -733,6 +768,8 @@ class Engine:
         except BaseException:
             held.release()
             raise
+        if reading:  # its READs come next: served from these bytes, not read back
+            self.reads.keep_fresh(key, data)
         held.release()  # stored: every reader reads the file
         return _Outcome(None, decoded=decoded, pages=Pages.WRITTEN)
 
@@ -747,12 +784,12 @@ class Engine:
         obtained = await self.l2.obtain(key, decode, publish=may_store)
         return obtained.data, obtained.decoded
 
-    def _verify_stored(self, key: EntryKey, keep_open: bool) -> VerifiedEntry | str:
-        """Worker thread: the entry if it passes every check (kept open for reads on
-        the event loop if ``keep_open``), "" if there is none, why not if it was bad
-        (and is removed)."""
+    def _verify_stored(self, key: EntryKey, with_payload: bool) -> VerifiedEntry | str:
+        """Worker thread: the entry if it passes every check (with its payload, if
+        asked and small enough to have been read whole), "" if there is none, why
+        not if it was bad (and is removed)."""
         try:
-            checked = self.store.verify(key, keep_open=keep_open)
+            checked = self.store.verify(key, with_payload=with_payload)
         except CorruptEntry as exc:
             return exc.reason
         if checked is None:
@@ -841,14 +878,14 @@ class Engine:
 
     async def _warm_worker(self, version: str, size: int, todo: Iterator[int]) -> None:
         uuids = self._sources[version].uuids
-        verified = self._verified_map(version, size)
+        verified, stored = self._verified_map(version, size), self._stored_map(version, size)
         nbytes = npy_file_size(size)
         capacity = self.store.capacity
         for index in todo:  # shared by the workers: each index is taken once
             if self._warm_stopped:
                 return
             key = EntryKey(version, size, uuids[index])
-            if verified[index] or key in self._flights or key in self._failures:
+            if verified[index] or stored[index] or key in self._flights or key in self._failures:
                 continue
             if await self._in_thread(self._read_limiter, capacity.would_evict, nbytes):
                 self._warm_stopped = True  # the others finish what they started, then stop
@@ -862,7 +899,7 @@ class Engine:
                 capacity.unpin(key)
             outcome = flight.outcome
             if outcome is not None and outcome.pages is not Pages.NOT_OURS:
-                self._drop_later(key, outcome.pages)  # nobody reads it through the mount now
+                self.reads.release(key, outcome.pages)  # nobody reads it through the mount now
             if outcome is not None and outcome.held is not None:
                 outcome.held.release()  # nobody reads it
                 self._warm_stopped = True
@@ -876,56 +913,15 @@ class Engine:
         data = await self._read_file(handle, offset, size)
         if data is not None:
             return data
-        self._verified_map(handle.key.version, handle.key.size).set(handle.index, False)
+        self._not_stored(handle.key, handle.index)
         handle.in_memory = True
         return await self._read_memory(handle, offset, size)
 
-    async def _read_file(self, handle: Handle, offset: int, size: int) -> bytes | bytearray | None:
-        """The bytes from the store entry: on this thread if its pages are resident
-        and its file is kept open, else from a worker thread; None if it cannot give them."""
-        # Resident pages of an entry kept open are served here, on the event loop.
-        kept = handle.key in self.store.files
-        if kept:
-            data = self.store.read_resident(handle.key, offset, size)
-            if data is not None and len(data) == size:
-                self.metrics.store_reads_inline += 1
-                return data
-        # Not resident (that miss started their readahead, so a later look would
-        # find them resident): the read below brings them in and drops them.
-        return await self._read_entry(handle, offset, size, brought_in=kept)
-
-    async def _read_entry(
-        self, handle: Handle, offset: int, size: int, *, brought_in: bool = False
-    ) -> bytes | None:
-        """The bytes from the store entry, read in a worker thread, its pages dropped
-        from the page cache if the daemon brought them in; None (logged) if it cannot
-        give them."""
-        ours = brought_in or handle.pages is not Pages.NOT_OURS
-        self.metrics.store_reads_threaded += 1
-        try:
-            data = await self._in_thread(
-                self._read_limiter,
-                functools.partial(self.store.read_served, drop=ours),
-                handle.key,
-                offset,
-                size,
-            )
-        except OSError as exc:
-            # Removed behind our back or unreadable: never fail the reader.
-            self._throttle.log(
-                logging.WARNING,
-                "store-reread",
-                "stored entry %s cannot be read (%s); rebuilding it",
-                handle.key,
-                exc,
-            )
-            return None
-        if len(data) != size:
-            self._throttle.log(
-                logging.WARNING, "store-reread", "stored entry %s shrank; rebuilding it", handle.key
-            )
-            return None
-        return data
+    async def _read_file(
+        self, handle: Handle, offset: int, size: int
+    ) -> memoryview | bytearray | bytes | None:
+        """The bytes from the store entry (serving.py); None if it cannot give them."""
+        return await self.reads.read(handle.key, offset, size, handle.pages)
 
     async def _read_memory(
         self, handle: Handle, offset: int, size: int
@@ -959,4 +955,4 @@ class Engine:
 
     @staticmethod
     async def _in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        return await run_in_thread(limiter, fn, *args)

@@ -27,7 +27,15 @@ import xxhash
 
 from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
 
-__all__ = ["STALE", "EntryKey", "FileCheck", "check_entry", "check_entry_file", "encode_trailer"]
+__all__ = [
+    "STALE",
+    "EntryKey",
+    "FileCheck",
+    "check_entry",
+    "check_entry_bytes",
+    "check_entry_file",
+    "encode_trailer",
+]
 
 STALE: Final = "decoded with other settings or libraries"
 _CHECKSUM_MISMATCH: Final = "checksum mismatch (damaged, or another entry's file)"
@@ -130,12 +138,15 @@ class FileCheck(NamedTuple):
 
 
 def check_entry_file(fd: int, key: EntryKey, digest: bytes) -> FileCheck:
-    """``check_entry`` for the entry file open at ``fd``, read in pieces so that at
-    most one piece is in memory. Raises OSError."""
+    """``check_entry`` for the entry file open at ``fd``: whole in one read if it is
+    at most one piece (1 MiB), else in pieces so that at most one is in memory.
+    Raises OSError."""
     size = os.fstat(fd).st_size
     if size < TRAILER_SIZE:
         return FileCheck(b"", 0, f"truncated to {size} bytes")
     length = size - TRAILER_SIZE
+    if size <= _PIECE:  # one read, so one trip to the disk, not one per piece
+        return check_entry_bytes(key, os.pread(fd, size, 0), digest, size)
     trailer = os.pread(fd, TRAILER_SIZE, length)
     head = os.pread(fd, min(length, _HEAD), 0)
     problem = _check_trailer(trailer, length, digest)
@@ -152,6 +163,15 @@ def check_entry_file(fd: int, key: EntryKey, digest: bytes) -> FileCheck:
     if hasher.intdigest() != _checksum_of(trailer):
         return FileCheck(head, length, _CHECKSUM_MISMATCH)
     return FileCheck(head, length, None)
+
+
+def check_entry_bytes(key: EntryKey, data: bytes, digest: bytes, size: int) -> FileCheck:
+    """``check_entry_file`` for an entry file of ``size`` bytes read whole into
+    ``data`` (shorter if it shrank while being read)."""
+    length = size - TRAILER_SIZE
+    if len(data) < size:
+        return FileCheck(data[:_HEAD], length, f"truncated to {len(data)} bytes while being read")
+    return FileCheck(data[: min(length, _HEAD)], length, check_entry(key, data, digest))
 
 
 def _check_trailer(trailer: bytes, length: int, digest: bytes) -> str | None:

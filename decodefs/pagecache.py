@@ -1,25 +1,27 @@
-"""Store entries and the kernel's page cache: read resident pages without waiting, leave one copy.
+"""Store entries and the kernel's page cache: reads that never wait, and leaving one copy.
 
 An array read through the mount is cached by the kernel as the mount file's
 pages. The daemon serves those bytes from the store's entry file, so unless it
 says otherwise they would stay cached a second time as the entry file's pages.
-The rules, which the engine applies:
+The rules, which the engine applies (serving.py):
 
 - Pages of an entry file that were resident before the daemon read them belong
   to someone else (``read_array`` readers read the store's files directly):
-  they are read and left alone.
+  they are read and left alone. Resident means that a read asking the kernel
+  not to wait (``RWF_NOWAIT``) got every byte; one that gets fewer started the
+  readahead of the rest, so only the first answer tells.
 - Pages the daemon brought in (a read from the disk, a verification, a write)
   are dropped (``POSIX_FADV_DONTNEED``) once their bytes are in the mount's
-  page cache. A written page is dropped only once written back, so written
-  entries are dropped after a delay (``WRITTEN_DROP_DELAY``); the write starts
-  its writeback at once.
+  page cache: in a batch shortly after (``READ_DROP_DELAY``), never on the
+  event loop (a drop may wait for other CPUs to hand back their page lists).
+  A written page is dropped only once written back, so written entries are
+  dropped after a longer delay (``WRITTEN_DROP_DELAY``); the write starts its
+  writeback at once.
 
-``read_resident`` never waits for a device (``RWF_NOWAIT``), so the event loop
-may call it; ``drop`` and ``start_writeback`` block and belong in a worker
-thread. ``EntryFiles`` keeps descriptors of recently verified or written
-entries for those reads. ``PendingDrops`` is the queue of drops, owned by the
-event loop.
-Knows nothing of trio, FUSE or the store's layout.
+``open_cached``, ``resident`` and ``read_resident`` never wait for a device,
+so the event loop may call them; ``drop`` and ``start_writeback`` block and belong in a
+worker thread. ``PendingDrops`` is the queue of drops, owned by the event
+loop. Knows nothing of trio, FUSE or the store's layout.
 """
 
 from __future__ import annotations
@@ -28,21 +30,19 @@ import collections
 import contextlib
 import ctypes
 import errno
-import mmap
 import os
-import threading
 from collections.abc import Hashable
 from typing import Final, Generic, TypeVar
 
-import cachetools
-
 __all__ = [
+    "READ_DROP_DELAY",
     "WRITTEN_DROP_DELAY",
-    "EntryFiles",
     "PendingDrops",
     "drop",
-    "is_resident",
+    "nowait_unsupported",
+    "open_cached",
     "read_resident",
+    "resident",
     "start_writeback",
 ]
 
@@ -50,61 +50,93 @@ K = TypeVar("K", bound=Hashable)
 
 # Long enough for a started writeback of an entry to finish on any working device.
 WRITTEN_DROP_DELAY: Final = 2.0
+# Short next to the page cache's life, long enough that a worker thread drops many at once.
+READ_DROP_DELAY: Final = 0.5
 _PAGE: Final = os.sysconf("SC_PAGE_SIZE")
-# mmap(2), mincore(2) and munmap(2), for is_resident: the standard library has no mincore.
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
-]  # fmt: skip
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED: Final = ctypes.c_void_p(-1).value
 # Drops are an optimisation: past this many pending, new ones are not queued.
 _MAX_PENDING_DROPS: Final = 100_000
+
+# openat2(2), which the standard library lacks: RESOLVE_CACHED fails (EAGAIN) rather than
+# read a directory from the disk. The same number on every Linux architecture.
+_SYS_OPENAT2: Final = 437
+_RESOLVE_NO_SYMLINKS: Final = 0x04
+_RESOLVE_BENEATH: Final = 0x08
+_RESOLVE_CACHED: Final = 0x20
+_RESOLVE: Final = _RESOLVE_CACHED | _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS
+# Called holding the GIL (PyDLL): both system calls return at once, and letting a worker
+# thread take the GIL in between would make the event loop wait to get it back.
+_libc = ctypes.PyDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+# cachestat(2) (Linux 6.5): how many pages of a range are in the page cache, without
+# reading any in. The same number on every Linux architecture.
+_SYS_CACHESTAT: Final = 451
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+def resident(fd: int, offset: int, length: int) -> bool | None:
+    """Whether every page holding a byte of the range (which lies within the file) is
+    in the page cache; None where the kernel cannot say (older than 6.5). Never
+    waits, and unlike a read that misses, brings nothing in: the event loop may
+    ask before it reads."""
+    start = offset - offset % _PAGE
+    pages = -(-(offset + length - start) // _PAGE)
+    span = _CachestatRange(start, pages * _PAGE)
+    stat = _Cachestat()
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
+        return None
+    return int(stat.nr_cache) >= pages
+
+
+def open_cached(directory: int, relpath: str, flags: int) -> int | None:
+    """``relpath`` below ``directory`` opened with ``flags`` if every name on the way is
+    in the kernel's caches, else None: never waits for a device. No symlink is
+    followed, nothing outside ``directory`` is reached. None too on kernels older
+    than 5.12 (no openat2) or where the flags are refused."""
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE)
+    fd: int = _libc.syscall(
+        _SYS_OPENAT2, directory, os.fsencode(relpath), ctypes.byref(how), ctypes.sizeof(how)
+    )
+    return fd if fd >= 0 else None
 
 
 def read_resident(fd: int, offset: int, length: int) -> bytearray | None:
     """``length`` bytes of ``fd`` from ``offset`` if every page is in the page cache
-    (fewer only at the end of the file), else None; never waits for a device (a
-    miss starts the readahead the read after it will use).
-
-    None too where the filesystem cannot answer without waiting (tmpfs, older
-    kernels: EOPNOTSUPP). Raises OSError for a descriptor that cannot be read.
-    """
+    (fewer only at the end of the file), else None: never waits for a device. A
+    miss starts the readahead that the read after it will use. Raises OSError
+    (EOPNOTSUPP on a filesystem that cannot answer without waiting: tmpfs)."""
     buffer = bytearray(length)
     try:
         got = os.preadv(fd, [buffer], offset, os.RWF_NOWAIT)
     except BlockingIOError:
         return None
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            return None
-        raise
     if got == length:
         return buffer
-    # A short read: the end of the file, or a page further on that is not resident.
+    # Short: the end of the file, or a page further on that is not resident.
     if offset + got >= os.fstat(fd).st_size:
         del buffer[got:]
         return buffer
     return None
 
 
-def is_resident(fd: int, offset: int = 0) -> bool | None:
-    """Whether the page of ``fd`` at ``offset`` is in the page cache (mincore(2) of a
-    one-page mapping: unlike a read, it brings nothing in); None if the file cannot
-    be mapped. Never waits for a device."""
-    start = offset - offset % _PAGE
-    address = _libc.mmap(None, _PAGE, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-    if address is None or address == _MAP_FAILED:
-        return None
-    try:
-        vector = (ctypes.c_ubyte * 1)()
-        if _libc.mincore(address, _PAGE, vector) != 0:
-            return None
-        return bool(vector[0] & 1)
-    finally:
-        _libc.munmap(address, _PAGE)
+def nowait_unsupported(exc: OSError) -> bool:
+    """Whether ``exc`` says the filesystem cannot read without waiting (tmpfs)."""
+    return exc.errno in (errno.EOPNOTSUPP, errno.EINVAL)
 
 
 def drop(fd: int, offset: int = 0, length: int = 0) -> None:
@@ -123,102 +155,45 @@ def start_writeback(fd: int) -> None:
     drop(fd)  # DONTNEED starts the writeback of dirty pages and drops only clean ones
 
 
-class EntryFiles(Generic[K]):
-    """Descriptors of entry files kept open for ``read_resident``, by key; past
-    ``maxsize`` the least recently kept is closed.
-
-    Thread-safe. A descriptor is only ever used and closed under the lock, so a
-    key's descriptor can be closed (``discard``: its entry is about to be
-    removed) while another thread reads through it. The owner closes a key's
-    descriptor before removing its entry, so that a kept descriptor never holds
-    a removed entry's blocks on the disk.
-    """
-
-    def __init__(self, maxsize: int) -> None:
-        self._lock = threading.Lock()
-        self._fds: cachetools.LRUCache[K, int] = cachetools.LRUCache(maxsize)
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def __contains__(self, key: K) -> bool:
-        return key in self._fds
-
-    def keep(self, key: K, fd: int) -> None:
-        """Keep ``fd`` for ``key`` (taking ownership), closing any older one and, if
-        full, the least recently kept."""
-        with self._lock:
-            fds = self._fds
-            old = fds.pop(key, None)
-            if old is not None:
-                os.close(old)
-            if len(fds) >= fds.maxsize:
-                os.close(fds.popitem()[1])
-            fds[key] = fd
-
-    def read_resident(self, key: K, offset: int, length: int) -> bytearray | None:
-        """``read_resident`` through ``key``'s kept descriptor; None if there is none,
-        if a page is not resident, or if it cannot be read (then it is closed)."""
-        with self._lock:
-            fd = self._fds.get(key)
-            if fd is None:
-                return None
-            try:
-                return read_resident(fd, offset, length)
-            except OSError:
-                os.close(self._fds.pop(key))
-                return None
-
-    def discard(self, key: K) -> None:
-        with self._lock:
-            fd = self._fds.pop(key, None)
-            if fd is not None:
-                os.close(fd)
-
-    def clear(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
 class PendingDrops(Generic[K]):
     """Entries whose pages the daemon brought into the page cache, to drop when due.
 
-    For the event loop alone. Pages read in are due at once; written ones after
+    For the event loop alone. Pages read in are due after ``READ_DROP_DELAY``, so
+    that one worker thread drops many at a time; written ones after
     ``WRITTEN_DROP_DELAY`` (``due`` takes the caller's clock). Bounded: past
     ``_MAX_PENDING_DROPS`` new ones are not queued (``skipped`` counts them);
     the kernel reclaims those pages under pressure as it would any others.
     """
 
-    def __init__(self, written_delay: float = WRITTEN_DROP_DELAY) -> None:
-        self._read: collections.deque[K] = collections.deque()
-        self._written: collections.deque[tuple[float, K]] = collections.deque()
-        self._written_delay = written_delay
+    def __init__(
+        self, read_delay: float = READ_DROP_DELAY, written_delay: float = WRITTEN_DROP_DELAY
+    ) -> None:
+        # Each queue is in the order its keys fall due: one delay per queue.
+        self._queues = {
+            False: (read_delay, collections.deque[tuple[float, K]]()),
+            True: (written_delay, collections.deque[tuple[float, K]]()),
+        }
         self.skipped = 0
 
     def __len__(self) -> int:
-        return len(self._read) + len(self._written)
+        return sum(len(queue) for _, queue in self._queues.values())
 
     def add(self, key: K, now: float, *, written: bool) -> None:
         if len(self) >= _MAX_PENDING_DROPS:
             self.skipped += 1
-        elif written:
-            self._written.append((now + self._written_delay, key))
-        else:
-            self._read.append(key)
+            return
+        delay, queue = self._queues[written]
+        queue.append((now + delay, key))
 
     def next_due(self) -> float | None:
-        """When the next drop is due (-inf: now); None if nothing is pending."""
-        if self._read:
-            return float("-inf")
-        return self._written[0][0] if self._written else None
+        """When the next drop is due; None if nothing is pending."""
+        heads = [queue[0][0] for _, queue in self._queues.values() if queue]
+        return min(heads) if heads else None
 
     def due(self, now: float) -> list[K]:
         """Take every key whose drop is due at ``now`` (each once)."""
-        keys = list(self._read)
-        self._read.clear()
-        written = self._written
-        while written and written[0][0] <= now:
-            keys.append(written.popleft()[1])
-        return list(dict.fromkeys(keys))
+        keys: dict[K, None] = {}
+        for _, queue in self._queues.values():
+            while queue and queue[0][0] <= now:
+                keys[queue.popleft()[1]] = None
+        return list(keys)

@@ -42,7 +42,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import secrets
 import shutil
 import sqlite3
@@ -55,7 +54,14 @@ from typing import Final, NamedTuple, Protocol
 from . import pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .entry import STALE, EntryKey, check_entry, check_entry_file, encode_trailer
+from .entry import (
+    STALE,
+    EntryKey,
+    check_entry,
+    check_entry_bytes,
+    check_entry_file,
+    encode_trailer,
+)
 from .protocol import ACCESS_SOCKET, STORE_FORMAT, STORE_MARKER, TRAILER_SIZE
 from .trusted import DIRECTORY_FLAGS as _DIR
 from .trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
@@ -80,7 +86,7 @@ log = logging.getLogger(__name__)
 
 
 CATALOG_FILE: Final = ".catalog.sqlite3"
-KEPT_OPEN: Final = 256  # entries kept open at most (Store.files), within a 16th of the fd limit
+_WHOLE: Final = 1 << 20  # entries up to this size are read whole, in one read
 _FINGERPRINT_FILE: Final = ".fingerprint.json"
 _TMP: Final = ".tmp"
 _TRASH: Final = ".trash"
@@ -128,6 +134,7 @@ class VerifiedEntry(NamedTuple):
     head: bytes  # the payload's first bytes (up to 4 KiB: its .npy header)
     length: int  # the payload's length
     brought_in: bool  # the check read its pages from the disk into the page cache
+    payload: memoryview | None = None  # the payload, if asked for and read whole
 
 
 class Fingerprint(Protocol):
@@ -187,12 +194,6 @@ class Store:
             unlink=self._unlink_entry,
             clock=clock,
         )
-        # Entries kept open for reads on the event loop (pagecache.EntryFiles): enough for
-        # every reader of recent misses and first opens; few next to the descriptor limit.
-        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.files: pagecache.EntryFiles[EntryKey] = pagecache.EntryFiles(
-            max(1, min(KEPT_OPEN, fd_limit // 16))
-        )
         self.writable = False
         self._unusable: str | None = None  # why the store made again cannot be used (logged)
         # Bumped whenever every entry may be gone at once (the store was removed):
@@ -231,7 +232,6 @@ class Store:
         catalog = self.capacity.detach()
         if catalog is not None:
             catalog.close()
-        self.files.clear()
         with self._state_lock:
             for fd in (self._root_fd, self._tmp_fd, self._lock_fd, *self._retired_fds):
                 if fd is not None:
@@ -287,16 +287,16 @@ class Store:
 
     # -- entries ----------------------------------------------------------------------
 
-    def verify(self, key: EntryKey, *, keep_open: bool = False) -> VerifiedEntry | None:
+    def verify(self, key: EntryKey, *, with_payload: bool = False) -> VerifiedEntry | None:
         """Check ``key``'s entry: its payload's first bytes (for its own .npy header)
         and length; None if there is none.
 
-        Reads the file in pieces: nothing is held in memory. ``brought_in`` says
-        whether the check read its pages from the disk into the page cache,
-        rather than finding them there (pagecache.py). With ``keep_open``, the
-        entry stays open for ``read_resident``. Raises CorruptEntry (after
-        removing the file) if the entry fails its check, StoreReadError if it
-        cannot be read at all.
+        An entry of up to 1 MiB is read whole, in one read (one trip to the disk);
+        with ``with_payload`` its payload comes back too. A bigger one is read in
+        pieces, none of it held. ``brought_in`` says whether the check read its
+        pages from the disk into the page cache rather than finding them there
+        (pagecache.py). Raises CorruptEntry (after removing the file) if the entry
+        fails its check, StoreReadError if it cannot be read at all.
         """
         fd = self._root_fd
         if fd is None:
@@ -310,24 +310,27 @@ class Store:
                 self.remove(key)
                 raise CorruptEntry(key, "a symlink, not an entry") from exc
             raise StoreReadError(key, exc) from exc
+        digest = self._fingerprints[key.version].digest
+        payload: memoryview | None = None
         try:
-            resident = pagecache.is_resident(entry)
-            checked = check_entry_file(entry, key, self._fingerprints[key.version].digest)
+            size = os.fstat(entry).st_size
+            if TRAILER_SIZE <= size <= _WHOLE:
+                data, brought_in = _read_noting_residency(entry, 0, size)
+                checked = check_entry_bytes(key, data, digest, size)
+                if with_payload and checked.problem is None:
+                    payload = memoryview(data)[: checked.length]
+            else:
+                first, brought_in = _read_noting_residency(entry, 0, min(size, _WHOLE))
+                del first  # the check reads it again, from the page cache
+                checked = check_entry_file(entry, key, digest)
         except OSError as exc:
-            os.close(entry)
             raise StoreReadError(key, exc) from exc
-        except BaseException:
+        finally:
             os.close(entry)
-            raise
         if checked.problem is not None:
-            os.close(entry)
             self.remove(key)
             raise CorruptEntry(key, checked.problem)
-        if keep_open:
-            self.files.keep(key, entry)
-        else:
-            os.close(entry)
-        return VerifiedEntry(checked.head, checked.length, brought_in=resident is False)
+        return VerifiedEntry(checked.head, checked.length, brought_in, payload)
 
     def read_range(self, key: EntryKey, offset: int, length: int) -> bytes:
         """Bytes of an entry verified earlier; raises OSError if it is gone or unreadable.
@@ -337,15 +340,27 @@ class Store:
         """
         return self.read_served(key, offset, length, drop=False)
 
-    def read_resident(self, key: EntryKey, offset: int, length: int) -> bytearray | None:
-        """Bytes of an entry kept open (by ``verify`` or ``write`` with ``keep_open``)
-        if its pages are resident; else None. Never waits for a device: the event
-        loop may call it."""
-        return self.files.read_resident(key, offset, length)
-
-    def close_kept(self, key: EntryKey) -> None:
-        """Stop keeping ``key``'s entry open (it is to be checked again)."""
-        self.files.discard(key)
+    def read_cached(self, key: EntryKey, offset: int, length: int) -> bytearray | bool:
+        """Bytes of an entry if its path and its pages are all in the kernel's caches;
+        never waits for a device, so the event loop may call it. Else False if the
+        pages were found not resident (the try started their readahead), True if it
+        could not look (the path is not cached, no openat2, a tmpfs)."""
+        fd = self._root_fd
+        if fd is None:
+            return True
+        entry = pagecache.open_cached(fd, key.relpath, _READ | os.O_NOATIME)
+        if entry is None:
+            return True
+        try:
+            # Asked first: a read that misses would start the disk's work on this thread.
+            if pagecache.resident(entry, offset, length) is False:
+                return False
+            data = pagecache.read_resident(entry, offset, length)
+        except OSError:
+            return True  # a tmpfs cannot tell without waiting: a worker thread reads it
+        finally:
+            os.close(entry)
+        return False if data is None else data
 
     def read_served(self, key: EntryKey, offset: int, length: int, *, drop: bool) -> bytes:
         """``read_range`` for bytes about to be served through the mount: their pages
@@ -354,9 +369,8 @@ class Store:
         Fewer bytes only if the file is shorter."""
         entry = self._open_entry(key)
         try:
-            resident = pagecache.is_resident(entry, offset)
-            data = _read_all(entry, length, offset)
-            if drop or resident is False:
+            data, brought_in = _read_noting_residency(entry, offset, length)
+            if drop or brought_in:
                 pagecache.drop(entry, offset, length)
             return data
         finally:
@@ -380,13 +394,11 @@ class Store:
         payload: bytes | memoryview,
         *,
         may_evict: bool = True,
-        keep_open: bool = False,
     ) -> None:
         """Atomically store ``payload`` for ``key``, evicting first if over a limit.
 
-        With ``keep_open``, the new entry stays open for ``read_resident``. The
-        written pages' writeback starts at once, so that they can be dropped from
-        the page cache soon (pagecache.py).
+        The written pages' writeback starts at once, so that they can be dropped
+        from the page cache soon (pagecache.py).
         Raises StoreWriteError: the store is full, read-only, unwritable or gone,
         or at its limit (EDQUOT) with everything left pinned or ``may_evict`` False.
         """
@@ -419,9 +431,6 @@ class Store:
                         )
                     finally:
                         os.close(shard)
-                    if keep_open:
-                        self.files.keep(key, fd)
-                        fd = -1
                 except BaseException:
                     with contextlib.suppress(OSError):
                         os.unlink(name, dir_fd=tmp_dir)
@@ -652,7 +661,6 @@ class Store:
                 catalog.close()
         self._retired_fds += [fd for fd in (self._root_fd, self._tmp_fd) if fd is not None]
         self._root_fd = self._tmp_fd = None
-        self.files.clear()
 
     def _still_there(self, fd: int) -> bool:
         try:
@@ -685,8 +693,6 @@ class Store:
             return os.open(key.relpath, _READ, dir_fd=fd)
 
     def _unlink_entry(self, key: EntryKey) -> None:
-        # First, so that no kept descriptor holds the removed entry's blocks.
-        self.files.discard(key)
         fd = self._root_fd
         if fd is None:
             return
@@ -1086,6 +1092,25 @@ def _read_all(fd: int, length: int, start: int = 0) -> bytes:
         pieces.append(piece)
         offset += len(piece)
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _read_noting_residency(fd: int, offset: int, length: int) -> tuple[bytes, bool]:
+    """Up to ``length`` bytes of ``fd`` from ``offset``, and whether this read brought
+    any of them in from the disk (not all were resident; where the kernel cannot
+    say, its first try, which waits for nothing, fell short); a filesystem that
+    cannot tell (tmpfs) brings nothing in."""
+    known = pagecache.resident(fd, offset, length)
+    if known is not None:
+        return _read_all(fd, length, offset), not known
+    try:
+        resident = pagecache.read_resident(fd, offset, length)
+    except OSError as exc:
+        if not pagecache.nowait_unsupported(exc):
+            raise
+        return _read_all(fd, length, offset), False
+    if resident is not None:
+        return bytes(resident), False
+    return _read_all(fd, length, offset), True
 
 
 def _read_small(root: int, relpath: str) -> bytes:

@@ -22,7 +22,7 @@ from decodefs import read_array
 from decodefs.daemon import READAHEAD_KB
 from decodefs.decode import npy_file_size
 from decodefs.entry import EntryKey
-from decodefs.pagecache import drop, is_resident
+from decodefs.pagecache import drop, read_resident
 from tests.conftest import MountFactory
 from tests.helpers import is_live_mount, reference_npy, wait_until
 
@@ -58,8 +58,9 @@ def on_disk(tmp_path: Path) -> None:
     probe.write_bytes(b"x" * 4096)
     fd = os.open(probe, os.O_RDONLY)
     try:
-        if is_resident(fd) is None:
-            pytest.skip(f"{tmp_path} is a tmpfs: its page cache is the store itself")
+        read_resident(fd, 0, 1)
+    except OSError:
+        pytest.skip(f"{tmp_path} is a tmpfs: its page cache is the store itself")
     finally:
         os.close(fd)
         probe.unlink()

@@ -1,13 +1,14 @@
-"""The read path and the page cache, in-process: resident pages served on the event
-loop, the worker thread only when they are not, one page-cache copy (the daemon
-drops the entry pages it brought in, never a direct reader's), and short or
-vanished entries. A real store in tmp_path (ext4 here; on a filesystem that
-cannot read without waiting, tmpfs, the inline path does not exist and those
-tests say so), real decodes, time on trio's MockClock where it matters."""
+"""The read path and the page cache, in-process: READs served without a thread hop
+(the bytes a verification or a write just had, or resident pages on the event
+loop), a worker thread only when the pages are not resident, one page-cache
+copy (the daemon drops the entry pages it brought in, never a direct reader's),
+opens of stored arrays that need no disk (their first READ verifies), and short
+or vanished entries. A real store in tmp_path (ext4 here; a tmpfs cannot read
+without waiting, so the tests of residency say so and skip there), real
+decodes, the drops' delays on trio's MockClock."""
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 from pathlib import Path
@@ -16,9 +17,15 @@ import pytest
 import trio
 import trio.testing
 
-from decodefs.decode import npy_file_size
-from decodefs.pagecache import EntryFiles, PendingDrops, drop, is_resident, read_resident
-from decodefs.protocol import TRAILER_SIZE
+from decodefs.entry import EntryKey
+from decodefs.pagecache import (
+    READ_DROP_DELAY,
+    WRITTEN_DROP_DELAY,
+    PendingDrops,
+    drop,
+    open_cached,
+    read_resident,
+)
 from tests.conftest import DaemonFactory
 from tests.helpers import reference_npy
 from tests.inprocess import InProcess
@@ -34,10 +41,13 @@ def nowait_supported(directory: Path) -> bool:
     probe.write_bytes(b"x" * 4096)
     fd = os.open(probe, os.O_RDONLY)
     try:
-        return is_resident(fd) is not None
+        read_resident(fd, 0, 1)
+    except OSError:
+        return False
     finally:
         os.close(fd)
         probe.unlink()
+    return True
 
 
 def resident(path: Path) -> bool:
@@ -64,7 +74,13 @@ def evict_pages(path: Path) -> None:
 @pytest.fixture
 def on_disk(tmp_path: Path) -> None:
     if not nowait_supported(tmp_path):
-        pytest.skip(f"{tmp_path} cannot read without waiting (tmpfs): no inline reads there")
+        pytest.skip(f"{tmp_path} is a tmpfs: its page cache is the store itself")
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    """The engine's clock, moved by hand (the drops' delays)."""
+    return trio.testing.MockClock()
 
 
 async def stored(d: InProcess) -> Path:
@@ -75,15 +91,17 @@ async def stored(d: InProcess) -> Path:
     return path
 
 
-def fresh(daemons: DaemonFactory, originals: Path, d: InProcess) -> InProcess:
-    """Another daemon on the same store: nothing verified yet in its life."""
+def fresh(
+    daemons: DaemonFactory, originals: Path, d: InProcess, clock: trio.testing.MockClock
+) -> InProcess:
+    """Another daemon on the same store: nothing verified yet in its life, nothing
+    known of its entries. Its drops fall due on ``clock``."""
     d.close()
-    return daemons({"v1": originals})
+    return daemons({"v1": originals}, engine_clock=clock.current_time)
 
 
-async def read_whole(d: InProcess) -> bytes:
-    """open, read, release, as one plain reader of UUID's array."""
-    return await d.array("v1", SIZE, UUID)
+def reference(originals: Path) -> bytes:
+    return reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
 
 
 # -- the module's pieces ---------------------------------------------------------------
@@ -105,128 +123,130 @@ def test_read_resident_reads_only_what_is_in_the_page_cache(tmp_path: Path, on_d
         os.close(fd)
 
 
-def test_entry_files_keep_a_bounded_number_open_and_close_what_they_let_go(
-    tmp_path: Path,
-) -> None:
-    paths = []
-    for i in range(3):
-        paths.append(tmp_path / str(i))
-        paths[-1].write_bytes(bytes([i]) * 10)
-    files: EntryFiles[str] = EntryFiles(2)
-    fds = [os.open(p, os.O_RDONLY) for p in paths]
-    for i, fd in enumerate(fds):
-        files.keep(str(i), fd)
-    assert len(files) == 2
-    with pytest.raises(OSError) as closed:  # the least recently kept was closed
-        os.fstat(fds[0])
-    assert closed.value.errno == errno.EBADF
-    assert files.read_resident("0", 0, 10) is None
-    assert files.read_resident("2", 0, 10) in (None, bytes([2]) * 10)  # tmpfs: None
-    again = os.open(paths[2], os.O_RDONLY)
-    files.keep("2", again)  # replaces: the older one is closed
-    with pytest.raises(OSError):
-        os.fstat(fds[2])
-    files.discard("1")
-    with pytest.raises(OSError):
-        os.fstat(fds[1])
-    files.clear()
-    assert len(files) == 0
-    with pytest.raises(OSError):
-        os.fstat(again)
+def test_open_cached_stays_beneath_its_directory_and_follows_no_symlink(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "f").write_bytes(b"entry")
+    (tmp_path / "outside").write_bytes(b"secret")
+    (root / "link").symlink_to(root / "a" / "f")
+    (root / "a" / "up").symlink_to(tmp_path)
+    directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.stat(root / "a" / "f")  # its names are in the caches now
+        fd = open_cached(directory, "a/f", os.O_RDONLY)
+        assert fd is not None
+        assert os.read(fd, 10) == b"entry"
+        os.close(fd)
+        for relpath in ("link", "a/up/outside", "../outside", "/etc/passwd", "a/missing"):
+            assert open_cached(directory, relpath, os.O_RDONLY) is None, relpath
+    finally:
+        os.close(directory)
 
 
-def test_pending_drops_are_due_at_once_when_read_and_after_the_delay_when_written() -> None:
-    drops: PendingDrops[str] = PendingDrops(written_delay=2.0)
+def test_pending_drops_fall_due_after_their_delay_each_once() -> None:
+    drops: PendingDrops[str] = PendingDrops(read_delay=0.5, written_delay=2.0)
     assert drops.next_due() is None
     drops.add("w", 10.0, written=True)
     assert drops.next_due() == 12.0
-    assert drops.due(11.9) == []
     drops.add("r", 11.0, written=False)
-    drops.add("r", 11.5, written=False)
-    assert drops.next_due() == float("-inf")
-    assert drops.due(11.9) == ["r"]  # once, however often it was added
-    assert drops.due(12.0) == ["w"] and len(drops) == 0
+    drops.add("r", 11.2, written=False)
+    assert drops.next_due() == 11.5
+    assert drops.due(11.4) == []
+    assert drops.due(11.7) == ["r"]  # once, however often it was added
+    assert drops.next_due() == 12.0 and drops.due(11.9) == []
+    assert drops.due(12.0) == ["w"] and len(drops) == 0 and drops.next_due() is None
 
 
 # -- the engine's read path ------------------------------------------------------------
 
 
-async def test_first_open_verifies_and_the_read_comes_from_those_pages_inline(
-    daemons: DaemonFactory, originals: Path, on_disk: None
+async def test_a_verified_entry_is_read_from_the_checks_bytes_then_its_pages_go(
+    daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals})
     path = await stored(d)
-    d = fresh(daemons, originals, d)
-    data = await read_whole(d)
-    assert data == reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
+    d = fresh(daemons, originals, d, clock)
+    assert await d.array("v1", SIZE, UUID) == reference(originals)
     stats = d.stats()
-    # The check read the entry once; the read found those pages: no second disk read.
+    # The check read the entry once; the READ came from those bytes: no second read.
     assert stats["store_reads_inline"] == 1 and stats["store_reads_threaded"] == 0
     assert stats["hits"] == 1 and stats["decodes"] == 0
-    await d.engine.drop_due_pages()  # the pages it brought in go once served
-    assert stats["page_drops"] == 0 and d.stats()["page_drops"] == 1
-    assert not resident(path)
+    await d.engine.reads.drop_due()
+    assert d.stats()["page_drops"] == 0 and resident(path)  # the drops come in batches
+    clock.jump(READ_DROP_DELAY)
+    await d.engine.reads.drop_due()  # the pages it brought in go once served
+    assert d.stats()["page_drops"] == 1 and not resident(path)
+
+
+async def test_resident_pages_are_read_on_the_event_loop(
+    daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
+) -> None:
+    d = daemons({"v1": originals})
+    path = await stored(d)
+    d = fresh(daemons, originals, d, clock)
+    await d.array("v1", SIZE, UUID)  # verified in this life
+    clock.jump(READ_DROP_DELAY)
+    await d.engine.reads.drop_due()  # what that brought in is gone
+    assert d.stats()["page_drops"] == 1 and not resident(path)
+    path.read_bytes()  # a direct reader (read_array) holds its pages
+    before = d.stats()["store_reads_inline"]
+    assert await d.array("v1", SIZE, UUID) == reference(originals)  # a verified hit
+    stats = d.stats()
+    assert stats["store_reads_inline"] == before + 1 and stats["store_reads_threaded"] == 0
+    clock.jump(WRITTEN_DROP_DELAY)
+    await d.engine.reads.drop_due()
+    assert resident(path) and d.stats()["page_drops"] == 1  # the direct reader's stay
 
 
 async def test_pages_not_resident_are_read_in_a_thread_then_dropped(
-    daemons: DaemonFactory, originals: Path, on_disk: None
+    daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals})
     path = await stored(d)
-    d = fresh(daemons, originals, d)
-    handle = await d.open("v1", SIZE, UUID)  # verified: its pages are in
-    evict_pages(path)  # ... and gone again before the read, as under memory pressure
-    data = await d.read_all(handle)
-    d.engine.release(handle)
-    assert data == reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
+    d = fresh(daemons, originals, d, clock)
+    await d.array("v1", SIZE, UUID)  # verified in this life
+    evict_pages(path)  # ... and gone from memory, as under memory pressure
+    assert await d.array("v1", SIZE, UUID) == reference(originals)
     stats = d.stats()
-    assert stats["store_reads_inline"] == 0 and stats["store_reads_threaded"] == 1
+    assert stats["store_reads_threaded"] == 1
     assert not resident(path)  # dropped by the read that brought it in
 
 
 async def test_a_direct_readers_pages_are_left_in_the_page_cache(
-    daemons: DaemonFactory, originals: Path, on_disk: None
+    daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals})
     path = await stored(d)
-    d = fresh(daemons, originals, d)
+    d = fresh(daemons, originals, d, clock)
     path.read_bytes()  # read_array reads the store's file: its pages are someone's
-    data = await read_whole(d)
-    assert data == reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
-    await d.engine.drop_due_pages()
+    assert await d.array("v1", SIZE, UUID) == reference(originals)
+    clock.jump(WRITTEN_DROP_DELAY)
+    await d.engine.reads.drop_due()
     assert d.stats()["page_drops"] == 0 and resident(path)
-    # A verified hit whose pages are resident: read, and left alone too.
-    second = await d.open("v1", SIZE, UUID)
-    assert await d.read_all(second) == data
-    d.engine.release(second)
-    await d.engine.drop_due_pages()
-    assert resident(path) and d.stats()["page_drops"] == 0
 
 
-async def test_a_written_entry_is_read_inline_and_dropped_after_its_writeback(
-    daemons: DaemonFactory, originals: Path, on_disk: None
+async def test_a_written_entry_is_read_from_memory_and_dropped_after_its_writeback(
+    daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
 ) -> None:
-    clock = trio.testing.MockClock()
     d = daemons({"v1": originals}, engine_clock=clock.current_time)
-    data = await read_whole(d)  # a miss: decoded, written, read from its pages
-    assert data == reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
+    assert await d.array("v1", SIZE, UUID) == reference(originals)  # a miss
     stats = d.stats()
-    assert stats["decodes"] == 1 and stats["store_reads_inline"] == 1
+    assert stats["decodes"] == 1 and stats["store_reads_inline"] == 1  # not read back
     path = d.entry_path("v1", SIZE, UUID)
-    await d.engine.drop_due_pages()
+    clock.jump(READ_DROP_DELAY)
+    await d.engine.reads.drop_due()
     assert d.stats()["page_drops"] == 0  # not yet: written pages drop once written back
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)  # the writeback, without waiting for the device's own pace
     os.close(fd)
-    clock.jump(2.0)
-    await d.engine.drop_due_pages()
+    clock.jump(WRITTEN_DROP_DELAY)
+    await d.engine.reads.drop_due()
     assert d.stats()["page_drops"] == 1 and not resident(path)
 
 
 async def test_a_warm_request_drops_what_it_wrote(
-    daemons: DaemonFactory, originals: Path, on_disk: None
+    daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
 ) -> None:
-    clock = trio.testing.MockClock()
     d = daemons({"v1": originals}, engine_clock=clock.current_time)
     handle = await d.open("v1", SIZE, UUID, warm=True)  # decodefs warm: never read
     d.engine.release(handle)
@@ -234,66 +254,97 @@ async def test_a_warm_request_drops_what_it_wrote(
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
-    clock.jump(2.0)
-    await d.engine.drop_due_pages()
+    clock.jump(WRITTEN_DROP_DELAY)
+    await d.engine.reads.drop_due()
     assert d.stats()["page_drops"] == 1 and not resident(path)
 
 
-async def test_a_short_entry_is_rebuilt_not_served(daemons: DaemonFactory, originals: Path) -> None:
+async def test_a_stored_array_opens_with_no_disk_and_its_first_read_verifies(
+    daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
+) -> None:
+    d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
+    path = await stored(d)
+    d.close()
+    d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
+    await d.engine.note_stored()  # what the catalog says is stored
+    data = bytearray(path.read_bytes())
+    data[500] ^= 0x04  # damaged after it was written
+    path.write_bytes(bytes(data))
+    handle = await d.open("v1", SIZE, UUID)
+    assert handle.unverified and d.stats()["corrupt_entries"] == 0  # the open checked nothing
+    assert await d.read_all(handle) == reference(originals)  # never the damaged bytes
+    d.engine.release(handle)
+    stats = d.stats()
+    assert stats["corrupt_entries"] == 1 and stats["decodes"] == 1  # found by the READ, rebuilt
+    # Rebuilt and verified: the next open is a plain hit, and its bytes the right ones.
+    handle = await d.open("v1", SIZE, UUID)
+    assert not handle.unverified
+    assert await d.read_all(handle) == reference(originals)
+    d.engine.release(handle)
+
+
+async def test_an_open_of_a_stored_array_whose_entry_is_gone_reads_it_right(
+    daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
+) -> None:
+    d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
+    path = await stored(d)
+    d.close()
+    d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
+    await d.engine.note_stored()
+    path.unlink()  # the catalog still says stored
+    assert await d.array("v1", SIZE, UUID) == reference(originals)
+    assert d.stats()["decodes"] == 1 and path.exists()  # decoded and stored again
+
+
+async def test_a_short_entry_is_rebuilt_not_served(
+    daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
+) -> None:
     d = daemons({"v1": originals})
     path = await stored(d)
-    d = fresh(daemons, originals, d)
-    handle = await d.open("v1", SIZE, UUID)  # verified whole, kept open
+    d = fresh(daemons, originals, d, clock)
+    await d.array("v1", SIZE, UUID)  # verified in this life
+    handle = await d.open("v1", SIZE, UUID)
     os.truncate(path, 1000)  # then cut short behind the daemon's back
-    evict_pages(path)
-    data = await d.read_all(handle)
+    assert await d.read_all(handle) == reference(originals)  # never the short bytes
     d.engine.release(handle)
-    assert data == reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)  # never the short bytes
     assert d.stats()["decodes"] == 1  # rebuilt
 
 
 async def test_an_entry_removed_after_its_open_is_still_read_right(
-    daemons: DaemonFactory, originals: Path
+    daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
 ) -> None:
-    expected = reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
     d = daemons({"v1": originals})
     path = await stored(d)
-    d = fresh(daemons, originals, d)
-    handle = await d.open("v1", SIZE, UUID)
-    path.unlink()  # a kept entry: its verified bytes are still there to read
-    assert await d.read_all(handle) == expected
+    d = fresh(daemons, originals, d, clock)
+    handle = await d.open("v1", SIZE, UUID)  # verified: its bytes are kept for its READs
+    path.unlink()
+    assert await d.read_all(handle) == reference(originals)
     d.engine.release(handle)
-    d = fresh(daemons, originals, d)  # now nothing is kept open: the read finds no file
-    await d.array("v1", SIZE, UUID)
-    handle = await d.open("v1", SIZE, UUID)
-    d.store.close_kept(handle.key)
-    d.entry_path("v1", SIZE, UUID).unlink()
-    assert await d.read_all(handle) == expected  # fetched again, never an error
+    assert d.stats()["decodes"] == 0
+    handle = await d.open("v1", SIZE, UUID)  # a verified hit: nothing kept for it now
+    assert await d.read_all(handle) == reference(originals)  # fetched again, no error
     d.engine.release(handle)
-    assert d.stats()["decodes"] == 2
+    assert d.stats()["decodes"] == 1
 
 
-async def test_an_evicted_entry_closes_its_kept_descriptor_first(
-    daemons: DaemonFactory, originals: Path
+async def test_an_array_bigger_than_the_room_for_fresh_bytes_is_read_from_its_file(
+    daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
 ) -> None:
-    # Room for one entry: each miss evicts the last. A kept descriptor must not keep
-    # an evicted entry's blocks on the disk (the limit counts what the disk holds).
-    d = daemons({"v1": originals}, max_store_bytes=npy_file_size(SIZE) + TRAILER_SIZE)
-    uuids = sorted(p.stem for p in originals.iterdir())[:3]
-    for uuid in uuids:
-        await d.array("v1", SIZE, uuid)
-    assert d.stats()["evictions"] == 2
-    assert len(d.store.files) == 1
-    deleted = [
-        target
-        for link in Path("/proc/self/fd").iterdir()
-        if (target := _readlink(link)).endswith("(deleted)") and d.store.root in target
-    ]
-    assert deleted == []
-
-
-def _readlink(link: Path) -> str:
-    try:
-        return os.readlink(link)
-    except OSError:
-        return ""
+    size = 2048  # 12 MiB: the check reads it in pieces, and keeps none of it
+    d = daemons({"v1": originals}, engine_clock=clock.current_time)
+    want = reference_npy(next(originals.glob(f"{UUID}.*")), size)
+    assert await d.array("v1", size, UUID) == want
+    path = d.entry_path("v1", size, UUID)
+    evict_pages(path)
+    d = fresh(daemons, originals, d, clock)
+    handle = await d.open("v1", size, UUID)
+    got = bytearray()
+    while piece := await d.engine.read(handle, len(got), 1 << 20):  # the kernel's READs
+        got += piece
+    d.engine.release(handle)
+    assert bytes(got) == want
+    assert d.stats()["decodes"] == 0 and d.engine.reads.fresh_bytes == 0
+    clock.jump(READ_DROP_DELAY)
+    await d.engine.reads.drop_due()
+    assert not resident(path)
+    assert EntryKey("v1", size, UUID).relpath in str(path)

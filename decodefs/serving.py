@@ -1,0 +1,162 @@
+"""Serving READs of stored entries, and leaving one page-cache copy of what was served.
+
+A READ of a stored array is answered, cheapest first: from the bytes that a
+verification or a write of the entry just had in memory (kept, up to
+``FRESH_BYTES``, for the READs that follow an open); from the entry file's
+resident pages on the event loop (pagecache: a path and pages already in the
+kernel's caches, never a wait for a device); else in a worker thread. The
+entry pages that the daemon brought into the page cache for an open are dropped
+once that open is released (pagecache.py states the rules).
+
+Everything here runs on the event loop's thread, except what it hands to a
+worker thread. Knows the store's read methods; not FUSE, not decoding, not
+which arrays are stored or verified (engine.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import cachetools
+import trio
+
+from .entry import EntryKey
+from .metrics import LogThrottle, Metrics
+from .pagecache import PendingDrops
+from .store import Store
+from .threads import run_in_thread
+
+__all__ = ["FRESH_BYTES", "EntryReads", "Pages"]
+
+log = logging.getLogger(__name__)
+
+# Enough for the READs that follow the opens of many readers at once (~200 arrays of 224).
+FRESH_BYTES: Final = 32 << 20
+
+
+class Pages(enum.Enum):
+    """Whose the page cache's copy of an entry file is, as far as one open knows."""
+
+    NOT_OURS = "not ours"  # resident before the daemon read it (or unknown): left alone
+    READ_IN = "read in"  # the daemon read it in from the disk: dropped once served
+    WRITTEN = "written"  # the daemon wrote it: dropped once written back
+
+
+class EntryReads:
+    def __init__(
+        self,
+        store: Store,
+        limiter: trio.CapacityLimiter,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = trio.current_time,
+        fresh_bytes: int = FRESH_BYTES,
+    ) -> None:
+        self._store = store
+        self._limiter = limiter
+        self._metrics = metrics
+        self._clock = clock
+        # The whole .npy bytes of entries just verified or written, by key.
+        self._fresh: cachetools.LRUCache[EntryKey, memoryview] = cachetools.LRUCache(
+            fresh_bytes, getsizeof=len
+        )
+        self._drops: PendingDrops[EntryKey] = PendingDrops()
+        self._wakeup = trio.Event()
+        self._dropping = trio.CapacityLimiter(1)
+        self._throttle = LogThrottle(log)
+
+    @property
+    def fresh_bytes(self) -> int:
+        return int(self._fresh.currsize)
+
+    def keep_fresh(self, key: EntryKey, payload: bytes | memoryview) -> None:
+        """Keep ``payload``, ``key``'s .npy bytes just verified or written, for the
+        READs that follow (an array bigger than the whole room is not kept)."""
+        if len(payload) <= self._fresh.maxsize:
+            self._fresh[key] = memoryview(payload)
+
+    def forget(self, key: EntryKey) -> None:
+        """``key``'s entry may have changed (rebuilt, evicted): nothing kept of it serves."""
+        self._fresh.pop(key, None)
+
+    def forget_all(self) -> None:
+        self._fresh.clear()
+
+    async def read(
+        self, key: EntryKey, offset: int, size: int, pages: Pages
+    ) -> memoryview | bytearray | bytes | None:
+        """``size`` bytes of ``key``'s entry (verified and pinned) from ``offset``;
+        None (logged) if the entry cannot give them: gone, shrunk, unreadable."""
+        fresh = self._fresh.get(key)
+        if fresh is not None:
+            self._metrics.store_reads_inline += 1
+            if offset + size >= len(fresh):
+                del self._fresh[key]  # read to its end: the kernel's page cache has it now
+            return fresh[offset : offset + size]  # pyfuse3 copies it out before it is freed
+        cached = self._store.read_cached(key, offset, size)
+        if not isinstance(cached, bool) and len(cached) == size:
+            self._metrics.store_reads_inline += 1
+            return cached
+        # Found not resident (False): the try started their readahead, so the worker
+        # thread could not tell its own doing from a direct reader's; they are ours.
+        self._metrics.store_reads_threaded += 1
+        ours = pages is not Pages.NOT_OURS or cached is False
+        try:
+            data = await run_in_thread(
+                self._limiter,
+                functools.partial(self._store.read_served, drop=ours),
+                key,
+                offset,
+                size,
+            )
+        except OSError as exc:
+            # Removed behind our back or unreadable: never fail the reader.
+            self._throttle.log(
+                logging.WARNING,
+                "store-reread",
+                "stored entry %s cannot be read (%s); rebuilding it",
+                key,
+                exc,
+            )
+            return None
+        if len(data) != size:
+            self._throttle.log(
+                logging.WARNING, "store-reread", "stored entry %s shrank; rebuilding it", key
+            )
+            return None
+        return data
+
+    def release(self, key: EntryKey, pages: Pages) -> None:
+        """An open of ``key`` is released: what it brought into the page cache goes."""
+        if pages is not Pages.NOT_OURS:
+            self._fresh.pop(key, None)
+            self._drops.add(key, self._clock(), written=pages is Pages.WRITTEN)
+            self._wakeup.set()
+
+    async def drop_forever(self) -> None:
+        """Drop the entry pages brought into the page cache when they are due."""
+        while True:
+            due = self._drops.next_due()
+            wait = math.inf if due is None else due - self._clock()
+            if wait > 0:
+                self._wakeup = trio.Event()
+                with trio.move_on_after(wait):
+                    await self._wakeup.wait()
+                continue
+            await self.drop_due()
+
+    async def drop_due(self) -> None:
+        """One round of ``drop_forever``: the drops due now, in a worker thread."""
+        keys = self._drops.due(self._clock())
+        if keys:
+            await run_in_thread(self._dropping, self._drop, keys)
+            self._metrics.page_drops += len(keys)
+
+    def _drop(self, keys: Sequence[EntryKey]) -> None:
+        for key in keys:
+            self._store.drop_pages(key)
