@@ -16,6 +16,7 @@ This module is filesystem logic only: it does not import pyfuse3.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -27,9 +28,12 @@ from typing import Final, NamedTuple
 from . import protocol
 from .engine import Engine
 from .inodes import Kind, Node
+from .metrics import LogThrottle
 from .source import Folder, MirrorFolders
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
+
+log = logging.getLogger(__name__)
 
 NAME_MAX: Final = 255
 _SIZE_NAME = re.compile(rb"[1-9][0-9]{0,4}")
@@ -74,6 +78,7 @@ class Tree:
         self._status_files = [name.encode() for name in status_files]
         self._mirrors = tuple(engine.mirror(name) for name in self._versions)
         self._mounted_ns = time.time_ns()
+        self._throttle = LogThrottle(log)
 
     # -- names -> nodes -----------------------------------------------------
 
@@ -93,6 +98,18 @@ class Tree:
             return None
         if parent.kind == Kind.VERSION:
             size = self._parse_size(name)
+            if size is None and _SIZE_NAME.fullmatch(name):
+                config = self._engine.config  # a size, but out of bounds: say why, not bare ENOENT
+                self._throttle.log(
+                    logging.WARNING,
+                    "size-out-of-bounds",
+                    "%s/%s: size %s is outside min_size..max_size (%d..%d): ENOENT",
+                    self._versions[parent.version],
+                    name.decode(),
+                    name.decode(),
+                    config.min_size,
+                    config.max_size,
+                )
             return Node(Kind.SIZE, parent.version, size) if size is not None else None
         if parent.kind in (Kind.SIZE, Kind.FOLDER):
             mirror = self._mirrors[parent.version]
