@@ -443,7 +443,10 @@ def _warm_cluster(args: argparse.Namespace) -> int:
     try:
         from .cluster_warm import SchedulerUnreachable, cluster_warm
     except ImportError as exc:
-        raise UsageError(f"--cluster needs Dask: pip install 'decodefs[cluster]' ({exc})") from None
+        raise UsageError(
+            f"--cluster needs Dask: the cluster extra, pip install -e '.[cluster]' in decodefs's "
+            f"clone ({exc})"
+        ) from None
     try:
         report = cluster_warm(
             args.cluster, config, args.version, args.size, uuids, progress=sys.stderr.isatty()
