@@ -148,6 +148,7 @@ class Sample:
 
     def mount(self) -> None:
         if not is_mounted(self.mountpoint):
+            self.mountpoint.mkdir(exist_ok=True)
             result = decodefs(
                 "mount", self.mountpoint, "--config", self.config, "--log-file", self.log
             )
