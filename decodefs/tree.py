@@ -25,10 +25,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from . import protocol
+from . import metrics, protocol
 from .engine import Engine
 from .inodes import Kind, Node
-from .metrics import LogThrottle
 from .source import Folder, MirrorFolders
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
@@ -78,7 +77,7 @@ class Tree:
         self._status_files = [name.encode() for name in status_files]
         self._mirrors = tuple(engine.mirror(name) for name in self._versions)
         self._mounted_ns = time.time_ns()
-        self._throttle = LogThrottle(log)
+        self._throttle = metrics.LogThrottle(log)
 
     # -- names -> nodes -----------------------------------------------------
 
