@@ -72,12 +72,12 @@ class Tree:
 
     def __init__(self, engine: Engine, status_files: Sequence[str]) -> None:
         self._engine = engine
+        self._throttle = metrics.LogThrottle(log)  # sizes out of bounds: said, not flooded
         self._versions = engine.version_names
         self._version_index = {name.encode(): i for i, name in enumerate(self._versions)}
         self._status_files = [name.encode() for name in status_files]
         self._mirrors = tuple(engine.mirror(name) for name in self._versions)
         self._mounted_ns = time.time_ns()
-        self._throttle = metrics.LogThrottle(log)
 
     # -- names -> nodes -----------------------------------------------------
 
