@@ -728,9 +728,8 @@ def _serving(mountpoint: Path) -> list[str]:
         if figures.get("layout") == "mirror":
             where = f"{directory}/<folder>/<name>.npy (mirror layout)"
         else:
-            where = f"{directory}/<uuid>.npy"
             first = _first_entry(directory) if figures.get("originals") else None
-            where += f" (e.g. {first})" if first else ""
+            where = f"{directory}/<uuid>.npy (uuid layout{f', e.g. {first}' if first else ''})"
         left_out = figures.get("duplicates_left_out")
         skipped = f" ({left_out:,} duplicate names left out)" if left_out else ""
         lines.append(

@@ -78,8 +78,9 @@ def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(
     first = sorted(photos)[0]
     assert result.stdout.splitlines()[1:] == [
         f"  v1     {len(photos)} originals from {photos_dir}, sizes 224: "
-        f"{mountpoint}/v1/224/<uuid>.npy (e.g. {first}.npy)",
-        f"  wrong  0 originals from {empty}, sizes 224: {mountpoint}/wrong/224/<uuid>.npy",
+        f"{mountpoint}/v1/224/<uuid>.npy (uuid layout, e.g. {first}.npy)",
+        f"  wrong  0 originals from {empty}, sizes 224: {mountpoint}/wrong/224/<uuid>.npy "
+        "(uuid layout)",
         f"  store {tmp_path / 'store'}: 0 B in 0 arrays",
     ], result.stdout
     assert result.stderr == (
