@@ -24,6 +24,7 @@ from .decode import (
     npy_file_size,
     npy_header,
 )
+from .keys import class_labels, list_keys
 from .reader import read_array
 
 try:
@@ -38,7 +39,9 @@ __all__ = [
     "DecodeSettings",
     "VersionConfig",
     "__version__",
+    "class_labels",
     "decode_image",
+    "list_keys",
     "load_config",
     "npy_bytes",
     "npy_file_size",

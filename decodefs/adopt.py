@@ -3,14 +3,16 @@
 Teams already keep such caches: plain ``np.save`` bytes of arrays decoded the
 default way. Adopting one first decodes a random sample of its arrays with
 ``decode_image`` and the version's settings and compares them byte for byte;
-one difference and nothing is adopted. Then every array whose uuid is an
-original of the version becomes a store entry through the store's own API
-(``Store.move_in``: the trailer appended in place and the file renamed into
-the store, when the file is the store user's alone on the store's
-filesystem; ``Store.write``: a copy otherwise, or always with ``copy``), with
-its catalog row, under the store's capacity limits, never evicting. Entries
-already stored are skipped, so an interrupted adoption resumes; a stop
-request is honoured between two entries, so nothing is half-written.
+one difference and nothing is adopted, unless ``skip_differing``: then every
+array is decoded and compared, and those that differ stay in the cache. Then
+every array whose uuid is an original of the version becomes a store entry
+through the store's own API (``Store.write``: a copy, the cache left as it
+was; with ``move``, ``Store.move_in``: the trailer appended in place and the
+file renamed into the store, when the file is the store user's alone on the
+store's filesystem), with its catalog row, under the store's capacity
+limits, never evicting. Entries already stored are skipped, so an
+interrupted adoption resumes; a stop request is honoured between two
+entries, so nothing is half-written.
 
 The store must not be in use: the daemon holds the store's lock and keeps
 its catalog counts and verified entries in memory, so adopting under it is
@@ -30,9 +32,10 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import PIL
 from tqdm import tqdm
 
 from .config import Config
@@ -47,7 +50,7 @@ from .decode import (
 from .entry import EntryKey, check_entry
 from .protocol import TRAILER_SIZE
 from .source import OriginalMissing, SourceIndex, scan_source
-from .store import CannotMove, Store, StoreError, StoreWriteError, lock_store
+from .store import CannotMove, Store, StoreInUse, StoreWriteError, lock_store
 from .trusted import UntrustedPath, open_trusted_dir
 
 __all__ = ["DEFAULT_SAMPLE", "AdoptError", "AdoptReport", "adopt"]
@@ -60,6 +63,10 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 class AdoptError(Exception):
     """Adoption refused or stopped for a reason the user can act on (one line)."""
 
+    def __init__(self, message: str, holder_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.holder_pid = holder_pid  # the pid holding the store's lock, if that is why
+
 
 @dataclass
 class AdoptReport:
@@ -71,6 +78,7 @@ class AdoptReport:
     unknown: int = 0  # no original of the version has that uuid
     bad: int = 0  # not the .npy of a (size, size, 3) uint8 array, or in the wrong <uu>
     undecodable: int = 0  # sampled, but the original cannot be decoded: left out
+    differing: int = 0  # checked (skip_differing), not what a fresh decode makes: left out
     examples: dict[str, str] = field(default_factory=dict)  # kind -> first example
     seconds: float = 0.0
     interrupted: bool = False
@@ -99,16 +107,22 @@ def adopt(
     cache_dir: Path,
     *,
     sample: int = DEFAULT_SAMPLE,
-    copy: bool = False,
+    move: bool = False,
+    skip_differing: bool = False,
     progress: bool = False,
     stop: threading.Event | None = None,
     seed: int | None = None,
 ) -> AdoptReport:
     """Adopt ``<cache_dir>/<version>/<size>/<uu>/<uuid>.npy`` into the config's store.
 
-    Raises AdoptError if the sample differs from a fresh decode (naming the first
-    uuid that does), if a daemon holds the store, or if the store fills up.
-    ``stop`` (set from a signal handler) ends the import after the entry in hand.
+    Files are copied, leaving the cache as it was; with ``move``, a file that is
+    the store user's alone on the store's filesystem is moved instead (no second
+    copy on flash; the cache loses it). Raises AdoptError if arrays of the sample
+    differ from a fresh decode (naming how many, an example, and the decode
+    settings to check), if a daemon holds the store, or if the store fills up.
+    With ``skip_differing`` every array is checked, not a sample, and those that
+    differ are left in the cache and counted. ``stop`` (set from a signal
+    handler) ends the import after the entry in hand.
     """
     stop = stop or threading.Event()
     if version not in config.versions:
@@ -150,7 +164,7 @@ def adopt(
         started = time.monotonic()
         with _opened(directory) as root:
             adoption = _Adoption(config, version, size, (directory, root), store, index)
-            adoption.run(sample, seed, copy, stop, progress)
+            adoption.run(sample, seed, move, skip_differing, stop, progress)
         adoption.report.interrupted = stop.is_set()
         adoption.report.seconds = time.monotonic() - started
         return adoption.report
@@ -181,13 +195,20 @@ class _Adoption:
         self.report = AdoptReport()
 
     def run(
-        self, sample: int, seed: int | None, copy: bool, stop: threading.Event, progress: bool
+        self,
+        sample: int,
+        seed: int | None,
+        move: bool,
+        skip_differing: bool,
+        stop: threading.Event,
+        progress: bool,
     ) -> None:
         candidates = self.candidates()
         if candidates and not stop.is_set():
-            candidates = self.check_sample(candidates, sample, seed, stop, progress)
+            count = len(candidates) if skip_differing else sample
+            candidates = self.check_sample(candidates, count, seed, skip_differing, stop, progress)
         if not stop.is_set():
-            self.import_all(candidates, copy, stop, progress)
+            self.import_all(candidates, move, stop, progress)
 
     def candidates(self) -> list[_Candidate]:
         """Every cache file to import, by shard and name; counts what is skipped."""
@@ -211,32 +232,36 @@ class _Adoption:
         candidates: list[_Candidate],
         sample: int,
         seed: int | None,
+        skip_differing: bool,
         stop: threading.Event,
         progress: bool,
     ) -> list[_Candidate]:
-        """Decode a random sample again: AdoptError at the first (by uuid) that differs.
-        The candidates left to import (sampled ones whose original fails are not)."""
+        """Decode a random sample again and compare. Unless ``skip_differing``, any
+        difference is an AdoptError (how many, the first by uuid, the settings to
+        check). The candidates left to import: not those whose original fails,
+        nor (``skip_differing``) those that differ."""
         chosen = sorted(
             random.Random(seed).sample(candidates, min(sample, len(candidates))),
             key=lambda c: c.key.uuid,
         )
-        undecodable = set()
+        left_out: set[_Candidate] = set()
+        differing: list[str] = []
         pool = concurrent.futures.ThreadPoolExecutor(self.workers, "adopt-sample")
-        bar = tqdm(total=len(chosen), desc="sample", unit="img", disable=not progress)
+        label = "check" if skip_differing else "sample"
+        bar = tqdm(total=len(chosen), desc=label, unit="img", disable=not progress)
         try:
             for candidate, (verdict, detail) in zip(
                 chosen, pool.map(self.compare, chosen), strict=True
             ):
                 bar.update(1)
                 if verdict == "differs":
-                    raise AdoptError(
-                        f"{candidate.key.uuid}: {self.directory / candidate.shard / candidate.name}"
-                        f" is not what decode_image makes of its original with version "
-                        f"{self.version}'s settings ({detail}); the cache was decoded another "
-                        "way: nothing adopted"
-                    )
-                if verdict == "undecodable":
-                    undecodable.add(candidate)
+                    where = self.directory / candidate.shard / candidate.name
+                    differing.append(f"{candidate.key.uuid}: {where} ({detail})")
+                    if skip_differing:
+                        left_out.add(candidate)
+                        self.report.skip("differing", differing[-1])
+                elif verdict == "undecodable":
+                    left_out.add(candidate)
                     self.report.skip("undecodable", f"{candidate.key.uuid}: {detail}")
                 elif verdict == "equal":
                     self.report.sampled += 1
@@ -245,13 +270,32 @@ class _Adoption:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             bar.close()
-        if not self.report.sampled:
+        if differing and not skip_differing:
+            raise AdoptError(self.differing_message(differing, len(chosen)))
+        if not self.report.sampled and not differing:
             example = self.report.examples.get("undecodable") or "their files are not .npy arrays"
             raise AdoptError(
                 f"none of the {len(chosen)} sampled arrays could be checked against its "
                 f"original ({example}); nothing adopted"
             )
-        return [c for c in candidates if c not in undecodable]
+        return [c for c in candidates if c not in left_out]
+
+    def differing_message(self, differing: list[str], checked: int) -> str:
+        """Why nothing was adopted: how many sampled arrays differ, the first, what to check."""
+        settings = ", ".join(f"{k} = {_toml(v)}" for k, v in asdict(self.settings).items())
+        what = (
+            f"all {checked} sampled arrays differ"
+            if len(differing) == checked
+            else f"{len(differing)} of {checked} sampled arrays differ"
+        )
+        return (
+            f"{what} from what decode_image makes of their originals with versions."
+            f"{self.version}'s decode settings ({settings}; Pillow {PIL.__version__}), e.g. "
+            f"{differing[0]}: nothing adopted. If the cache was made with other settings, "
+            f"set them under [versions.{self.version}] (resample, fit, exif_transpose, draft) "
+            "and run adopt again; to adopt only the arrays that match, leaving the others in "
+            "the cache, pass --skip-differing (it decodes every array to check it)"
+        )
 
     def compare(self, candidate: _Candidate) -> tuple[str, str | None]:
         """One sampled file against a fresh decode (a pool thread):
@@ -272,7 +316,7 @@ class _Adoption:
         return "differs", f"first difference at byte {first} of {len(payload)}"
 
     def import_all(
-        self, candidates: list[_Candidate], copy: bool, stop: threading.Event, progress: bool
+        self, candidates: list[_Candidate], move: bool, stop: threading.Event, progress: bool
     ) -> None:
         bar = tqdm(total=len(candidates), desc="adopt", unit="img", disable=not progress)
         shards = _ShardDirectories(self.root)
@@ -288,7 +332,7 @@ class _Adoption:
                     self.report.skip("bad", f"{where} ({problem})")
                     continue
                 try:
-                    if not copy and self.moved(candidate, shard, len(payload)):
+                    if move and self.moved(candidate, shard, len(payload)):
                         self.report.moved += 1
                     else:
                         self.store.write(candidate.key, payload, may_evict=False)
@@ -321,11 +365,13 @@ def _refuse_if_in_use(store: Path) -> None:
         return  # missing, or refused: Store.open says why
     try:
         lock = lock_store(fd)
-    except StoreError:
+    except StoreInUse as exc:
+        pid = f" (pid {exc.holder_pid})" if exc.holder_pid else ""
         raise AdoptError(
-            f"the store {store} is in use by a running decodefs daemon; stop it first "
-            "(decodefs umount MOUNTPOINT) and run adopt again: the daemon keeps the store's "
-            "counts and checked entries in memory"
+            f"the store {store} is in use by a running decodefs daemon{pid}; stop it first "
+            "and run adopt again (the daemon keeps the store's counts and checked entries "
+            "in memory)",
+            exc.holder_pid,
         ) from None
     finally:
         os.close(fd)
@@ -418,3 +464,10 @@ def _opened_at(parent: int, name: str) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+def _toml(value: object) -> str:
+    """A setting as it is written in the config ("bilinear", false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"'

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Final
 
 from . import __version__
-from .config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 
 __all__ = ["main"]
 
@@ -52,8 +52,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _print_error(exc: BaseException) -> None:
     """``decodefs: error: <line>`` for every line of a user error (a ConfigError has
     one per problem); indented lines are details of the line above and printed as they are."""
-    for line in str(exc).splitlines() or [type(exc).__name__]:
+    for line in _error_text(exc).splitlines() or [type(exc).__name__]:
         print(line if line[:1].isspace() else f"decodefs: error: {line}", file=sys.stderr)
+
+
+def _error_text(exc: BaseException) -> str:
+    """A user error's text; for a store another process holds, which one and how to stop it."""
+    text = str(exc)
+    pid = getattr(exc, "holder_pid", None)
+    if isinstance(pid, int) and pid > 0:
+        text += _store_holder_hint(pid)
+    return text
+
+
+def _store_holder_hint(pid: int) -> str:
+    """What process ``pid`` (holding a store's lock) is: the daemon of which mount point,
+    or which command; found without touching any mount that does not answer."""
+    from .daemon import daemon_mountpoint
+
+    mountpoint = daemon_mountpoint(pid)
+    if mountpoint is not None:
+        return f"; it is the daemon of {mountpoint} (stop it: `decodefs umount {mountpoint}`)"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    words = [
+        os.path.basename(os.fsdecode(a)) if i == 0 else os.fsdecode(a)
+        for i, a in enumerate(argv)
+        if a
+    ]
+    command = " ".join(words)
+    return f"; pid {pid} is `{command[:200]}`" if command else ""
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -79,8 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"decodefs {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
-    config_help = f"TOML config (default: $DECODEFS_CONFIG or {DEFAULT_CONFIG_PATH})"
-    default_config = Path(os.environ.get("DECODEFS_CONFIG", DEFAULT_CONFIG_PATH))
+    config_help = f"TOML config (default: $DECODEFS_CONFIG, else {DEFAULT_CONFIG_PATH})"
+    default_config = None  # resolved by _config_path, which knows where it came from
 
     mount = commands.add_parser("mount", help="mount the filesystem (returns once it is live)")
     mount.add_argument(
@@ -166,15 +196,28 @@ def _parser() -> argparse.ArgumentParser:
     adopt.add_argument("--config", type=Path, default=default_config, help=config_help)
     adopt.add_argument(
         "--sample",
-        type=int,
+        type=_int_at_least(1),
         default=300,
         help="arrays decoded again and compared byte for byte first (default: 300)",
     )
-    adopt.add_argument(
+    how = adopt.add_mutually_exclusive_group()
+    how.add_argument(
         "--copy",
         action="store_true",
-        help="copy every file, leaving the cache as it was (default: move the files "
-        "that are the store user's alone on the store's filesystem)",
+        help="copy every file, leaving the cache as it was (the default)",
+    )
+    how.add_argument(
+        "--move",
+        action="store_true",
+        help="move files into the store instead of copying them: the cache loses them "
+        "(only files that are the store user's alone on the store's filesystem; "
+        "the others are copied)",
+    )
+    adopt.add_argument(
+        "--skip-differing",
+        action="store_true",
+        help="check every array, not a sample, and leave those that differ from a fresh "
+        "decode in the cache (as slow as decoding them all)",
     )
     adopt.set_defaults(run=_adopt)
 
@@ -194,18 +237,52 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print the raw stats.json")
     stats.set_defaults(run=_stats)
 
-    sample = commands.add_parser("make-sample", help="write a corpus of photo-like sample JPEGs")
-    sample.add_argument("directory", type=Path)
-    sample.add_argument("--count", type=_int_at_least(0), default=32)
-    sample.add_argument("--width", type=_int_at_least(1), default=1600)
-    sample.add_argument("--height", type=_int_at_least(1), default=1200)
-    sample.add_argument("--seed", type=_int_at_least(0), default=0)
+    sample = commands.add_parser(
+        "make-sample",
+        help="write a corpus of photo-like sample JPEGs",
+        description="Write photo-like sample JPEGs named <uuid>.jpg under DIRECTORY/batch-NN/, "
+        "the same for a seed; files already there are kept, so a re-run is quick.",
+    )
+    sample.add_argument("directory", type=Path, help="where the JPEGs go (created if missing)")
+    sample.add_argument(
+        "--count", type=_int_at_least(0), default=32, help="how many (default: %(default)s)"
+    )
+    sample.add_argument(
+        "--width", type=_int_at_least(1), default=1600, help="pixels (default: %(default)s)"
+    )
+    sample.add_argument(
+        "--height", type=_int_at_least(1), default=1200, help="pixels (default: %(default)s)"
+    )
+    sample.add_argument(
+        "--seed",
+        type=_int_at_least(0),
+        default=0,
+        help="the same seed makes the same images (default: %(default)s)",
+    )
     sample.set_defaults(run=_make_sample)
     return parser
 
 
+def _load_config(args: argparse.Namespace) -> Config:
+    """The config the user named with --config, else $DECODEFS_CONFIG's, else the default.
+
+    A config the user did not name that does not exist is a UsageError saying
+    how to name one (sets ``args.config`` to the path used).
+    """
+    given: Path | None = args.config
+    from_env = os.environ.get("DECODEFS_CONFIG")
+    args.config = given or Path(from_env or DEFAULT_CONFIG_PATH)
+    if given is None and not os.path.lexists(args.config):
+        origin = "$DECODEFS_CONFIG names it" if from_env else "the default"
+        raise UsageError(
+            f"no config file at {args.config} ({origin}); name yours with --config FILE "
+            "or $DECODEFS_CONFIG (a minimal one: docs/configuration.md)"
+        )
+    return load_config(args.config)
+
+
 def _mount(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = _load_config(args)
     mountpoint = _mountpoint(args.mountpoint, config.mountpoint)
     log_file = None
     if not args.foreground:  # the one thing the daemon cannot report: checked first
@@ -229,6 +306,14 @@ def _mount(args: argparse.Namespace) -> int:
             args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty
         )
         print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
+        print("\n".join(_serving(Path(mountpoint))))
+        stats = _read_stats(Path(mountpoint))
+        versions = stats.get("versions")
+        for name in config.versions:
+            served = versions.get(name) if isinstance(versions, dict) else None
+            if isinstance(served, dict) and served.get("originals") == 0:
+                warning = daemon.empty_version_warning(config, name)
+                print(f"decodefs: warning: {warning}", file=sys.stderr)
         return 0
 
     _setup_logging(args.log_level or config.log_level)
@@ -245,7 +330,7 @@ def _mount(args: argparse.Namespace) -> int:
         daemon.serve(config, mountpoint, on_ready, args.nonempty)
     except Exception as exc:
         if ready_fd is not None and _is_user_error(exc):
-            os.write(ready_fd, f"error: {exc}".encode())  # the parent prints it
+            os.write(ready_fd, f"error: {_error_text(exc)}".encode())  # the parent prints it
         raise
     return 0
 
@@ -254,7 +339,19 @@ def _umount(args: argparse.Namespace) -> int:
     from .daemon import clear_stale, find_mount, unmount
     from .protocol import FS_TYPE
 
-    configured = load_config(args.config).mountpoint if args.mountpoint is None else None
+    configured = None
+    if args.mountpoint is None:
+        try:
+            configured = _load_config(args).mountpoint
+        except UsageError:  # umount needs no config when it is given a mount point
+            points = _decodefs_mounts()
+            example = points[0] if len(points) == 1 else "MOUNTPOINT"
+            raise UsageError(
+                f"no mount point: give one, `decodefs umount {example}`"
+                f"{_mounted_at(points)}; without one, umount takes `mountpoint` from the "
+                f"config, and there is no config file at {args.config} "
+                "(--config FILE or $DECODEFS_CONFIG names one)"
+            ) from None
     mountpoint = _mountpoint(args.mountpoint, configured)
     info = find_mount(mountpoint)
     if info is not None and info.fstype != FS_TYPE and not args.if_stale:
@@ -280,7 +377,11 @@ def _warm(args: argparse.Namespace) -> int:
     if args.mountpoint is None:
         args.parser.error("the following arguments are required: mountpoint (or --cluster)")
     uuids = _read_uuids(args.uuids) if args.uuids else None
-    directory = _version_size_dir(_live_mount(args.mountpoint), args.version, args.size)
+    directory = _version_size_dir(
+        _live_mount(args.mountpoint, f"warm {{}} {args.version} {args.size}"),
+        args.version,
+        args.size,
+    )
     before = _read_stats(args.mountpoint)
     try:
         report = warm(
@@ -307,8 +408,9 @@ def _warm(args: argparse.Namespace) -> int:
         print(f"decodefs: failed: {uuid}: {reason} (the daemon log says why)", file=sys.stderr)
     if report.missing:
         print(
-            f"decodefs: {len(report.missing):,} uuids are not in {args.version}, "
-            f"e.g. {report.missing[0]!r}",
+            f"decodefs: error: {len(report.missing):,} uuids of {args.uuids} are not "
+            f"originals of {args.version}, e.g. {report.missing[0]!r} (`decodefs.list_keys` "
+            f"or `ls {directory}` lists those it has)",
             file=sys.stderr,
         )
     if report.store_full:
@@ -326,7 +428,7 @@ def _warm(args: argparse.Namespace) -> int:
 
 def _warm_cluster(args: argparse.Namespace) -> int:
     """`decodefs warm --cluster`: Dask workers decode and publish to the config's L2."""
-    config = load_config(args.config)
+    config = _load_config(args)
     if config.l2 is None:
         raise UsageError(f"{args.config}: no l2 to warm (--cluster fills the cluster's L2)")
     if args.version not in config.versions:
@@ -341,7 +443,10 @@ def _warm_cluster(args: argparse.Namespace) -> int:
     try:
         from .cluster_warm import SchedulerUnreachable, cluster_warm
     except ImportError as exc:
-        raise UsageError(f"--cluster needs Dask: pip install 'decodefs[cluster]' ({exc})") from None
+        raise UsageError(
+            f"--cluster needs Dask: the cluster extra, pip install -e '.[cluster]' in decodefs's "
+            f"clone ({exc})"
+        ) from None
     try:
         report = cluster_warm(
             args.cluster, config, args.version, args.size, uuids, progress=sys.stderr.isatty()
@@ -372,9 +477,9 @@ def _warm_cluster(args: argparse.Namespace) -> int:
 
 
 def _adopt(args: argparse.Namespace) -> int:
-    from .adopt import AdoptError, adopt
+    from .adopt import adopt
 
-    config = load_config(args.config)
+    config = _load_config(args)
     stop = threading.Event()
 
     def stop_after_this_entry(signum: int, frame: object) -> None:
@@ -390,30 +495,31 @@ def _adopt(args: argparse.Namespace) -> int:
             args.size,
             args.cache_dir,
             sample=args.sample,
-            copy=args.copy,
+            move=args.move,
+            skip_differing=args.skip_differing,
             progress=sys.stderr.isatty(),
             stop=stop,
         )
-    except AdoptError as exc:
-        raise UsageError(str(exc)) from None
     finally:
         signal.signal(signal.SIGINT, previous)
     what = f"{args.version}/{args.size}"
     rate = report.adopted / report.seconds if report.seconds else 0.0
     if report.sampled:
+        checked = "checked" if args.skip_differing else "sample"
         print(
-            f"decodefs: sample: {report.sampled:,} arrays decoded again, "
+            f"decodefs: {checked}: {report.sampled:,} arrays decoded again, "
             "each equal byte for byte to the cache's"
         )
     print(
         f"decodefs: adopted {report.adopted:,} arrays of {what} in {report.seconds:.1f} s "
-        f"({rate:,.1f}/s): {report.moved:,} moved into the store, {report.copied:,} copied; "
-        f"{report.already_stored:,} were stored already"
+        f"({rate:,.1f}/s): {report.copied:,} copied (the cache keeps them), "
+        f"{report.moved:,} moved into the store; {report.already_stored:,} were stored already"
     )
     left = [
         (report.unknown, "with no original in the version", "unknown"),
         (report.bad, "not a stored array's .npy", "bad"),
         (report.undecodable, "whose original cannot be decoded", "undecodable"),
+        (report.differing, "that differ from a fresh decode", "differing"),
     ]
     for count, why, kind in left:
         if count:
@@ -473,8 +579,23 @@ def _require_store(root: Path, what: str = "") -> None:
 
 def _mountpoint(given: Path | None, configured: Path | None) -> str:
     if given is None and configured is None:
-        raise UsageError("no mount point: give one, or set `mountpoint` in the config")
+        raise UsageError(
+            "no mount point: give one, or set `mountpoint` in the config"
+            f"{_mounted_at(_decodefs_mounts())}"
+        )
     return os.path.abspath(given if given is not None else configured)  # type: ignore[arg-type]
+
+
+def _decodefs_mounts() -> list[str]:
+    """Where decodefs is mounted now (for a user who gave no mount point)."""
+    from .mountinfo import mounts
+    from .protocol import FS_TYPE
+
+    return [m.mountpoint for m in mounts() if m.fstype == FS_TYPE]
+
+
+def _mounted_at(points: list[str]) -> str:
+    return f" (decodefs is mounted at {', '.join(points)})" if points else ""
 
 
 def _check_log_file(path: Path, what: str) -> None:
@@ -515,14 +636,21 @@ def _read_uuids(path: Path) -> list[str]:
         raise UsageError(f"--uuids {path}: {exc}") from None
 
 
-def _live_mount(path: Path) -> Path:
-    """``path`` if a live decodefs daemon serves it; else a UsageError that says what it is."""
-    from .daemon import PROBE_TIMEOUT, find_mount, probe
+def _live_mount(path: Path, command: str) -> Path:
+    """``path`` if a live decodefs daemon serves it; else a UsageError that says what it is
+    (``command``, e.g. "stats {}", is how to run it on the mount point: for a path inside one)."""
+    from .daemon import PROBE_TIMEOUT, decodefs_mount_above, find_mount, probe
     from .protocol import FS_TYPE
 
     real = os.path.realpath(path)  # the mount table holds real paths
     info = find_mount(real)
     if info is None:
+        above = decodefs_mount_above(real)
+        if above is not None:
+            raise UsageError(
+                f"{path} is inside the decodefs mount at {above}; give the mount point "
+                f"itself: `decodefs {command.replace('{}', str(above), 1)}`"
+            )
         raise UsageError(f"{path} is not a decodefs mount (nothing is mounted there)")
     if info.fstype != FS_TYPE:
         raise UsageError(f"{path} is not a decodefs mount (it is {info.fstype})")
@@ -580,6 +708,54 @@ def _version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
     return directory
 
 
+def _serving(mountpoint: Path) -> list[str]:
+    """What a live mount serves, one line per version and one for the store (its
+    status files; nothing is listed but the first entry of a uuid size directory)."""
+    stats, config = _read_stats(mountpoint), _read_status(mountpoint, "config.json")
+    served = stats.get("versions")
+    configured = config.get("versions")
+    if not isinstance(served, dict) or not isinstance(configured, dict):
+        return []
+    width = max((len(name) for name in served), default=0)
+    lines = []
+    for name, figures in served.items():
+        settings = configured.get(name)
+        if not isinstance(figures, dict) or not isinstance(settings, dict):
+            continue
+        sizes = settings.get("sizes") or []
+        size = str(sizes[0]) if sizes else "<size>"
+        directory = mountpoint / name / size
+        if figures.get("layout") == "mirror":
+            where = f"{directory}/<folder>/<name>.npy (mirror layout)"
+        else:
+            first = _first_entry(directory) if figures.get("originals") else None
+            where = f"{directory}/<uuid>.npy (uuid layout{f', e.g. {first}' if first else ''})"
+        left_out = figures.get("duplicates_left_out")
+        skipped = f" ({left_out:,} duplicate names left out)" if left_out else ""
+        lines.append(
+            f"  {name:<{width}}  {figures.get('originals', 0):,} originals{skipped} from "
+            f"{settings.get('source')}, sizes {', '.join(map(str, sizes))}: {where}"
+        )
+    limit = _counter(stats, "store_max_bytes")
+    lines.append(
+        f"  store {config.get('store')}: {_human_bytes(_counter(stats, 'store_bytes'))} in "
+        f"{_counter(stats, 'store_entries'):,} arrays"
+        + (f" (limit {_human_bytes(limit)})" if limit else "")
+        + ("" if stats.get("store_writable", True) else ", NOT WRITABLE")
+    )
+    return lines
+
+
+def _first_entry(directory: Path) -> str | None:
+    """The first name a size directory lists (one READDIR), for an example path."""
+    try:
+        with os.scandir(directory) as entries:
+            first = next(entries, None)
+    except OSError:
+        return None
+    return None if first is None else first.name
+
+
 def _read_stats(mountpoint: Path) -> dict[str, object]:
     return _read_status(mountpoint, "stats.json")
 
@@ -599,7 +775,7 @@ def _counter(stats: dict[str, object], key: str) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    path = _live_mount(args.mountpoint) / ".decodefs" / "stats.json"
+    path = _live_mount(args.mountpoint, "stats {}") / ".decodefs" / "stats.json"
     try:
         raw = path.read_bytes()
         stats = json.loads(raw)
@@ -615,22 +791,30 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def format_stats(stats: dict[str, object]) -> str:
-    """The human table printed by `decodefs stats`."""
+    """The human table printed by `decodefs stats`: every counter a user acts on."""
 
     def n(key: str) -> int:
         return _counter(stats, key)
 
-    opens = n("hits") + n("misses")
+    reads = n("hits") + n("direct_hits") + n("misses")
     latency = stats.get("decode_seconds")
     decode_count = latency.get("count", 0) if isinstance(latency, dict) else 0
     decode_sum = latency.get("sum", 0.0) if isinstance(latency, dict) else 0.0
     mean_ms = f"{1000 * decode_sum / decode_count:.0f} ms" if decode_count else "-"
     rows = [
-        ("hits", f"{n('hits'):,}"),
-        ("misses", f"{n('misses'):,}"),
-        ("hit ratio", f"{100 * n('hits') / opens:.1f}%" if opens else "-"),
-        ("decodes", f"{n('decodes'):,} (mean {mean_ms})"),
-        ("decode errors", f"{n('decode_errors'):,}"),
+        ("hits", f"{n('hits'):,} through the mount"),
+        ("direct hits", f"{n('direct_hits'):,} read straight from the store by read_array"),
+        ("misses", f"{n('misses'):,} ({n('coalesced'):,} joined a decode already running)"),
+        (
+            "hit ratio",
+            f"{100 * (n('hits') + n('direct_hits')) / reads:.1f}%" if reads else "-",
+        ),
+        (
+            "decodes",
+            f"{n('decodes'):,} (mean {mean_ms}); {n('warm_decodes'):,} for warm requests, "
+            f"{n('background_decodes'):,} by the background warm",
+        ),
+        ("decode errors", f"{n('decode_errors'):,} (originals that failed: the log names them)"),
         ("corrupt entries rebuilt", f"{n('corrupt_entries'):,}"),
         (
             "store",
@@ -640,17 +824,35 @@ def format_stats(stats: dict[str, object]) -> str:
             + ("" if stats.get("store_writable", True) else ", NOT WRITABLE"),
         ),
         ("evictions", f"{n('evictions'):,}"),
-        ("background warm decodes", f"{n('background_decodes'):,}"),
+        ("warm not stored", f"{n('warm_not_stored'):,} (the store would not take them)"),
         (
             "memory fallbacks",
-            f"{n('memory_fallbacks'):,} ({_human_bytes(n('memory_cache_bytes'))} held)",
+            f"{n('memory_fallbacks'):,} ({n('store_write_errors'):,} store write errors; "
+            f"{_human_bytes(n('memory_cache_bytes'))} held)",
+        ),
+        (
+            "memory waits",
+            f"{n('memory_waits'):,} (memory_cache_bytes), "
+            f"{n('decode_memory_waits'):,} (decode_memory_bytes)",
         ),
         ("bytes served", _human_bytes(n("bytes_served"))),
-        ("decodes in flight", f"{n('inflight_decodes'):,}"),
+        ("decodes in flight", f"{n('inflight_decodes'):,} ({n('queued_decodes'):,} queued)"),
     ]
     errors = stats.get("errors")
-    if isinstance(errors, dict) and errors:
-        rows.append(("errors", ", ".join(f"{k} {v:,}" for k, v in sorted(errors.items()))))
+    counts = sorted(errors.items()) if isinstance(errors, dict) else []
+    rows.append(("errors", ", ".join(f"{k} {v:,}" for k, v in counts) or "none"))
+    versions = stats.get("versions")
+    if isinstance(versions, dict):
+        for name, figures in sorted(versions.items()):
+            if isinstance(figures, dict):
+                left = figures.get("duplicates_left_out")
+                rows.append(
+                    (
+                        f"version {name}",
+                        f"{figures.get('originals', 0):,} originals ({figures.get('layout')} "
+                        "layout)" + (f", {left:,} duplicate names left out" if left else ""),
+                    )
+                )
     if "l2" in stats:  # the cluster's L2 (cluster.py)
         rows.append(
             (
@@ -711,11 +913,13 @@ def _human_bytes(value: int) -> str:
 
 def _is_user_error(exc: BaseException) -> bool:
     # Imported late: the daemon pulls in pyfuse3, which `stats` does not need.
+    from .adopt import AdoptError
     from .daemon import MountError
     from .source import SourceError
     from .store import StoreError
     from .verify import StoreBusy
 
     return isinstance(
-        exc, ConfigError | MountError | SourceError | StoreError | UsageError | StoreBusy
+        exc,
+        AdoptError | ConfigError | MountError | SourceError | StoreError | UsageError | StoreBusy,
     )

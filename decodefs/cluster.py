@@ -76,7 +76,7 @@ class L2Unavailable(Exception):
 
 @dataclass
 class L2Metrics:
-    """What this node's L2 tier has done. See README "Status files"."""
+    """What this node's L2 tier has done. See docs/operations.md, "Status files"."""
 
     hits: int = 0  # arrays fetched from L2 and verified (instead of decoding)
     misses: int = 0  # arrays L2 could not give (absent, bad, unreachable): decoded here

@@ -195,8 +195,10 @@ class Config:
         }
 
 
-def load_config(path: Path) -> Config:
-    """Read and validate a config file; raise ConfigError naming every problem."""
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a config file (a path, as a str or a Path); raise ConfigError
+    naming every problem."""
+    path = Path(path)
     try:
         data = path.read_bytes()
     except FileNotFoundError:

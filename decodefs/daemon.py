@@ -58,6 +58,9 @@ __all__ = [
     "MountError",
     "MountInfo",
     "clear_stale",
+    "daemon_mountpoint",
+    "decodefs_mount_above",
+    "empty_version_warning",
     "find_mount",
     "prepare_mountpoint",
     "serve",
@@ -126,6 +129,7 @@ def prepare_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
     as files.
     """
     info = find_mount(mountpoint)
+    ours = info is not None and info.fstype == FS_TYPE
     if info is not None:
         state = probe(mountpoint) if info.fstype.startswith("fuse") else "live"
         if state == "stale":
@@ -137,17 +141,35 @@ def prepare_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
             )
             _lazy_unmount(mountpoint)
         elif state == "hung":
+            clear = "decodefs umount --lazy" if ours else "fusermount3 -u -z"
             raise MountError(
                 f"{mountpoint} is mounted ({info.fstype}) but does not answer; "
-                f"run `decodefs umount --lazy {mountpoint}` once its daemon is stopped"
+                f"run `{clear} {mountpoint}` once its daemon is stopped"
             )
-        else:
+        elif ours:
             raise MountError(
                 f"{mountpoint} is already mounted ({info.fstype} from {info.source}); "
                 f"run `decodefs umount {mountpoint}` first"
             )
+        else:  # decodefs umount would refuse it: not ours to unmount
+            raise MountError(
+                f"{mountpoint} is the mount point of another filesystem ({info.fstype} from "
+                f"{info.source}); mount decodefs on another directory (or unmount that one "
+                f"yourself: `umount {mountpoint}`)"
+            )
+    inside = decodefs_mount_above(mountpoint)
+    if inside is not None:
+        raise MountError(
+            f"mount point {mountpoint} is inside the decodefs mount at {inside}, which is "
+            "read-only; mount on a directory outside it"
+        )
     if not os.path.isdir(mountpoint):
-        raise MountError(f"mount point {mountpoint} is not a directory (create it first)")
+        if not os.path.lexists(mountpoint):
+            raise MountError(
+                f"mount point {mountpoint} does not exist: create it "
+                f"(`mkdir -p {mountpoint}`), or pass --mkdir"
+            )
+        raise MountError(f"mount point {mountpoint} is not a directory")
     if not nonempty:
         try:
             with os.scandir(mountpoint) as entries:
@@ -159,6 +181,36 @@ def prepare_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
                 f"mount point {mountpoint} is not empty (it holds {first.name!r}); the mount "
                 "would hide its files: empty it, or pass --nonempty to mount over them"
             )
+
+
+def decodefs_mount_above(path: str) -> str | None:
+    """The decodefs mount that ``path`` lies inside (not at), if any; from the mount
+    table alone, so a dead or hung mount above it cannot hang the check."""
+    target = os.path.abspath(path)
+    above = [m for m in mounts() if target.startswith(m.mountpoint.rstrip("/") + "/")]
+    if not above:
+        return None
+    nearest = max(above, key=lambda m: len(m.mountpoint))
+    return nearest.mountpoint if nearest.fstype == FS_TYPE else None
+
+
+def daemon_mountpoint(pid: int) -> str | None:
+    """The mount point that the decodefs daemon ``pid`` serves, if it serves a live one.
+
+    Asks each decodefs mount's stats.json for its pid; a mount that does not
+    answer within PROBE_TIMEOUT is passed over.
+    """
+    for info in mounts():
+        if info.fstype != FS_TYPE:
+            continue
+        try:
+            if probe(info.mountpoint) != "live":
+                continue
+        except OSError:
+            continue
+        if _daemon_pid(info.mountpoint) == pid:
+            return info.mountpoint
+    return None
 
 
 def clear_stale(mountpoint: str) -> bool:
@@ -237,6 +289,9 @@ def _serve_mount(
             )
             for name, v in config.versions.items()
         }
+        for name, index in sources.items():
+            if not len(index):
+                log.warning("%s", empty_version_warning(config, name))
         engine = Engine(config, sources, store, l2=_l2_tier(config))
         access_socket = store.access_socket_path()
         status = StoreStatus(
@@ -546,6 +601,17 @@ def _l2_tier(config: Config) -> L2Tier | None:
     tier = L2Tier(open_backend(config.l2), config.l2, fingerprints)
     log.info("L2: %s (lease %g s)", tier.backend.description, config.l2.lease_seconds)
     return tier
+
+
+def empty_version_warning(config: Config, version: str) -> str:
+    """What a user should hear about a version whose source holds no original."""
+    settings = config.versions[version]
+    extensions = ", ".join(sorted(settings.extensions))
+    return (
+        f"version {version} serves nothing: 0 originals under {settings.source} "
+        f"(files ending in {extensions}, any case, found recursively); check "
+        f"versions.{version}.source and extensions"
+    )
 
 
 def store_warning(config: Config) -> str | None:

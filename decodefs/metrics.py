@@ -56,7 +56,7 @@ class Histogram:
 
 @dataclass
 class Metrics:
-    """What the daemon has done since it started. See README "Status files"."""
+    """What the daemon has done since it started. See docs/operations.md, "Status files"."""
 
     hits: int = 0  # opens served from a stored (or memory-cached) array
     misses: int = 0  # opens that needed a decode, including ones that joined another's

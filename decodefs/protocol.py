@@ -2,7 +2,7 @@
 
 Both sides import this module (the daemon's fs, engine and store layers; the
 client's read_array, warm and CLI), and a reader in another language follows
-the README section that restates it. A change here is a change of the
+docs/mount.md, which restates it. A change here is a change of the
 on-disk or on-wire format: bump the number that says so (``STORE_FORMAT``,
 ``inodes.INODE_LAYOUT``). This module imports nothing of decodefs.
 """

@@ -279,12 +279,21 @@ def _walk(
     what = "key" if mirror else "uuid"
     clashes = {uuid: sorted(paths) for uuid, paths in walker.found.items() if len(paths) > 1}
     if clashes and duplicates == "error":
-        example_uuid = min(clashes)
+        # Stems that repeat across folders (cat/0001.jpg, dog/0001.jpg) are what a
+        # folder dataset looks like: the mirror layout keys them by path, apart.
+        by_path = [u for u, paths in clashes.items() if len({_key_of(p) for p in paths}) > 1]
+        example_uuid = min(by_path or clashes)
         example = ", ".join(clashes[example_uuid][:3])
+        fix = (
+            f'if these are class folders, set versions.{version}.layout = "mirror" (keys '
+            f"become paths: {_key_of(clashes[example_uuid][0])!r}); else "
+            if by_path and not mirror
+            else ""
+        )
         raise SourceError(
             f"versions.{version}.source: {len(clashes)} {what}(s) have more than one original "
-            f"(e.g. {example_uuid!r}: {example}); rename them, or set "
-            f'versions.{version}.duplicates = "skip" to leave them out'
+            f"(e.g. {example_uuid!r}: {example}); {fix}rename them, or set "
+            f'versions.{version}.duplicates = "skip" to leave them all out'
         )
     for uuid, paths in sorted(clashes.items()):
         log.warning(
@@ -605,6 +614,13 @@ def _store_name_bytes(key: str) -> int:
     if "/" in key:
         length += 2 * (key.count("/") + key.count("%"))
     return length + _NPY_SUFFIX_LEN
+
+
+def _key_of(relative: str) -> str:
+    """A mirror version's key for the original at ``relative``: the path without its extension
+    (a folder listed among a clash's paths ends with "/" and is its own key)."""
+    stem, dot, _ = relative.rstrip("/").rpartition(".")
+    return stem if dot and not relative.endswith("/") else relative.rstrip("/")
 
 
 def _folder_order(path: str) -> str:

@@ -74,6 +74,7 @@ __all__ = [
     "Fingerprint",
     "Store",
     "StoreError",
+    "StoreInUse",
     "StoreReadError",
     "StoreUsage",
     "StoreWriteError",
@@ -95,6 +96,14 @@ _READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class StoreError(Exception):
     """The store cannot be used as configured (a user-fixable problem)."""
+
+
+class StoreInUse(StoreError):
+    """Another process holds the store's one-daemon lock (``holder_pid``: its pid, if known)."""
+
+    def __init__(self, message: str, holder_pid: int | None) -> None:
+        super().__init__(message)
+        self.holder_pid = holder_pid
 
 
 class StoreWriteError(Exception):
@@ -979,13 +988,25 @@ def lock_store(root: int, lock_dir: str | None = None) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = _lock_holder(fd)
         os.close(fd)
-        raise StoreError(
-            f"store: {real} is in use by another decodefs daemon; give each daemon its own store"
+        raise StoreInUse(
+            f"store: {real} is in use by another decodefs daemon"
+            f"{f' (pid {holder})' if holder else ''}; give each daemon its own store",
+            holder,
         ) from None
     os.ftruncate(fd, 0)
     os.write(fd, os.fsencode(f"{os.getpid()} {real}\n"))
     return fd
+
+
+def _lock_holder(fd: int) -> int | None:
+    """The pid the lock file's holder wrote into it ("<pid> <store>"), if it says one."""
+    try:
+        first = os.pread(fd, 64, 0).split(maxsplit=1)[:1]
+        return int(first[0]) if first else None
+    except (OSError, ValueError):
+        return None
 
 
 def _default_lock_dir() -> str:

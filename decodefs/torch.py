@@ -28,12 +28,13 @@ try:
     from torch.utils.data import Dataset, default_collate, get_worker_info
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
-        "decodefs.torch needs PyTorch: pip install 'decodefs[torch]' "
-        f"(the rest of decodefs works without it): {exc}"
+        "decodefs.torch needs PyTorch: pip install torch (or decodefs's torch extra: "
+        f"pip install -e '.[torch]' in its clone); the rest of decodefs works without it: {exc}"
     ) from exc
 
 from .config import Config, load_config
 from .decode import DecodeSettings, decode_image
+from .keys import missing_directory
 from .reader import read_array
 from .source import scan_source
 
@@ -46,12 +47,24 @@ PathLike: TypeAlias = str | os.PathLike[str]
 
 
 class _UuidDataset(Dataset[tuple[Any, Any]]):
-    """What MountDataset and LiveDataset share: uuids, targets, transform."""
+    """What MountDataset and LiveDataset share: keys (uuids), targets, transform.
+
+    A key is an original's file stem in the uuid layout (``0a1b2c``) or its path
+    without the extension in the mirror layout (``cat/0001``): ``list_keys``
+    lists them.
+    """
 
     def __init__(self, uuids: Sequence[str], targets: Targets, transform: Transform) -> None:
+        if isinstance(uuids, str | bytes):
+            raise TypeError("uuids is a sequence of keys, not one string")
         names = [os.fsencode(u) for u in uuids]
-        if any(not name or b"/" in name or b"\0" in name for name in names):
-            raise ValueError("a uuid is a file stem: not empty, no '/', no NUL")
+        for name in names:
+            if not _is_key(name):
+                raise ValueError(
+                    f"{os.fsdecode(name)!r} is no key: a key is a file stem ('0a1b2c') or, "
+                    "for a mirror version, a relative path without the extension "
+                    "('cat/0001'); not empty, no NUL, no '.', '..' or empty path component"
+                )
         # One bytes array, not a list of str: forked workers share it untouched.
         self._uuids = np.array(names, dtype=np.bytes_)
         if targets is not None and not callable(targets) and len(targets) != len(names):
@@ -86,7 +99,10 @@ class _UuidDataset(Dataset[tuple[Any, Any]]):
 
 
 class MountDataset(_UuidDataset):
-    """``(image, target)`` for each uuid, read from ``<mountpoint>/<version>/<size>/``.
+    """``(image, target)`` for each key, read from ``<mountpoint>/<version>/<size>/``.
+
+    ``uuids`` are the keys to read (``decodefs.list_keys`` lists a version's):
+    file stems, or for a mirror version relative paths such as ``cat/0001``.
 
     ``image`` is the array the mount serves: a writable, C-contiguous uint8
     ``[size, size, 3]`` numpy array (HWC, RGB), read with ``read_array``, or
@@ -98,8 +114,9 @@ class MountDataset(_UuidDataset):
 
     Works in DataLoader workers (fork or spawn, persistent or not), and across
     a restart of the daemon between epochs: ``read_array`` notices the new
-    mount. A uuid the version does not have raises FileNotFoundError when it
-    is read.
+    mount. A key the version does not have raises FileNotFoundError when it
+    is read; a mount point, version or size the mount does not have raises
+    FileNotFoundError here, naming which.
     """
 
     def __init__(
@@ -115,10 +132,7 @@ class MountDataset(_UuidDataset):
         self.size = _check_size(size)
         self.directory = os.path.join(os.fspath(mountpoint), version, str(size))
         if not os.path.isdir(self.directory):
-            raise FileNotFoundError(
-                f"{self.directory} does not exist (is decodefs mounted at {mountpoint}, "
-                f"with a version {version!r}?)"
-            )
+            raise FileNotFoundError(missing_directory(os.fspath(mountpoint), version, size))
 
     def path(self, index: int) -> str:
         return os.path.join(self.directory, f"{self.uuid(index)}.npy")
@@ -132,10 +146,11 @@ class LiveDataset(_UuidDataset):
 
     ``config`` is the daemon's config file (or a loaded ``Config``) in place of
     the mount point: the originals are those the daemon indexes for
-    ``version`` (the same scan rules), decoded with ``decode_image`` and the
-    version's ``DecodeSettings`` and ``max_pixels``, so ``max |mount - live|
-    == 0``. The source is scanned once, here; a uuid that is not an original
-    of the version raises KeyError now. Reading an item raises
+    ``version`` (the same scan rules and layout: mirror keys such as
+    ``cat/0001`` too), decoded with ``decode_image`` and the version's
+    ``DecodeSettings`` and ``max_pixels``, so ``max |mount - live| == 0``.
+    The source is scanned once, here; a key that is not an original of the
+    version raises KeyError now. Reading an item raises
     FileNotFoundError if its original is gone (the mount says ENOENT) and
     decodefs.DecodeError if it cannot be decoded (the mount says EIO).
     """
@@ -157,7 +172,13 @@ class LiveDataset(_UuidDataset):
                 f"version {version!r} is not in the config ({', '.join(loaded.versions)})"
             )
         settings = loaded.versions[version]
-        index = scan_source(version, settings.source, settings.extensions, settings.duplicates)
+        index = scan_source(
+            version,
+            settings.source,
+            settings.extensions,
+            settings.duplicates,
+            layout=settings.layout,
+        )
         relpaths = []
         for i in range(len(self)):
             position = index.find(self.uuid(i))
@@ -316,6 +337,14 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
         if self.transform is not None:
             image = self.transform(image)
         return image, target if self.target_transform is None else self.target_transform(target)
+
+
+def _is_key(name: bytes) -> bool:
+    """A uuid, or a mirror key (a relative path without the extension): nothing that
+    leads outside ``<version>/<size>/``."""
+    if not name or b"\0" in name:
+        return False
+    return all(part not in (b"", b".", b"..") for part in name.split(b"/"))
 
 
 def _check_size(size: int) -> int:

@@ -16,6 +16,7 @@ This module is filesystem logic only: it does not import pyfuse3.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -24,12 +25,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from . import protocol
+from . import metrics, protocol
 from .engine import Engine
 from .inodes import Kind, Node, entry_fields
 from .source import Folder, MirrorFolders
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
+
+log = logging.getLogger(__name__)
 
 NAME_MAX: Final = 255
 _SIZE_NAME = re.compile(rb"[1-9][0-9]{0,4}")
@@ -69,6 +72,7 @@ class Tree:
 
     def __init__(self, engine: Engine, status_files: Sequence[str]) -> None:
         self._engine = engine
+        self._throttle = metrics.LogThrottle(log)  # sizes out of bounds: said, not flooded
         self._versions = engine.version_names
         self._version_index = {name.encode(): i for i, name in enumerate(self._versions)}
         self._status_files = [name.encode() for name in status_files]
@@ -96,6 +100,18 @@ class Tree:
             return None
         if parent.kind == Kind.VERSION:
             size = self._parse_size(name)
+            if size is None and _SIZE_NAME.fullmatch(name):
+                config = self._engine.config  # a size, but out of bounds: say why, not bare ENOENT
+                self._throttle.log(
+                    logging.WARNING,
+                    "size-out-of-bounds",
+                    "%s/%s: size %s is outside min_size..max_size (%d..%d): ENOENT",
+                    self._versions[parent.version],
+                    name.decode(),
+                    name.decode(),
+                    config.min_size,
+                    config.max_size,
+                )
             return Node(Kind.SIZE, parent.version, size) if size is not None else None
         if parent.kind in (Kind.SIZE, Kind.FOLDER):
             mirror = self._mirrors[parent.version]

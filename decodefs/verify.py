@@ -20,7 +20,7 @@ from tqdm import tqdm
 from .catalog import Catalog
 from .decode import npy_layout_problem
 from .entry import STALE, EntryKey, check_entry_file
-from .store import CATALOG_FILE, StoreError, iter_entries, lock_store
+from .store import CATALOG_FILE, StoreInUse, iter_entries, lock_store
 
 __all__ = ["StoreBusy", "VerifyReport", "recorded_digests", "verify_store"]
 
@@ -41,6 +41,10 @@ class VerifyReport:
 
 class StoreBusy(Exception):
     """A daemon holds the store, so entries may not be removed now."""
+
+    def __init__(self, message: str, holder_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.holder_pid = holder_pid  # the pid holding the store's lock, if known
 
 
 def recorded_digests(root: Path) -> dict[str, bytes]:
@@ -120,10 +124,11 @@ def _opened(directory: Path) -> Iterator[int]:
 def _exclusive(root: int) -> Iterator[None]:
     try:
         lock = lock_store(root)
-    except StoreError:
+    except StoreInUse as exc:
         raise StoreBusy(
             "a decodefs daemon is using the store; stop it to remove entries "
-            "(verify without --remove works while it runs)"
+            "(verify without --remove works while it runs)",
+            exc.holder_pid,
         ) from None
     try:
         yield

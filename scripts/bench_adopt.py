@@ -5,10 +5,11 @@ names (hard links: one source of count x names originals), decoded to --size:
   decode          decode_image of each distinct original in a pool of --workers threads,
                   the array np.save'd as a team's cache does (<cache>/<version>/<size>/
                   <uu>/<uuid>.npy): what rebuilding the cache, or a cold first epoch, costs
-  adopt (move)    `decodefs adopt` of that cache into a fresh store on the same filesystem:
+  adopt (move)    `decodefs adopt --move` of that cache into a fresh store on the same filesystem:
                   the files are the store user's alone, so each is moved (trailer appended,
                   renamed in)
-  adopt (copy)    `decodefs adopt --copy` of a copy of that cache into another fresh store
+  adopt (copy)    `decodefs adopt` (it copies by default) of a copy of that cache into another
+                  fresh store
 Each adopt runs as a user runs it (the command, start to end, index scan included,
 on a cache flushed to disk first, as an old cache is),
 once with --sample 1 (the import alone) and once with the default sample of 300
@@ -128,14 +129,16 @@ def adopt(source: Path, cache: Path, size: int, sample: int, copy: bool) -> floa
             "--config",
             str(bench.config),
         ]
-        command += ["--sample", str(sample), *(["--copy"] if copy else [])]
+        command += ["--sample", str(sample), *([] if copy else ["--move"])]
         started = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         elapsed = time.perf_counter() - started
         if result.returncode != 0:
             raise SystemExit(f"adopt failed: {result.stderr}")
-        counts = re.findall(r"([\d,]+) (?:moved|copied)", result.stdout)[:2]
-        moved, copied = (int(n.replace(",", "")) for n in counts)
+        moved, copied = (
+            int(re.findall(rf"([\d,]+) {word}", result.stdout)[0].replace(",", ""))
+            for word in ("moved", "copied")
+        )
         if (copied if copy else moved) == 0:
             raise SystemExit(f"adopt did not {'copy' if copy else 'move'}: {result.stdout}")
         return elapsed

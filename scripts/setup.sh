@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install what decodefs needs on a fresh Debian machine; quick when already done.
 #   apt: see system-packages.sh (plus systemd-analyze for the tests)
-#   .venv/ with decodefs, its test tools and PyTorch (the torch extra: its tests run in CI)
+#   .venv/ with decodefs, its test tools and PyTorch (the torch extra: its tests run in CI),
+#   the CPU build $DECODEFS_TORCH (default torch==2.13.0, this machine's CPU wheel), named
+#   in the same pip command as the extra so pip never picks a CUDA build and its packages
 # Sourced by test.sh and demo.sh; sets VENV.
 set -euo pipefail
 
@@ -17,13 +19,14 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
 fi
+TORCH="${DECODEFS_TORCH:-torch==2.13.0}"
 # Reinstall only when the project's dependencies change.
 stamp="$VENV/.decodefs-installed"
-want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+want="$( (cat "$ROOT/pyproject.toml"; echo "$TORCH") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing decodefs and its test tools into $VENV" >&2
     log="$(mktemp)"
-    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[test,cluster-test,torch]" >"$log" 2>&1; then
+    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[test,cluster-test,torch]" "$TORCH" >"$log" 2>&1; then
         grep -v "^WARNING: Location .* is ignored" "$log" >&2
         echo "setup: pip install failed" >&2
         exit 1

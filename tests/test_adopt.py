@@ -48,7 +48,7 @@ def adopt(cache: Path, config: Path, *args: str) -> subprocess.CompletedProcess[
     return decodefs("adopt", cache, "v1", str(SIZE), "--config", config, *args)
 
 
-def test_adopt_moves_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
+def test_adopt_move_takes_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
@@ -66,13 +66,13 @@ def test_adopt_moves_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
     (cache / "v1" / str(SIZE) / "co" / "coffee-webp.npy").symlink_to(elsewhere)
     config = write_config(tmp_path / "adopt.toml", tmp_path / "store", {"v1": photos_dir})
 
-    result = adopt(cache, config, "--sample", "100")
+    result = adopt(cache, config, "--sample", "100", "--move")
     assert result.returncode == 0, result.stderr
     adopted = len(photos) - 3
     # Every candidate sampled; the float array was found no .npy of ours, not compared.
     assert f"sample: {adopted} arrays decoded again, each equal byte for byte" in result.stdout
     assert f"adopted {adopted} arrays of v1/{SIZE}" in result.stdout
-    assert f"{adopted} moved into the store, 0 copied" in result.stdout
+    assert f"0 copied (the cache keeps them), {adopted} moved into the store" in result.stdout
     assert "left in the cache: 1 with no original in the version (e.g. zz-no-such-original)" in (
         result.stderr
     )
@@ -99,14 +99,16 @@ def test_adopt_moves_the_cache_into_the_store_and_the_mount_serves_it_undecoded(
     assert stats["decodes"] == 0 and stats["hits"] == adopted  # served, never decoded
     assert stats["store_entries"] == adopted  # each with its catalog row
 
-    again = adopt(cache, config)  # while the daemon runs: refused, one line
+    again = adopt(cache, config)  # while the daemon runs: refused, one line naming it
     assert again.returncode == 1 and again.stdout == ""
     assert again.stderr.startswith("decodefs: error: the store ")
-    assert "is in use by a running decodefs daemon; stop it first" in again.stderr
+    pid = stats["pid"]
+    assert f"is in use by a running decodefs daemon (pid {pid}); stop it first" in again.stderr
+    assert f"it is the daemon of {mount.mountpoint} (stop it: `decodefs umount " in again.stderr
     assert len(again.stderr.splitlines()) == 1
 
 
-def test_files_that_are_not_the_store_users_alone_are_copied(
+def test_adopt_copies_by_default_and_move_copies_files_that_are_not_the_store_users_alone(
     photos_dir: Path, photos: dict[str, Path], tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
@@ -117,10 +119,11 @@ def test_files_that_are_not_the_store_users_alone_are_copied(
     os.link(linked, tmp_path / "another-name.npy")  # a second link: copied
     config = write_config(tmp_path / "adopt.toml", tmp_path / "store", {"v1": photos_dir})
 
-    result = adopt(cache, config, "--sample", "2")
+    result = adopt(cache, config, "--sample", "2", "--move")
     assert result.returncode == 0, result.stderr
     copied = {u for u, p in files.items() if p.parent == shared or p == linked}
-    assert f"{len(photos) - len(copied)} moved into the store, {len(copied)} copied" in (
+    moved = len(photos) - len(copied)
+    assert f"{len(copied)} copied (the cache keeps them), {moved} moved into the store" in (
         result.stdout
     )
     assert cache_files(cache) == {str(files[u].relative_to(cache)) for u in copied}
@@ -133,9 +136,9 @@ def test_files_that_are_not_the_store_users_alone_are_copied(
     before = {p: p.read_bytes() for p in everything.rglob("*.npy")}
     store = tmp_path / "store-2"
     config2 = write_config(tmp_path / "adopt2.toml", store, {"v1": photos_dir})
-    result = adopt(everything, config2, "--copy")
+    result = adopt(everything, config2)  # the default: copies, whoever owns the files
     assert result.returncode == 0, result.stderr
-    assert f"0 moved into the store, {len(photos)} copied" in result.stdout
+    assert f"{len(photos)} copied (the cache keeps them), 0 moved into the store" in result.stdout
     assert {p: p.read_bytes() for p in everything.rglob("*.npy")} == before
     for path, data in before.items():
         entry = store / path.relative_to(everything)
@@ -146,33 +149,55 @@ def test_files_that_are_not_the_store_users_alone_are_copied(
     assert f"{len(photos)} were stored already" in again.stdout
 
 
-def test_a_cache_decoded_another_way_is_refused(
+def test_a_cache_decoded_another_way_is_refused_or_its_differing_arrays_skipped(
     photos_dir: Path, photos: dict[str, Path], tmp_path: Path
 ) -> None:
     config = write_config(tmp_path / "adopt.toml", tmp_path / "store", {"v1": photos_dir})
     cache = tmp_path / "cache"
     files = write_cache(cache, photos)
-    victim = sorted(photos)[4]
-    data = bytearray(files[victim].read_bytes())
-    data[-1] ^= 1  # one pixel, one bit
-    files[victim].write_bytes(bytes(data))
+    victims = sorted(photos)[4:6]
+    for victim in victims:
+        data = bytearray(files[victim].read_bytes())
+        data[-1] ^= 1  # one pixel, one bit
+        files[victim].write_bytes(bytes(data))
     before = cache_files(cache)
 
     result = adopt(cache, config, "--sample", "100")  # every array sampled
     assert result.returncode == 1
-    assert result.stderr.startswith(f"decodefs: error: {victim}: {files[victim]} is not what ")
-    assert "first difference at byte " in result.stderr and "nothing adopted" in result.stderr
+    assert result.stderr.startswith(
+        f"decodefs: error: 2 of {len(photos)} sampled arrays differ from what decode_image "
+        "makes of their originals with versions.v1's decode settings (resample = "
+        '"bilinear", fit = "stretch", exif_transpose = false, draft = false; Pillow '
+    )
+    assert f"e.g. {victims[0]}: {files[victims[0]]} (first difference at byte " in result.stderr
+    assert "nothing adopted" in result.stderr and "--skip-differing" in result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert cache_files(cache) == before
     assert not list((tmp_path / "store").glob("v1/*/*/*.npy"))
+
+    # On request: every array checked, the two that differ left in the cache, named.
+    result = adopt(cache, config, "--sample", "1", "--skip-differing")
+    assert result.returncode == 0, result.stderr
+    assert f"checked: {len(photos) - 2} arrays decoded again, each equal" in result.stdout
+    assert f"adopted {len(photos) - 2} arrays" in result.stdout
+    assert (
+        f"left in the cache: 2 that differ from a fresh decode (e.g. {victims[0]}: "
+        f"{files[victims[0]]} (first difference at byte "
+    ) in result.stderr
+    assert cache_files(cache) == before  # copied: the cache keeps everything
+    assert sorted(p.stem for p in (tmp_path / "store").glob("v1/*/*/*.npy")) == sorted(
+        set(photos) - set(victims)
+    )
 
     bicubic = tmp_path / "cache-bicubic"  # decoded with other settings
     for uuid, original in photos.items():
         path = bicubic / "v1" / str(SIZE) / uuid[:2] / f"{uuid}.npy"
         path.parent.mkdir(parents=True, exist_ok=True)
         np.save(path, decode_image(original, SIZE, DecodeSettings(resample="bicubic")))
-    result = adopt(bicubic, config, "--sample", "1")
-    assert result.returncode == 1 and "the cache was decoded another way" in result.stderr
+    result = adopt(bicubic, config, "--sample", "2")
+    assert result.returncode == 1
+    assert "error: all 2 sampled arrays differ" in result.stderr
+    assert "set them under [versions.v1] (resample, fit, exif_transpose, draft)" in result.stderr
 
     # A mirror version names originals by relative path, the cache by stem: refused.
     mirror = write_config(
@@ -233,7 +258,18 @@ def test_adopt_is_interruptible_and_resumes(tmp_path: Path) -> None:
     store_arrays = tmp_path / "store" / "v1" / str(SIZE)
 
     process = subprocess.Popen(
-        [sys.executable, "-m", "decodefs", "adopt", cache, "v1", str(SIZE), "--config", config],
+        [
+            sys.executable,
+            "-m",
+            "decodefs",
+            "adopt",
+            cache,
+            "v1",
+            str(SIZE),
+            "--config",
+            config,
+            "--move",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -265,7 +301,7 @@ def test_adopt_is_interruptible_and_resumes(tmp_path: Path) -> None:
     cut_short.write_bytes(payload + encode_trailer(key, payload, digest))
     garbage.write_bytes(garbage.read_bytes() + bytes(TRAILER_SIZE))
 
-    again = adopt(cache, config, "--sample", "3")
+    again = adopt(cache, config, "--sample", "3", "--move")
     assert again.returncode == 0, again.stderr
     assert f"adopted {left - 1:,} arrays" in again.stdout
     assert "left in the cache: 1 not a stored array's .npy" in again.stderr

@@ -3,6 +3,7 @@ naming what is wrong, exit 1 (2 for bad arguments), no traceback, nothing mounte
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -13,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from decodefs.config import DEFAULT_CONFIG_PATH
 from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import (
     abort_fuse_connection,
     decodefs,
+    errno_of,
     is_mounted,
     reference_npy,
     unmount_quietly,
@@ -81,6 +84,7 @@ class Case:
     args: Args
     fragments: Fragments
     status: int = 1
+    env: Callable[[Scene], dict[str, str]] = lambda s: {}
 
 
 def _three_mistakes(s: Scene) -> Path:
@@ -192,14 +196,65 @@ CASES: dict[str, Case] = {
         lambda s: ["umount", s.mnt],
         lambda s: [f"{s.mnt} is not mounted"],
     ),
+    "mount on a mount point that does not exist": Case(
+        lambda s: ["mount", s.tmp / "absent", "--config", s.config],
+        lambda s: [
+            f"mount point {s.tmp / 'absent'} does not exist: create it "
+            f"(`mkdir -p {s.tmp / 'absent'}`), or pass --mkdir"
+        ],
+    ),
+    "mount on a regular file": Case(
+        lambda s: ["mount", s.file, "--config", s.config],
+        lambda s: [f"mount point {s.file} is not a directory"],
+    ),
+    "mount with $DECODEFS_CONFIG naming no file": Case(
+        lambda s: ["mount", s.mnt],
+        lambda s: [
+            f"no config file at {s.tmp / 'nope.toml'} ($DECODEFS_CONFIG names it); name yours "
+            "with --config FILE or $DECODEFS_CONFIG"
+        ],
+        env=lambda s: {"DECODEFS_CONFIG": str(s.tmp / "nope.toml")},
+    ),
+    "umount without a mount point or a config": Case(
+        lambda s: ["umount"],
+        lambda s: [
+            "no mount point: give one, `decodefs umount ",
+            f"there is no config file at {s.tmp / 'nope.toml'} (--config FILE or "
+            "$DECODEFS_CONFIG names one)",
+        ],
+        env=lambda s: {"DECODEFS_CONFIG": str(s.tmp / "nope.toml")},
+    ),
+    "umount without a mount point, the config naming none": Case(
+        lambda s: ["umount", "--config", s.config],
+        lambda s: ["no mount point: give one, or set `mountpoint` in the config"],
+    ),
+    "adopt --sample 0": Case(
+        lambda s: ["adopt", s.tmp, "v1", "224", "--config", s.config, "--sample", "0"],
+        lambda s: ["--sample", "must be at least 1, got 0"],
+        status=2,
+    ),
+    "adopt --copy --move": Case(
+        lambda s: ["adopt", s.tmp, "v1", "224", "--config", s.config, "--copy", "--move"],
+        lambda s: ["--move: not allowed with argument --copy"],
+        status=2,
+    ),
 }
+if not DEFAULT_CONFIG_PATH.exists():  # a machine that has one would mount it
+    CASES["mount with no config at the default path"] = Case(
+        lambda s: ["mount", s.mnt],
+        lambda s: [
+            f"no config file at {DEFAULT_CONFIG_PATH} (the default); name yours with "
+            "--config FILE or $DECODEFS_CONFIG"
+        ],
+        env=lambda s: {"DECODEFS_CONFIG": ""},
+    )
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_user_errors_are_one_line_and_change_nothing(scene: Scene, case: Case) -> None:
     args = case.args(scene)  # may write the file it names
     before = sorted(p.relative_to(scene.tmp) for p in scene.tmp.rglob("*"))
-    result = decodefs(*args)
+    result = decodefs(*args, env=case.env(scene))
     assert_user_error(result, *case.fragments(scene), status=case.status)
     assert not is_mounted(scene.mnt) and not is_mounted(scene.tmp)
     after = sorted(p.relative_to(scene.tmp) for p in scene.tmp.rglob("*"))
@@ -250,18 +305,76 @@ def test_errors_about_a_live_mount_name_what_it_lacks(
 ) -> None:
     mount = mounts({"v1": photos_dir})
     mnt = mount.mountpoint
+    pid = mount.stats()["pid"]
     missing = tmp_path / "missing.txt"
+    unknown = tmp_path / "unknown.txt"
+    unknown.write_text("no-such-original\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    stop_it = f"it is the daemon of {mnt} (stop it: `decodefs umount {mnt}`)"
     cases = [
         (("warm", mnt, "v2", "224"), f"{mnt} has no version 'v2' (it has: v1)"),
         (("warm", mnt, ".decodefs", "224"), "has no version '.decodefs'"),
         (("warm", mnt, "v1", "5000"), f"{mnt} serves no size 5000 of v1 (it serves sizes 8 to"),
         (("warm", mnt, "v1", "224", "--uuids", missing), f"--uuids {missing}: cannot read it"),
-        (("warm", mnt / "v1", "v1", "224"), f"{mnt / 'v1'} is not a decodefs mount"),
-        (("verify", tmp_path / "store", "--remove"), "a decodefs daemon is using"),
+        (
+            ("warm", mnt, "v1", "224", "--uuids", unknown),
+            f"1 uuids of {unknown} are not originals of v1, e.g. 'no-such-original'",
+        ),
+        (
+            ("warm", mnt / "v1", "v1", "224"),
+            f"{mnt / 'v1'} is inside the decodefs mount at {mnt}; give the mount point itself: "
+            f"`decodefs warm {mnt} v1 224`",
+        ),
+        (
+            ("stats", mnt / "v1" / "224"),
+            f"{mnt / 'v1' / '224'} is inside the decodefs mount at {mnt}; give the mount point "
+            f"itself: `decodefs stats {mnt}`",
+        ),
+        (
+            ("mount", mnt / "v1", "--config", mount.config),
+            f"mount point {mnt / 'v1'} is inside the decodefs mount at {mnt}, which is "
+            "read-only; mount on a directory outside it",
+        ),
+        (
+            ("mount", other, "--config", mount.config, "--log-file", tmp_path / "other.log"),
+            f"is in use by another decodefs daemon (pid {pid}); give each daemon its own store; "
+            + stop_it,
+        ),
+        (
+            ("verify", tmp_path / "store", "--remove"),
+            "a decodefs daemon is using the store; stop it to remove entries (verify without "
+            f"--remove works while it runs); {stop_it}",
+        ),
     ]
     for args, message in cases:
         assert_user_error(decodefs(*args), message)
+    assert not is_mounted(other)
+    # A size out of bounds is ENOENT through the mount, and the daemon's log says why.
+    assert errno_of(os.stat, mnt / "v1" / "5000") == errno.ENOENT
+    assert "v1/5000: size 5000 is outside min_size..max_size (8..4096): ENOENT" in (
+        mount.log_text()
+    )
     assert mount.stats()["decodes"] == 0
+
+
+def test_class_folders_without_the_mirror_layout_are_pointed_to_it(tmp_path: Path) -> None:
+    source = tmp_path / "pets"
+    for key in ("cat/0001", "dog/0001", "dog/0002"):
+        (source / f"{key}.jpg").parent.mkdir(parents=True, exist_ok=True)
+        (source / f"{key}.jpg").write_bytes(b"not decoded: the scan refuses first")
+    config = write_config(tmp_path / "c.toml", tmp_path / "store", {"pets": source})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    result = decodefs("mount", mnt, "--config", config, "--log-file", tmp_path / "log")
+    assert_user_error(
+        result,
+        "versions.pets.source: 1 uuid(s) have more than one original (e.g. '0001': "
+        "cat/0001.jpg, dog/0001.jpg); if these are class folders, set versions.pets.layout = "
+        "\"mirror\" (keys become paths: 'cat/0001'); else rename them, or set "
+        'versions.pets.duplicates = "skip" to leave them all out',
+    )
+    assert not is_mounted(mnt)
 
 
 @pytest.mark.parametrize("how", ["kill -9", "fusectl abort"])
@@ -356,6 +469,12 @@ def test_umount_leaves_other_filesystems_alone(tmpfs: Tmpfs) -> None:
     (other / "data").write_text("kept\n")
     assert_user_error(
         decodefs("umount", other), f"{other} is not a decodefs mount (it is tmpfs", "alone"
+    )
+    config = write_config(other.parent / "c.toml", other.parent / "store", {"v1": other})
+    assert_user_error(  # nor does it mount over it, or tell the user to `decodefs umount` it
+        decodefs("mount", other, "--config", config, "--log-file", other.parent / "log"),
+        f"{other} is the mount point of another filesystem (tmpfs from decodefs-test); mount "
+        f"decodefs on another directory (or unmount that one yourself: `umount {other}`)",
     )
     assert is_mounted(other) and (other / "data").read_text() == "kept\n"
 

@@ -27,7 +27,8 @@ source = "originals"
 
 
 def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, MINIMAL))
+    config = load_config(str(write(tmp_path, MINIMAL)))  # a str, as a user passes it
+    assert config == load_config(tmp_path / "config.toml")
     assert config.store == Path("/mnt/flash/decodefs")
     assert config.min_size == 8 and config.max_size == 4096
     assert config.decode_workers == (os.cpu_count() or 1)

@@ -66,11 +66,28 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
 def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(
     tmp_path: Path, mountpoint: Path, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
-    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    empty = tmp_path / "empty"  # a source that holds nothing (wrong path, wrong extensions)
+    empty.mkdir()
+    versions = {"v1": photos_dir, "wrong": empty}
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", versions)
     result = decodefs(
         "mount", mountpoint, "--config", config, "--log-file", tmp_path / "daemon.log"
     )
     assert result.returncode == 0, result.stderr
+    # What it serves, per version, and the store; a version with nothing to serve is a warning.
+    first = sorted(photos)[0]
+    assert result.stdout.splitlines()[1:] == [
+        f"  v1     {len(photos)} originals from {photos_dir}, sizes 224: "
+        f"{mountpoint}/v1/224/<uuid>.npy (uuid layout, e.g. {first}.npy)",
+        f"  wrong  0 originals from {empty}, sizes 224: {mountpoint}/wrong/224/<uuid>.npy "
+        "(uuid layout)",
+        f"  store {tmp_path / 'store'}: 0 B in 0 arrays",
+    ], result.stdout
+    assert result.stderr == (
+        f"decodefs: warning: version wrong serves nothing: 0 originals under {empty} (files "
+        "ending in bmp, jpeg, jpg, png, tif, tiff, webp, any case, found recursively); check "
+        "versions.wrong.source and extensions\n"
+    )
     assert f"mounted {mountpoint}" in result.stdout
     # Live the moment the command returns: no polling.
     uuid, path = next(iter(photos.items()))

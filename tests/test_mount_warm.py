@@ -49,7 +49,10 @@ def test_warm_a_listed_subset_and_report_what_is_wrong(
     result = decodefs("warm", mount.mountpoint, "v1", "64", "--uuids", listing)
     assert result.returncode == 1
     assert "warmed 4 of 6 arrays" in result.stdout  # wanted[0] listed twice
-    assert "1 uuids are not in v1, e.g. 'no-such-uuid'" in result.stderr
+    assert (
+        f"decodefs: error: 1 uuids of {listing} are not originals of v1, e.g. 'no-such-uuid'"
+        in result.stderr
+    )
     assert "failed: bad-truncated: Input/output error" in result.stderr
     stats = mount.stats()
     assert stats["store_entries"] == 3 and stats["decode_errors"] == 1

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from decodefs import DecodeSettings, decode_image
+from decodefs import DecodeSettings, class_labels, decode_image, list_keys
 from decodefs.torch import ImageFolder, LiveDataset, MountDataset, collate_uint8
 from tests.conftest import MountFactory
 from tests.helpers import Mount, decodefs, reference_npy, wait_until
@@ -125,8 +125,15 @@ def test_targets_a_sequence_a_callable_or_the_uuid(
     assert by_list.path(0) == str(mount.path("v1", str(SIZE), f"{uuids[0]}.npy"))
     with pytest.raises(ValueError, match="2 targets for 3 uuids"):
         MountDataset(mount.mountpoint, "v1", SIZE, uuids, targets=[1, 2])
-    with pytest.raises(FileNotFoundError, match="is decodefs mounted"):
+    with pytest.raises(FileNotFoundError, match=r"has no version 'v9' \(it has: v1\)"):
         MountDataset(mount.mountpoint, "v9", SIZE, uuids)
+    with pytest.raises(FileNotFoundError, match=r"v1 has no size 5000: .* \(8 to 4096\)"):
+        MountDataset(mount.mountpoint, "v1", 5000, uuids)
+    with pytest.raises(FileNotFoundError, match="is not a decodefs mount"):
+        MountDataset(mount.mountpoint.parent, "v1", SIZE, uuids)
+    for bad in ["", "../v1/x", "a//b", "a/./b", "x\0"]:
+        with pytest.raises(ValueError, match="is no key"):
+            MountDataset(mount.mountpoint, "v1", SIZE, [bad])
     with pytest.raises(FileNotFoundError):
         MountDataset(mount.mountpoint, "v1", SIZE, ["no-such-uuid"])[0]
 
@@ -463,6 +470,20 @@ def test_image_folder_over_a_mirror_mount_is_torchvisions_over_the_originals(
         want = decode_image(next(source.glob(f"{glob_escape(key)}.*")), SIZE)
         assert np.array_equal(image, want), key
 
+    # The same folder dataset by its keys, through the mount and live: equal, item by item.
+    keys = list_keys(mount.mountpoint, "v1")
+    assert keys == sorted(layout)
+    key_classes, labels = class_labels(keys)
+    assert key_classes == ["Zebra crossing", "cat", "dog"]  # a class is a folder with a key
+    through = MountDataset(mount.mountpoint, "v1", SIZE, keys, targets=labels)
+    live = LiveDataset(mount.config, "v1", SIZE, keys, targets=labels)
+    for i, key in enumerate(keys):
+        (mounted, label), (decoded, live_label) = through[i], live[i]
+        assert np.array_equal(mounted, decoded), key
+        assert label == live_label == key_classes.index(key.split("/")[0])
+    with pytest.raises(ValueError, match="key 'top' is in no class folder"):
+        class_labels(["cat/0001", "top"])
+
 
 def glob_escape(text: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in text)
@@ -500,4 +521,4 @@ def test_decodefs_imports_without_torch() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert "decodefs.torch needs PyTorch: pip install 'decodefs[torch]'" in result.stdout
+    assert "decodefs.torch needs PyTorch: pip install torch" in result.stdout
