@@ -721,6 +721,7 @@ class Engine:
             self._throttle.log(logging.WARNING, f"store-read-{exc.kind}", "%s; decoding it", exc)
             found = ""
         if isinstance(found, VerifiedEntry):
+            self.metrics.page_drops += found.dropped
             if found.payload is not None:  # its READs come next: served from these bytes
                 self.reads.keep_fresh(key, found.payload)
             pages = Pages.READ_IN if found.brought_in else Pages.NOT_OURS

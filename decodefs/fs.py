@@ -88,11 +88,29 @@ class DecodeFS(pyfuse3.Operations):
         # pyfuse3 copies an open's FileInfo before any other request runs, so the hot
         # path fills this one instead of making one per open.
         self._hit_info = pyfuse3.FileInfo(keep_cache=True)
+        # Size directory inode -> the attributes of its arrays, for lookup's hot path.
+        self._array_attrs: dict[int, pyfuse3.EntryAttributes] = {}
 
     # -- names and attributes -----------------------------------------------
 
-    @_errno_boundary
     async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        # The hot path: <uuid>.npy in a size directory whose arrays' attributes are
+        # known (they are alike but for the inode); pyfuse3 copies them out at once.
+        try:
+            attrs = self._array_attrs.get(parent_inode)
+            if attrs is not None:
+                ino = self._tree.entry_below(parent_inode, name)
+                if ino is not None:
+                    attrs.st_ino = ino
+                    return attrs
+        except Exception as exc:
+            raise self._errno_of(exc, "lookup", (parent_inode, name)) from None
+        return await self._lookup(parent_inode, name, ctx)
+
+    @_errno_boundary
+    async def _lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         parent = self._node(parent_inode)
@@ -106,6 +124,10 @@ class DecodeFS(pyfuse3.Operations):
             node = self._tree.lookup(parent, name)
         if node is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
+        if node.kind == Kind.ENTRY and parent.kind == Kind.SIZE:
+            # Its siblings' attributes, for the hot path: one object, which each hit
+            # gives its inode (pyfuse3 copies it out before another request runs).
+            self._array_attrs.setdefault(parent.ino, self._entry(node))
         return self._entry(node)
 
     @_errno_boundary

@@ -107,7 +107,7 @@ class EntryReads:
         self._metrics.store_reads_threaded += 1
         ours = pages is not Pages.NOT_OURS or cached is False
         try:
-            data = await run_in_thread(
+            data, dropped = await run_in_thread(
                 self._limiter,
                 functools.partial(self._store.read_served, drop=ours),
                 key,
@@ -124,6 +124,7 @@ class EntryReads:
                 exc,
             )
             return None
+        self._metrics.page_drops += dropped
         if len(data) != size:
             self._throttle.log(
                 logging.WARNING, "store-reread", "stored entry %s shrank; rebuilding it", key
@@ -135,8 +136,11 @@ class EntryReads:
         """An open of ``key`` is released: what it brought into the page cache goes."""
         if pages is not Pages.NOT_OURS:
             self._fresh.pop(key, None)
+            before = self._drops.next_due()
             self._drops.add(key, self._clock(), written=pages is Pages.WRITTEN)
-            self._wakeup.set()
+            after = self._drops.next_due()
+            if before is None or (after is not None and after < before):
+                self._wakeup.set()  # else the dropper already wakes before this is due
 
     async def drop_forever(self) -> None:
         """Drop the entry pages brought into the page cache when they are due."""

@@ -142,8 +142,9 @@ class VerifiedEntry(NamedTuple):
 
     head: bytes  # the payload's first bytes (up to 4 KiB: its .npy header)
     length: int  # the payload's length
-    brought_in: bool  # the check read its pages from the disk into the page cache
+    brought_in: bool  # pages the check read in from the disk are left in the page cache
     payload: memoryview | None = None  # the payload, if asked for and read whole
+    dropped: bool = False  # the pages the check read in were dropped at once
 
 
 class Fingerprint(Protocol):
@@ -301,9 +302,10 @@ class Store:
         and length; None if there is none.
 
         An entry of up to 1 MiB is read whole, in one read (one trip to the disk);
-        with ``with_payload`` its payload comes back too. A bigger one is read in
-        pieces, none of it held. ``brought_in`` says whether the check read its
-        pages from the disk into the page cache rather than finding them there
+        with ``with_payload`` its payload comes back too, for the caller to serve
+        from, so the pages this read brought into the page cache are dropped at
+        once. A bigger one is read in pieces, none of it held. ``brought_in`` says
+        whether pages the check read in from the disk are left in the page cache
         (pagecache.py). Raises CorruptEntry (after removing the file) if the entry
         fails its check, StoreReadError if it cannot be read at all.
         """
@@ -321,6 +323,7 @@ class Store:
             raise StoreReadError(key, exc) from exc
         digest = self._fingerprints[key.version].digest
         payload: memoryview | None = None
+        dropped = False
         try:
             size = os.fstat(entry).st_size
             if TRAILER_SIZE <= size <= _WHOLE:
@@ -328,6 +331,9 @@ class Store:
                 checked = check_entry_bytes(key, data, digest, size)
                 if with_payload and checked.problem is None:
                     payload = memoryview(data)[: checked.length]
+                    if brought_in:  # served from the payload: nobody needs these pages
+                        pagecache.drop(entry)
+                        brought_in, dropped = False, True
             else:
                 first, brought_in = _read_noting_residency(entry, 0, min(size, _WHOLE))
                 del first  # the check reads it again, from the page cache
@@ -339,7 +345,7 @@ class Store:
         if checked.problem is not None:
             self.remove(key)
             raise CorruptEntry(key, checked.problem)
-        return VerifiedEntry(checked.head, checked.length, brought_in, payload)
+        return VerifiedEntry(checked.head, checked.length, brought_in, payload, dropped)
 
     def read_range(self, key: EntryKey, offset: int, length: int) -> bytes:
         """Bytes of an entry verified earlier; raises OSError if it is gone or unreadable.
@@ -347,7 +353,7 @@ class Store:
         Opens the file for each call, so no descriptor outlives the request and
         an entry replaced meanwhile is read whole from its new file.
         """
-        return self.read_served(key, offset, length, drop=False)
+        return self.read_served(key, offset, length, drop=False)[0]
 
     def read_cached(self, key: EntryKey, offset: int, length: int) -> bytearray | bool:
         """Bytes of an entry if its path and its pages are all in the kernel's caches;
@@ -371,17 +377,19 @@ class Store:
             os.close(entry)
         return False if data is None else data
 
-    def read_served(self, key: EntryKey, offset: int, length: int, *, drop: bool) -> bytes:
-        """``read_range`` for bytes about to be served through the mount: their pages
-        are dropped from the page cache afterwards if ``drop`` or if this read brought
-        them in from the disk; pages someone else keeps resident stay (pagecache.py).
-        Fewer bytes only if the file is shorter."""
+    def read_served(
+        self, key: EntryKey, offset: int, length: int, *, drop: bool
+    ) -> tuple[bytes, bool]:
+        """``read_range`` for bytes about to be served through the mount, and whether
+        their pages were dropped from the page cache afterwards: if ``drop`` or if
+        this read brought them in from the disk; pages someone else keeps resident
+        stay (pagecache.py). Fewer bytes only if the file is shorter."""
         entry = self._open_entry(key)
         try:
             data, brought_in = _read_noting_residency(entry, offset, length)
             if drop or brought_in:
                 pagecache.drop(entry, offset, length)
-            return data
+            return data, drop or brought_in
         finally:
             os.close(entry)
 

@@ -9,6 +9,9 @@ contender runs with the page cache dropped before it:
 
   direct      np.load of the store's entry files (what a local directory of .npy costs)
   read_array  decodefs.read_array through the mount (reads the store's files directly)
+  minimal     np.load through a minimal pyfuse3 file system that reads the same files
+              (hard links) in a worker thread per READ: the binding's own floor for
+              this access pattern (scripts/minimalfs.py --from-disk)
   mount       np.load through the mount, as an unmodified dataset does
 
 Each reads two epochs, every array once per epoch, in a fresh random order, split
@@ -55,7 +58,7 @@ from decodefs.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-CONTENDERS = ("direct", "read_array", "mount")
+CONTENDERS = ("direct", "read_array", "minimal", "mount")
 
 
 @dataclass
@@ -123,6 +126,35 @@ def filled_store(originals: Path, size: int, count: int) -> Path:
 
 def entry_paths(store: Path, size: int, uuids: Sequence[str]) -> list[Path]:
     return [store / EntryKey(VERSION, size, uuid).relpath for uuid in uuids]
+
+
+def linked_entries(store: Path, size: int, uuids: Sequence[str]) -> Path:
+    """A flat directory of hard links to the store's entries: the same files, for
+    minimalfs (one directory, as it serves)."""
+    links = WORK / f"{store.name}-links"
+    if not links.is_dir() or len(os.listdir(links)) != len(uuids):
+        shutil.rmtree(links, ignore_errors=True)
+        links.mkdir()
+        for uuid, entry in zip(uuids, entry_paths(store, size, uuids), strict=True):
+            os.link(entry, links / f"{uuid}.npy")
+    return links
+
+
+@contextlib.contextmanager
+def minimal_mount(
+    source: Path, mountpoint: Path, *, from_disk: bool
+) -> Iterator[subprocess.Popen[str]]:
+    """scripts/minimalfs.py serving ``source`` at ``mountpoint`` (its process)."""
+    mountpoint.mkdir(exist_ok=True)
+    command = [sys.executable, str(Path(__file__).with_name("minimalfs.py"))]
+    command += [*(["--from-disk"] if from_disk else []), str(source), str(mountpoint)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        yield process
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=False)
+        process.wait()
 
 
 # -- a memory cgroup for the daemon and the readers ------------------------------------
@@ -208,6 +240,7 @@ def measure_cells(
             uuids = sorted(p.name.removesuffix(".npy") for p in bench.arrays(size).iterdir())
             mounted = [str(bench.arrays(size) / f"{uuid}.npy") for uuid in uuids]
             direct = [str(p) for p in entry_paths(store, size, uuids)]
+            links = linked_entries(store, size, uuids)
             for contender in CONTENDERS:
                 if contender == "mount":  # a fresh daemon: its first opens verify
                     bench.unmount()
@@ -218,6 +251,13 @@ def measure_cells(
                     cells.append(Cell(readers, limit, contender, cold, warm))
                 elif contender == "read_array":
                     cold, warm = (epoch(read_array, mounted, readers) for _ in range(2))
+                    cells.append(Cell(readers, limit, contender, cold, warm))
+                elif contender == "minimal":
+                    floor = bench.directory / "minimal"
+                    with minimal_mount(links, floor, from_disk=True):
+                        drop_caches()
+                        files = [str(floor / f"{uuid}.npy") for uuid in uuids]
+                        cold, warm = (epoch(np.load, files, readers) for _ in range(2))
                     cells.append(Cell(readers, limit, contender, cold, warm))
                 else:
                     cold = epoch(np.load, mounted, readers)
@@ -277,31 +317,21 @@ def warm_hits(
         for _ in range(rounds):
             bench = BenchMount(originals, [size], store=store)
             minimal_mnt = bench.directory / "minimal"
-            minimal_mnt.mkdir()
-            minimal = subprocess.Popen(
-                [sys.executable, Path(__file__).with_name("minimalfs.py"), flat, minimal_mnt],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
             try:
-                assert minimal.stdout is not None and minimal.stdout.readline() == "ready\n"
-                bench.mount()
-                ours = [bench.arrays(size) / f"{uuid}.npy" for uuid in uuids]
-                theirs = [minimal_mnt / f"{uuid}.npy" for uuid in uuids]
-                _pin(_daemon_pid(bench), cpu)
-                _pin(minimal.pid, cpu)
-                _loop(ours, 1), _loop(theirs, 1)  # verified, and page-cached
-                pairs = [(_loop(ours, 3), _loop(theirs, 3)) for _ in range(3)]
-                results.append(
-                    (statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs))
-                )
-                print(
-                    f"  warm hits: mount {results[-1][0]:,.0f}/s, minimal {results[-1][1]:,.0f}/s"
-                )
+                with minimal_mount(flat, minimal_mnt, from_disk=False) as minimal:
+                    bench.mount()
+                    ours = [bench.arrays(size) / f"{uuid}.npy" for uuid in uuids]
+                    theirs = [minimal_mnt / f"{uuid}.npy" for uuid in uuids]
+                    _pin(_daemon_pid(bench), cpu)
+                    _pin(minimal.pid, cpu)
+                    _loop(ours, 1), _loop(theirs, 1)  # verified, and page-cached
+                    pairs = [(_loop(ours, 3), _loop(theirs, 3)) for _ in range(3)]
             finally:
-                subprocess.run(["umount", minimal_mnt], check=False)
-                minimal.wait()
                 bench.remove()
+            mount_rate = statistics.median(p[0] for p in pairs)
+            minimal_rate = statistics.median(p[1] for p in pairs)
+            results.append((mount_rate, minimal_rate))
+            print(f"  warm hits: mount {mount_rate:,.0f}/s, minimal {minimal_rate:,.0f}/s")
     finally:
         os.sched_setaffinity(0, here)
     return results
@@ -349,6 +379,13 @@ def report(
             + "; READ requests per array in epoch 1: "
             + ", ".join(reads)
         )
+        floor = []
+        for lim in args.limits:
+            ours, theirs = get(readers, lim, "mount"), get(readers, lim, "minimal")
+            floor.append(
+                f"limit {lim}: {ours.cold / theirs.cold:.2f}x / {ours.warm / theirs.warm:.2f}x"
+            )
+        lines.append("mount / minimal pyfuse3 (epoch 1 / epoch 2): " + ", ".join(floor))
         if "none" in args.limits and "1.5" in args.limits:
             none, mid = get(readers, "none", "mount"), get(readers, "1.5", "mount")
             lines.append(f"mount epoch 2 at 1.5x / no limit: {mid.warm / none.warm:.2f}x")

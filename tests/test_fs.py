@@ -196,6 +196,30 @@ async def test_verified_hits_take_the_hot_path_with_a_handle_each(
     capacity.attach(catalog, filled=True)
 
 
+async def test_lookups_of_arrays_take_the_hot_path_with_the_same_answers(
+    daemons: DaemonFactory, originals: Path
+) -> None:
+    d = daemons({"v1": originals})
+    size_dir = (await d.lookup_path("v1", str(SIZE))).st_ino
+    names = sorted(f"{p.stem}.npy".encode() for p in originals.iterdir())
+    fields = ("st_mode", "st_size", "st_nlink", "st_mtime_ns", "entry_timeout", "attr_timeout")
+
+    def seen(attrs: pyfuse3.EntryAttributes) -> tuple[object, ...]:
+        return (attrs.st_ino, *(getattr(attrs, f) for f in fields))
+
+    first = seen(await d.ops.lookup(size_dir, names[0], CTX))  # the whole way: noted
+    assert size_dir in d.ops._array_attrs
+    answers = [seen(await d.ops.lookup(size_dir, n, CTX)) for n in names]  # the hot path
+    assert answers[0] == first
+    for name, answer in zip(names, answers, strict=True):
+        node = d.tree.lookup(Node.from_ino(size_dir), name)
+        assert node is not None and answer[0] == node.ino
+        assert answer[1:] == first[1:]  # alike but for the inode
+    assert await fuse_errno(d.ops.lookup, size_dir, b"missing.npy", CTX) == errno.ENOENT
+    shard = await d.ops.lookup(size_dir, names[0][:2], CTX)  # not an array: the whole way
+    assert stat.S_ISDIR(shard.st_mode)
+
+
 async def test_an_eviction_the_engine_has_not_noted_sends_an_open_the_whole_way(
     daemons: DaemonFactory, originals: Path
 ) -> None:

@@ -160,22 +160,23 @@ def test_pending_drops_fall_due_after_their_delay_each_once() -> None:
 # -- the engine's read path ------------------------------------------------------------
 
 
-async def test_a_verified_entry_is_read_from_the_checks_bytes_then_its_pages_go(
+async def test_a_verified_entry_is_read_from_the_checks_bytes_and_its_pages_go_at_once(
     daemons: DaemonFactory, originals: Path, on_disk: None, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals})
     path = await stored(d)
     d = fresh(daemons, originals, d, clock)
-    assert await d.array("v1", SIZE, UUID) == reference(originals)
+    handle = await d.open("v1", SIZE, UUID)  # verified: its bytes kept for its READs
+    assert not resident(path) and d.stats()["page_drops"] == 1  # so its pages are not
+    assert await d.read_all(handle) == reference(originals)
+    d.engine.release(handle)
     stats = d.stats()
     # The check read the entry once; the READ came from those bytes: no second read.
     assert stats["store_reads_inline"] == 1 and stats["store_reads_threaded"] == 0
     assert stats["hits"] == 1 and stats["decodes"] == 0
+    clock.jump(WRITTEN_DROP_DELAY)
     await d.engine.reads.drop_due()
-    assert d.stats()["page_drops"] == 0 and resident(path)  # the drops come in batches
-    clock.jump(READ_DROP_DELAY)
-    await d.engine.reads.drop_due()  # the pages it brought in go once served
-    assert d.stats()["page_drops"] == 1 and not resident(path)
+    assert d.stats()["page_drops"] == 1  # nothing left to drop
 
 
 async def test_resident_pages_are_read_on_the_event_loop(
@@ -184,9 +185,7 @@ async def test_resident_pages_are_read_on_the_event_loop(
     d = daemons({"v1": originals})
     path = await stored(d)
     d = fresh(daemons, originals, d, clock)
-    await d.array("v1", SIZE, UUID)  # verified in this life
-    clock.jump(READ_DROP_DELAY)
-    await d.engine.reads.drop_due()  # what that brought in is gone
+    await d.array("v1", SIZE, UUID)  # verified in this life; what that read in is gone
     assert d.stats()["page_drops"] == 1 and not resident(path)
     path.read_bytes()  # a direct reader (read_array) holds its pages
     before = d.stats()["store_reads_inline"]
@@ -208,7 +207,7 @@ async def test_pages_not_resident_are_read_in_a_thread_then_dropped(
     evict_pages(path)  # ... and gone from memory, as under memory pressure
     assert await d.array("v1", SIZE, UUID) == reference(originals)
     stats = d.stats()
-    assert stats["store_reads_threaded"] == 1
+    assert stats["store_reads_threaded"] == 1 and stats["page_drops"] == 2
     assert not resident(path)  # dropped by the read that brought it in
 
 
@@ -220,6 +219,12 @@ async def test_a_direct_readers_pages_are_left_in_the_page_cache(
     d = fresh(daemons, originals, d, clock)
     path.read_bytes()  # read_array reads the store's file: its pages are someone's
     assert await d.array("v1", SIZE, UUID) == reference(originals)
+    clock.jump(WRITTEN_DROP_DELAY)
+    await d.engine.reads.drop_due()
+    assert d.stats()["page_drops"] == 0 and resident(path)
+    second = await d.open("v1", SIZE, UUID)  # a verified hit, read from those pages
+    assert await d.read_all(second) == reference(originals)
+    d.engine.release(second)
     clock.jump(WRITTEN_DROP_DELAY)
     await d.engine.reads.drop_due()
     assert d.stats()["page_drops"] == 0 and resident(path)

@@ -310,6 +310,22 @@ def test_entry_names_exactly_the_arrays_that_exist(hostile: Hostile, node: int) 
     assert tree.entry(node) == want
 
 
+@given(data=st.data(), name=HOSTILE_NAMES)
+def test_entry_below_finds_exactly_the_arrays_lookup_finds_in_a_size_directory(
+    hostile: Hostile, data: st.DataObject, name: bytes
+) -> None:
+    # lookup's hot path resolves <uuid>.npy in a size directory without a Node.
+    tree = hostile.daemon.tree
+    parent = data.draw(st.sampled_from(parents(hostile)))
+    node = tree.lookup(parent, name)
+    want = node.ino if node is not None and node.kind == Kind.ENTRY else None
+    got = tree.entry_below(parent.ino, name)
+    if parent.kind == Kind.SIZE and parent.number == 0:
+        assert got == want, (parent, name)
+    else:
+        assert got is None, (parent, name)
+
+
 # -- listings ---------------------------------------------------------------------------------
 
 
