@@ -8,12 +8,12 @@ reserve their room first, so concurrent writers never each find the same
 free space. This module knows the catalog and entry keys; it does no I/O of
 its own beyond the callables the store hands it (statvfs, unlink).
 
-Concurrency: every method may be called from any thread. Four locks, never one
-held while taking another out of this order:
-``_evict_lock`` (one evictor at a time) before ``_pin_lock`` (pins, and the
-decision to evict an unpinned entry; the event loop takes it to pin, so it is
-held only for dictionary operations, never across a system call or SQLite)
-and ``_count_lock`` (the counters and reservations together with the catalog
+Concurrency: every method may be called from any thread, but ``pin``,
+``pin_hit`` and ``unpin``, which only the event loop calls: pins change on
+that one thread, with no lock (open's hot path), and an evictor reads a key's
+pin count in one dictionary read. Three locks, never one held while taking
+another out of this order: ``_evict_lock`` (one evictor at a time) before
+``_count_lock`` (the counters and reservations together with the catalog
 rows they mirror; held across SQLite, never taken by the event loop);
 ``_access_lock`` guards pending accesses alone. ``usage()`` reads the
 counters without a lock.
@@ -69,7 +69,6 @@ class Capacity:
         self._unlink = unlink
         self._clock = clock  # wall-clock seconds: last access times outlive the daemon
         self._evict_lock = threading.Lock()
-        self._pin_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._access_lock = threading.Lock()
         self._catalog: Catalog | None = None
@@ -171,17 +170,24 @@ class Capacity:
     # -- pins and accesses -----------------------------------------------------------
 
     def pin(self, key: EntryKey) -> None:
-        """Keep ``key``'s file from eviction until unpin. Cheap: safe on the event loop."""
+        """Keep ``key``'s file from eviction until unpin. Event loop only (see the module's
+        docstring): cheap, no lock."""
         pins = self._pins
-        with self._pin_lock:
-            pins[key] = pins.get(key, 0) + 1
+        pins[key] = pins.get(key, 0) + 1
+
+    def pin_hit(self, key: EntryKey) -> None:
+        """``pin`` and ``record_access`` in one call: open's hot path."""
+        now = self._clock()
+        pins = self._pins
+        pins[key] = pins.get(key, 0) + 1
+        with self._access_lock:
+            self._accesses[key] = now
 
     def unpin(self, key: EntryKey) -> None:
         pins = self._pins
-        with self._pin_lock:
-            count = pins.pop(key, 1) - 1
-            if count > 0:
-                pins[key] = count
+        count = pins.pop(key, 1) - 1
+        if count > 0:
+            pins[key] = count
 
     def pinned(self, key: EntryKey) -> bool:
         return bool(self._pins.get(key))
@@ -322,9 +328,8 @@ class Capacity:
         would have met a moment later anyway; in exchange no system call ever
         runs under the lock the event loop takes.
         """
-        with self._pin_lock:
-            if self._pins.get(key):
-                return False
+        if self._pins.get(key):  # a read of one key: atomic, whoever pins meanwhile
+            return False
         self.evicted.append(key)  # before the unlink: an open from now on re-verifies
         self._unlink(key)
         self.forget(key)

@@ -326,13 +326,16 @@ class Engine:
                 return None
         key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
         capacity = self.store.capacity
-        capacity.pin(key)
+        capacity.pin_hit(key)
         if capacity.evicted or self.store.generation != self._store_generation:
-            capacity.unpin(key)
+            capacity.unpin(key)  # evictions the bits do not know of: the whole way notes them
             return None
-        capacity.record_access(key)
-        self.metrics.hits += not unverified
-        handle = Handle(key, index, npy_file_size(size), unverified=unverified)
+        if unverified:
+            handle = Handle(key, index, npy_file_size(size), False, True, None)
+            handle.unverified = True
+        else:
+            self.metrics.hits += 1
+            handle = Handle(key, index, npy_file_size(size))
         if uid != self._owner:
             handle.uid, handle.may_store = uid, self._may_store(version, size, uid)
         return handle

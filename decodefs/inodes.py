@@ -15,7 +15,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Final, NamedTuple
 
-__all__ = ["INODE_LAYOUT", "Kind", "Node", "entry_fields"]
+__all__ = ["INODE_LAYOUT", "Kind", "Node"]
 
 INODE_LAYOUT: Final = 1
 
@@ -54,15 +54,3 @@ class Node(NamedTuple):
             (ino >> 35) & 0x1FFF,
             ino & ((1 << 35) - 1),
         )
-
-
-_ENTRY_KIND: Final = int(Kind.ENTRY)  # as the int the shift gives
-_NUMBER_MASK: Final = (1 << 35) - 1
-
-
-def entry_fields(ino: int) -> tuple[int, int, int] | None:
-    """(version index, size, original index) if ``ino`` is an ENTRY's number, else None:
-    ``Node.from_ino`` for the one kind the hot path opens, without making a Node."""
-    if ino >> 60 != _ENTRY_KIND:
-        return None
-    return (ino >> 48) & 0xFFF, (ino >> 35) & 0x1FFF, ino & _NUMBER_MASK

@@ -29,7 +29,7 @@ from typing import Final, NamedTuple
 
 from . import metrics, protocol
 from .engine import Engine
-from .inodes import Kind, Node, entry_fields
+from .inodes import Kind, Node
 from .source import Folder, MirrorFolders
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
@@ -162,10 +162,9 @@ class Tree:
     def entry(self, ino: int) -> tuple[str, int, int] | None:
         """(version, size, original index) of the array ``ino`` names, or None (not an
         array's number, or one that names nothing): ``exists`` for open's hot path."""
-        fields = entry_fields(ino)
-        if fields is None:
+        if ino >> 60 != _ENTRY_KIND:  # inodes.py's layout, without a call per request
             return None
-        version, size, index = fields
+        version, size, index = (ino >> 48) & 0xFFF, (ino >> 35) & 0x1FFF, ino & _NUMBER_MASK
         counts = self._counts
         if version < len(counts) and index < counts[version] and size in self._sizes:
             return self._versions[version], size, index

@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--limits", nargs="+", default=["none", "1.5", "0.5"])
     parser.add_argument("--rounds", type=int, default=9, help="warm-hit rounds")
     parser.add_argument("--hit-files", type=int, default=300, help="arrays in a warm-hit round")
+    parser.add_argument("--hits-only", action="store_true", help="only the warm hits vs minimal")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_plain.py: run as root (memory cgroups, drop_caches)")
@@ -94,7 +95,7 @@ def main() -> None:
     print(f"store: {args.count} arrays of {args.size}, {store_bytes / 2**20:,.0f} MiB", flush=True)
 
     cells: list[Cell] = []
-    for readers in args.readers:
+    for readers in [] if args.hits_only else args.readers:
         for limit in args.limits:
             cells += measure_cells(originals, store, args.size, readers, limit, store_bytes)
     hits = warm_hits(originals, store, args.size, args.rounds, args.hit_files)
@@ -349,7 +350,7 @@ def report(
         )
 
     lines = []
-    for readers in args.readers:
+    for readers in [] if args.hits_only else args.readers:
         heads = " | ".join(f"limit {lim}: epoch 1 (cold) | epoch 2" for lim in args.limits)
         lines += [
             f"### {readers} readers",
