@@ -303,9 +303,9 @@ def warm_hits(
     originals: Path, store: Path, size: int, rounds: int, count: int
 ) -> list[tuple[float, float]]:
     """(mount, minimal) hits/s per round, each round with fresh processes for both."""
-    flat = WORK / f"plain-flat-{count}-{size}"
+    flat = WORK / f"{store.name}-flat-{count}"
     uuids = sorted(p.stem for p in originals.rglob("*.jpg"))[:count]
-    if not flat.is_dir() or len(list(flat.iterdir())) != count:
+    if not flat.is_dir() or sorted(p.stem for p in flat.iterdir()) != uuids:
         shutil.rmtree(flat, ignore_errors=True)
         flat.mkdir(parents=True)
         for uuid, entry in zip(uuids, entry_paths(store, size, uuids), strict=True):
