@@ -12,9 +12,10 @@ which calls back (``start``) when the decode can start, its memory and decode
 slot granted; only then does the node claim the array, so a claim covers a
 decode, never a wait in a queue. Where another node's claim is live, no decode
 runs here: the node gives its slot back and polls for the object until that
-claim runs out or is let go (at most ``lease_seconds``), then tries again. The
-holder publishes, then lets go of its own claim. Expiries are wall-clock times,
-so nodes' clocks must agree to well within ``lease_seconds`` (NTP).
+claim runs out or is let go, then tries again. The holder renews its claim
+while it decodes and publishes (for at most RENEW_LEASES leases: a hung decode
+lets the others go on), then lets go of it. Expiries are wall-clock times, so
+nodes' clocks must agree to well within ``lease_seconds`` (NTP).
 
 L2 never breaks a read: every call runs in a worker thread under this tier's
 own limiter with a deadline that starts once the call has its thread (time
@@ -69,7 +70,8 @@ T = TypeVar("T")
 L2_SECONDS_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _POLL_FIRST: Final = 0.05  # a waiter's first look for the holder's object, then 1.5x ...
 _POLL_MAX: Final = 0.5  # ... up to this: ~2 requests a second per waiting array
-_WAITS: Final = 3  # other nodes' claims on one array waited for before decoding it anyway
+_WAITS: Final = 3  # other nodes' claims on one array waited out before decoding it anyway
+RENEW_LEASES: Final = 6  # a claim is renewed for at most this many leases from when taken
 _TAKE_CALLS: Final = 4  # L2 calls a claim makes (leases.take): its deadline is that many
 
 # What the engine gives ``obtain``: ``decode(start)`` awaits ``start()`` (if not None) once
@@ -94,6 +96,7 @@ class L2Metrics:
     misses: int = 0  # arrays L2 could not give (absent, bad, unreachable): decoded here
     bypassed: int = 0  # of those, decoded without asking L2 (its breaker was open)
     leases: int = 0  # claims this node took to decode an array
+    lease_renewals: int = 0  # claims this node renewed while decoding and publishing
     lease_waits: int = 0  # times this node waited for another node's claim
     lease_timeouts: int = 0  # waits that ran out (the holder did not publish in time)
     publishes: int = 0  # objects this node created
@@ -103,6 +106,16 @@ class L2Metrics:
     bytes_fetched: int = 0
     errors: Counter[str] = field(default_factory=Counter)  # kind -> count
     fetch_seconds: Histogram = field(default_factory=lambda: Histogram(L2_SECONDS_BUCKETS))
+
+
+@dataclass(eq=False)
+class _Held:
+    """A claim this node holds for a decode, renewed until it is let go."""
+
+    claim: Claim  # the current term (renewing replaces it)
+    taken: float  # wall-clock time
+    renewing: bool = False
+    released: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,7 @@ class _Job:
     key: EntryKey
     name: str
     data: bytes | memoryview | None  # None: only let go of the claim
-    lease: Claim | None
+    lease: _Held | None
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +179,7 @@ class L2Tier:
         self._send, self._receive = trio.open_memory_channel[_Job](math.inf)
         self._queued_bytes = 0  # bounded by settings.publish_queue_bytes
         self._queued = 0
+        self._held: set[_Held] = set()  # renewed by ``run``
         self.metrics = L2Metrics()
         self._throttle = LogThrottle(log)
 
@@ -207,10 +221,13 @@ class L2Tier:
         return await self._decode(key, name, decode, None, publish)
 
     async def run(self) -> None:
-        """Publish queued arrays until cancelled (a task of the daemon's nursery)."""
+        """Publish queued arrays and renew claims until cancelled (a task of the daemon's
+        nursery)."""
         async with trio.open_nursery() as nursery:
             for _ in range(max(1, self.settings.workers // 2)):
                 nursery.start_soon(self._publisher)
+            if self.settings.lease_seconds > 0:
+                nursery.start_soon(self._renewer, nursery)
 
     def stats(self) -> dict[str, object]:
         m = self.metrics
@@ -222,6 +239,7 @@ class L2Tier:
             "l2_misses": m.misses,
             "l2_bypassed": m.bypassed,
             "l2_leases": m.leases,
+            "l2_lease_renewals": m.lease_renewals,
             "l2_lease_waits": m.lease_waits,
             "l2_lease_timeouts": m.lease_timeouts,
             "l2_publishes": m.publishes,
@@ -319,7 +337,8 @@ class L2Tier:
         if claim.holder != self._node:
             raise _Deferred(claim)
         self.metrics.leases += 1
-        gate.claim = claim
+        held = gate.claim = _Held(claim, self._wall())
+        self._held.add(held)
         try:
             # The holder before us may have published and let go just before.
             payload = await self._fetch(gate.key, gate.name)
@@ -327,27 +346,69 @@ class L2Tier:
             return
         if payload is not None:
             gate.claim = None
-            self._enqueue(_Job(gate.key, gate.name, None, claim))
+            self._enqueue(_Job(gate.key, gate.name, None, held))
             raise _Published(payload)
 
     async def _wait(self, key: EntryKey, name: str, claim: Claim) -> memoryview | None:
-        """Poll for the array another node's ``claim`` covers, until the claim runs out or
-        is let go: its payload, or None (then try to claim it). Raises L2Unavailable."""
+        """Poll for the array another node's ``claim`` covers, following its renewals,
+        until it runs out or is let go: the payload, or None (then try to claim it).
+        Raises L2Unavailable."""
         self.metrics.lease_waits += 1
-        deadline = self._clock() + min(claim.expires - self._wall(), self.settings.lease_seconds)
+        lease = self.settings.lease_seconds
+        give_up = self._clock() + RENEW_LEASES * lease  # a holder renews no longer
+        deadline = self._clock() + min(claim.expires - self._wall(), lease)
         interval = _POLL_FIRST
-        while (remaining := deadline - self._clock()) > 0:
+        while (remaining := min(deadline, give_up) - self._clock()) > 0:
             await trio.sleep(min(interval, remaining))
             interval = min(interval * 1.5, _POLL_MAX)
             payload = await self._fetch(key, name)
             if payload is not None:
                 return payload
             if await self._call(self.backend.size, claim.name) is None:
-                # Let go: published just before (look once more), or its decode failed.
-                return await self._fetch(key, name)
+                # Let go (published just before: look once more), or renewed.
+                payload = await self._fetch(key, name)
+                if payload is not None:
+                    return payload
+                renewed = await self._call(leases.current, self.backend, name, self._wall())
+                if renewed is None or renewed.holder == self._node:
+                    return None  # its decode failed, or it gave up: claim it
+                claim = renewed
+                deadline = self._clock() + min(claim.expires - self._wall(), lease)
         self.metrics.lease_timeouts += 1
         log.info("claim %s ran out before its holder published; claiming it here", claim.name)
         return None
+
+    async def _renewer(self, nursery: trio.Nursery) -> None:
+        """Renew the claims this node holds once half their lease has passed."""
+        lease = self.settings.lease_seconds
+        while True:
+            await trio.sleep(lease / 4)
+            now = self._wall()
+            for held in self._held:
+                if held.renewing or held.claim.expires - now > lease / 2:
+                    continue
+                if now - held.taken < RENEW_LEASES * lease:
+                    held.renewing = True
+                    nursery.start_soon(self._renew, held)
+
+    async def _renew(self, held: _Held) -> None:
+        lease = self.settings.lease_seconds
+        try:
+            args = (self.backend, held.claim, self._wall(), lease)
+            claim = await self._call(leases.renew, *args, calls=_TAKE_CALLS)
+        except L2Unavailable:
+            return  # tried again at the next tick, until it runs out
+        finally:
+            held.renewing = False
+        if claim is None:
+            self._held.discard(held)
+            log.info("claim %s ran out and was taken over while decoding", held.claim.name)
+        elif held.released:  # let go of while this renewal ran: the new term too
+            with contextlib.suppress(L2Unavailable):
+                await self._call(leases.release, self.backend, claim)
+        else:
+            held.claim = claim
+            self.metrics.lease_renewals += 1
 
     # -- publishing -------------------------------------------------------------------
 
@@ -390,8 +451,11 @@ class L2Tier:
                 self.metrics.publishes += created
                 self.metrics.publish_exists += not created
         if job.lease is not None:
+            held = job.lease
+            held.released = True
+            self._held.discard(held)
             with contextlib.suppress(L2Unavailable):  # else it runs out
-                await self._call(leases.release, self.backend, job.lease)
+                await self._call(leases.release, self.backend, held.claim)
 
     def _entry(self, key: EntryKey, payload: bytes | memoryview) -> bytes:
         """The object for ``payload``: the store entry, trailer included."""
@@ -464,7 +528,7 @@ class _Gate:
         self._tier = tier
         self.key = key
         self.name = name
-        self.claim: Claim | None = None  # taken by this node for this decode
+        self.claim: _Held | None = None  # taken by this node for this decode
 
     async def start(self) -> None:
         await self._tier._claim(self)

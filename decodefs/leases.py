@@ -10,6 +10,10 @@ one whose create of the next term wins holds it, and the others find its claim
 live. Nobody deletes a claim but its holder (to let go), so a holder that
 finishes after its claim ran out lets go of its own term, never its successor's.
 
+A holder renews its claim while its decode runs and until it has published: it
+creates the next term for itself, then lets go of the old one. A node waiting on
+a claim that was let go looks for a live one before it tries to claim.
+
 Because claims are let go of, terms have holes: a node may take term 1 while a
 node holds term 2 (the first was let go between the two). So a node that created
 a term looks again, and if any other claim is live it lets its own go and defers
@@ -27,7 +31,7 @@ from typing import Final
 
 from .l2 import LEASES, L2Backend
 
-__all__ = ["TRIES", "Claim", "claims", "release", "take"]
+__all__ = ["TRIES", "Claim", "claim_name", "claims", "current", "release", "renew", "take"]
 
 TRIES: Final = 3  # creates raced by other nodes before a node decodes without a claim
 MAX_CLAIMS: Final = 64  # claims of one array looked at (more are someone's litter)
@@ -41,6 +45,11 @@ class Claim:
     term: int
     holder: str
     expires: float  # unix time; nodes' clocks must agree to well within a lease
+
+    @property
+    def array(self) -> str:
+        """The name of the array it claims."""
+        return self.name[len(LEASES) + 1 : self.name.rindex("@")]
 
     def live(self, now: float) -> bool:
         return now < self.expires
@@ -90,6 +99,35 @@ def take(backend: L2Backend, name: str, holder: str, now: float, seconds: float)
         # Every claim there has expired (taken over: the next term), or was let go.
         term = max((c.term for c in found), default=term - 1) + 1
     return None
+
+
+def current(backend: L2Backend, name: str, now: float) -> Claim | None:
+    """The live claim on the array ``name`` with the highest term, if there is one."""
+    live = [c for c in claims(backend, name) if c.live(now)]
+    return live[-1] if live else None
+
+
+def renew(backend: L2Backend, claim: Claim, now: float, seconds: float) -> Claim | None:
+    """``claim``, held here, extended to ``now + seconds``: the next term is created for
+    its holder, then the old one let go. None if it was lost (another holder's claim is
+    live: the old one ran out and was taken over)."""
+    name = claim.array
+
+    def rivals(found: list[Claim]) -> list[Claim]:
+        return [c for c in found if c.holder != claim.holder and c.live(now)]
+
+    found = claims(backend, name)
+    if rivals(found):
+        return None
+    term = max((c.term for c in found), default=claim.term) + 1
+    renewed = Claim(claim_name(name, term), term, claim.holder, now + seconds)
+    if not backend.create(renewed.name, renewed.body()):
+        return None  # another node took the next term: ours ran out
+    if rivals(claims(backend, name)):
+        backend.delete(renewed.name)
+        return None
+    backend.delete(claim.name)
+    return renewed
 
 
 def release(backend: L2Backend, claim: Claim) -> None:

@@ -28,7 +28,7 @@ from decodefs.decode import decoder_fingerprint, npy_bytes, quiet_pillow_warning
 from decodefs.engine import Engine
 from decodefs.entry import EntryKey, encode_trailer
 from decodefs.l2 import L2Backend, L2Error, PosixL2, object_name, open_backend
-from decodefs.leases import Claim, claim_name, claims, release, take
+from decodefs.leases import Claim, claim_name, claims, release, renew, take
 from decodefs.metrics import render_prometheus
 from decodefs.source import scan_source
 from decodefs.store import Store
@@ -38,6 +38,9 @@ from tests.servers import S3_ENV, SeaweedFS, seaweed  # noqa: F401 - a fixture
 pytestmark = pytest.mark.trio
 
 SIZE = 32
+# For tests that jump trio's MockClock by a lease (30 s) or less: an L2 call's deadline
+# (2 x 60 + 1 s) is longer, so that a jump never ends a call under way.
+MOCK_KEYS: dict[str, Any] = {"l2_lease_seconds": 30, "l2_timeout_seconds": 60}
 
 
 # -- the harness --------------------------------------------------------------------
@@ -118,10 +121,12 @@ class Cluster:
         *,
         wall: Callable[[], float] = time.time,
         backend: L2Backend | None = None,
+        running: bool = True,
         **keys: Any,
     ) -> AsyncIterator[L2Tier]:
         """A node's L2 tier alone (no engine): the test's ``decode`` stands in for its
-        engine's, and calls ``start`` as the engine does once its decode can start."""
+        engine's, and calls ``start`` as the engine does once its decode can start.
+        Without ``running``, the test starts its background tasks (``run``) itself."""
         base = self.base / name
         base.mkdir()
         config = parse_config(self._raw(base, **keys), base_dir=base)
@@ -131,7 +136,8 @@ class Cluster:
         )
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(tier.run)
+                if running:
+                    nursery.start_soon(tier.run)
                 yield tier
                 nursery.cancel_scope.cancel()
         finally:
@@ -365,7 +371,7 @@ async def test_a_waiter_decodes_itself_once_the_holders_lease_runs_out(
     # A node that took the lease and died: it never publishes, never lets go.
     dead = Claim(claim_name(name_of(uuid), 1), 1, "dead", wall() + 30)
     assert backend.create(dead.name, dead.body())
-    async with cluster.node("b", wall=wall, l2_lease_seconds=30) as b:
+    async with cluster.node("b", wall=wall, **MOCK_KEYS) as b:
         result: list[bytes] = []
 
         async def reader() -> None:
@@ -432,7 +438,7 @@ async def test_a_lease_running_out_for_three_waiting_nodes_at_once_is_taken_over
     backend = cluster.backend()
     dead = Claim(claim_name(name_of(uuid), 1), 1, "dead", wall() + 30)
     assert backend.create(dead.name, dead.body())
-    keys: dict[str, Any] = {"wall": wall, "l2_lease_seconds": 30}
+    keys: dict[str, Any] = {"wall": wall, **MOCK_KEYS}
     async with (
         cluster.node("a", **keys) as a,
         cluster.node("b", **keys) as b,
@@ -463,6 +469,74 @@ async def test_a_lease_running_out_for_three_waiting_nodes_at_once_is_taken_over
     assert claims(backend, name_of(uuid)) == [dead]  # the winner let go of its own
 
 
+def slow_decoder(
+    payload: bytes, finish: dict[str, trio.Event], decoding: list[str]
+) -> Callable[[str], Callable[[Start | None], Any]]:
+    """Decodes for tiers alone: each claims as the engine's would, then runs until the
+    test lets it finish (a decode slower than the lease)."""
+
+    def decoder(label: str) -> Callable[[Start | None], Any]:
+        async def decode(start: Start | None) -> bytes:
+            assert start is not None
+            await start()
+            decoding.append(label)
+            await finish[label].wait()
+            return payload
+
+        return decode
+
+    return decoder
+
+
+async def test_a_holder_renews_its_claim_while_it_decodes_past_the_lease(
+    cluster: Cluster, photos: dict[str, Path], mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.rate = 1.0
+
+    def wall() -> float:
+        return 1_000_000.0 + trio.current_time()
+
+    uuid = sorted(photos)[0]
+    key, name = EntryKey("v1", SIZE, uuid), name_of(uuid)
+    payload = reference_npy(photos[uuid], SIZE)
+    backend = cluster.backend()
+    finish, decoding = {"a": trio.Event()}, list[str]()
+    decoder = slow_decoder(payload, finish, decoding)
+    async with (
+        cluster.tier("a", wall=wall, **MOCK_KEYS) as a,
+        cluster.tier("b", wall=wall, **MOCK_KEYS) as b,
+    ):
+        got: list[Any] = []
+
+        async def obtain(tier: L2Tier, label: str) -> None:
+            got.append(await tier.obtain(key, decoder(label)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(obtain, a, "a")
+            await wait_for(lambda: decoding == ["a"], what="A decodes")
+            nursery.start_soon(obtain, b, "b")
+            await wait_for(lambda: b.metrics.lease_waits == 1, what="B waits for A's claim")
+            for renewals in (1, 2, 3):  # A decodes for three leases and more
+                looked = b.metrics.fetch_seconds.count
+                mock_clock.jump(16)  # past half the lease: A renews
+                # (Each wait ends within its iteration: the loop variables are current.)
+                await wait_for(
+                    lambda: a.metrics.lease_renewals == renewals,  # noqa: B023
+                    what="A renewed",
+                )
+                await wait_for(
+                    lambda: b.metrics.fetch_seconds.count >= looked + 2,  # noqa: B023
+                    what="B looked again (and found A's claim renewed)",
+                )
+                assert [c.holder for c in claims(backend, name)] == [a._node]
+            finish["a"].set()
+        assert decoding == ["a"]  # B never decoded
+        assert [o.decoded for o in got] == [True, False]
+        assert b.metrics.lease_waits == 1 and b.metrics.lease_timeouts == 0
+        await wait_for(lambda: a.stats()["l2_publish_queue"] == 0, what="A let go")
+    assert claims(backend, name) == []
+
+
 async def test_a_holder_finishing_after_its_lease_ran_out_lets_go_of_its_own_claim_only(
     cluster: Cluster, photos: dict[str, Path], mock_clock: trio.testing.MockClock
 ) -> None:
@@ -475,22 +549,12 @@ async def test_a_holder_finishing_after_its_lease_ran_out_lets_go_of_its_own_cla
     key, name = EntryKey("v1", SIZE, uuid), name_of(uuid)
     payload = reference_npy(photos[uuid], SIZE)
     backend = cluster.backend()
-    finish = {"a": trio.Event(), "b": trio.Event()}
-    decoding: list[str] = []
-
-    def decoder(label: str) -> Callable[[Start | None], Any]:
-        async def decode(start: Start | None) -> bytes:
-            assert start is not None
-            await start()
-            decoding.append(label)
-            await finish[label].wait()  # a decode slower than the lease
-            return payload
-
-        return decode
-
+    finish, decoding = {"a": trio.Event(), "b": trio.Event()}, list[str]()
+    decoder = slow_decoder(payload, finish, decoding)
+    # A stalls (its background tasks do not run: as if paused), so its claim runs out.
     async with (
-        cluster.tier("a", wall=wall, l2_lease_seconds=30) as a,
-        cluster.tier("b", wall=wall, l2_lease_seconds=30) as b,
+        cluster.tier("a", wall=wall, running=False, **MOCK_KEYS) as a,
+        cluster.tier("b", wall=wall, **MOCK_KEYS) as b,
     ):
         done: dict[str, bool] = {}
 
@@ -510,11 +574,14 @@ async def test_a_holder_finishing_after_its_lease_ran_out_lets_go_of_its_own_cla
             mock_clock.jump(30)  # A's claim runs out while A still decodes
             await wait_for(lambda: decoding == ["a", "b"], what="B took it over")
             assert [term for term, _ in held()] == [1, 2]
-            finish["a"].set()  # A finishes late: it publishes and lets go of term 1 only
+            nursery.start_soon(a.run)  # A comes back: it finds its claim lost, ...
+            finish["a"].set()  # ... finishes, publishes, and lets go of term 1 only
             await wait_for(lambda: "a" in done and a.metrics.publishes == 1, what="A done")
             await wait_for(lambda: len(held()) == 1, what="A let go")
             assert held() == [(2, b._node)]  # B's claim stands
             finish["b"].set()
+            await wait_for(lambda: "b" in done, what="B done")
+            nursery.cancel_scope.cancel()  # A's run
         assert done == {"a": True, "b": True}  # past the lease, both decoded (the bound)
         await wait_for(lambda: b.stats()["l2_publish_queue"] == 0, what="B let go")
         assert b.metrics.publish_exists == 1
@@ -543,7 +610,18 @@ async def test_claims_are_taken_by_term_and_only_their_holder_removes_them(
     # defers to it, removing its own claim.
     assert take(backend, name, "d", now=112.0, seconds=10) == second
     assert claims(backend, name) == [second]
-    release(backend, second)
+    # B renews: term 3 for B, then its term 2 let go.
+    third = renew(backend, second, now=116.0, seconds=10)
+    assert third == Claim(claim_name(name, 3), 3, "b", 126.0)
+    assert claims(backend, name) == [third] and third.array == name
+    assert take(backend, name, "c", now=122.0, seconds=10) == third
+    # Renewed too late: C took it over (with term 1, free again); B's renewal finds it lost.
+    fourth = take(backend, name, "c", now=127.0, seconds=10)
+    assert fourth == Claim(claim_name(name, 1), 1, "c", 137.0)
+    assert renew(backend, third, now=127.5, seconds=10) is None
+    release(backend, third)
+    assert claims(backend, name) == [fourth]
+    release(backend, fourth)
     assert claims(backend, name) == []
     assert take(backend, name, "e", now=200.0, seconds=10) == Claim(
         claim_name(name, 1), 1, "e", 210.0
