@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -31,6 +31,7 @@ S3_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 START_TIMEOUT = 60.0
+T = TypeVar("T")
 
 
 def tool(name: str) -> str:
@@ -117,25 +118,35 @@ def _stop(process: subprocess.Popen[bytes], timeout: float = 15) -> None:
 # -- SeaweedFS ----------------------------------------------------------------------
 
 
+def _here(fn: Callable[[], T]) -> T:
+    return fn()
+
+
 @dataclass
 class SeaweedFS:
-    """``weed mini`` on loopback: S3 at ``endpoint``."""
+    """``weed mini``: S3 at ``endpoint``. On loopback, or at ``address`` in a network
+    namespace (``wrapper`` starts it there; ``within`` runs this process's client
+    calls where it can be reached: tests/netns.py)."""
 
     directory: Path
     process: subprocess.Popen[bytes] | None = None
     endpoint: str = ""
+    address: str = "127.0.0.1"
+    wrapper: list[str] = field(default_factory=list)
+    within: Callable[[Callable[[], Any]], Any] = _here
     _buckets: set[str] = field(default_factory=set)
 
     def start(self) -> SeaweedFS:
         self.directory.mkdir(parents=True, exist_ok=True)
         base = free_port_block(10, offset=10000)  # weed's gRPC ports are its HTTP ports + 10000
-        self.endpoint = f"http://127.0.0.1:{base + 3}"
+        self.endpoint = f"http://{self.address}:{base + 3}"
         command = [
+            *self.wrapper,
             tool("weed"),
             "mini",
             f"-dir={self.directory}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.address}",
+            f"-ip.bind={self.address}",
             "-admin.ui=false",
             "-master.telemetry=false",  # no traffic off this machine
             f"-master.port={base}",
@@ -185,18 +196,23 @@ class SeaweedFS:
         """A new bucket (a fresh name each call unless given); its name."""
         name = name or f"l2-{secrets.token_hex(4)}"
         if name not in self._buckets:
-            self.client().create_bucket(Bucket=name)
+            self.within(lambda: self.client().create_bucket(Bucket=name))
             self._buckets.add(name)
         return name
 
     def objects(self, bucket: str, prefix: str = "") -> dict[str, int]:
         """key -> size of every object under ``prefix``."""
-        found: dict[str, int] = {}
-        paginator = self.client().get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                found[item["Key"]] = item["Size"]
-        return found
+
+        def listing() -> dict[str, int]:
+            found: dict[str, int] = {}
+            paginator = self.client().get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    found[item["Key"]] = item["Size"]
+            return found
+
+        result: dict[str, int] = self.within(listing)
+        return result
 
     def pause(self) -> None:
         assert self.process is not None
@@ -211,7 +227,7 @@ class SeaweedFS:
         if self.process.poll() is not None:
             raise AssertionError(f"weed exited with {self.process.returncode}:\n{self.log_tail()}")
         try:
-            self.client(timeout=2).list_buckets()
+            self.within(lambda: self.client(timeout=2).list_buckets())
         except Exception:
             return False
         return True
@@ -229,8 +245,9 @@ class SeaweedFS:
 
 
 @contextlib.contextmanager
-def seaweedfs_running(directory: Path) -> Iterator[SeaweedFS]:
-    server = SeaweedFS(directory)
+def seaweedfs_running(directory: Path, **where: Any) -> Iterator[SeaweedFS]:
+    """A SeaweedFS (``where``: its address, wrapper and within), always stopped."""
+    server = SeaweedFS(directory, **where)
     try:
         yield server.start()
     finally:

@@ -1,0 +1,202 @@
+"""Three nodes of a cluster on a real network: each node's daemon, mount and readers in a
+network namespace of its own, SeaweedFS (the L2) in another, all joined by veth
+pairs on a bridge (tests/netns.py). The namespaces are made and removed here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from decodefs.sample import make_sample_corpus
+from tests.conftest import MountFactory
+from tests.helpers import Mount, reference_npy
+from tests.netns import Network, network
+from tests.servers import S3_ENV, SeaweedFS, seaweedfs_running, wait_for
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("nsenter")),
+    reason="network namespaces need root, ip and nsenter",
+)
+
+SIZE = 64
+LEASE = float(os.environ.get("DFC_LEASE", "0.5"))
+NODES = ("n0", "n1", "n2")
+
+# A node's readers: THREADS threads in one process, started together once the parent
+# says go; thread i reads every name, starting at its own place in the list. Prints
+# {name: [sha256 of each read]}.
+READERS = """
+import concurrent.futures, hashlib, json, sys
+from pathlib import Path
+directory, threads, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+def read(i):
+    start = i * len(names) // threads
+    order = names[start:] + names[:start]
+    return [(n, hashlib.sha256((directory / n).read_bytes()).hexdigest()) for n in order]
+print("ready", flush=True)
+sys.stdin.readline()
+with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    seen = {}
+    for pairs in pool.map(read, range(threads)):
+        for name, digest in pairs:
+            seen.setdefault(name, []).append(digest)
+print(json.dumps(seen))
+"""
+
+
+@dataclass
+class Lan:
+    net: Network
+    server: SeaweedFS
+
+    def node(self, mounts: MountFactory, tmp_path: Path, name: str, source: Path, bucket: str,
+             **keys: Any) -> Mount:  # fmt: skip
+        """Node ``name``'s daemon, started in its namespace; its mount is everyone's."""
+        return mounts(
+            {"v1": source},
+            name=name,
+            store=tmp_path / f"store-{name}",
+            env=S3_ENV,
+            wrapper=tuple(self.net.hosts[name].command()),
+            l2=f"s3://{bucket}/decoded",
+            l2_endpoint=self.server.endpoint,
+            **keys,
+        )
+
+
+@pytest.fixture(scope="module")
+def lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lan]:
+    with network("dfc", ("s3", *NODES)) as net:
+        s3 = net.hosts["s3"]
+        with seaweedfs_running(
+            tmp_path_factory.mktemp("seaweedfs-lan"),
+            address=s3.address,
+            wrapper=s3.command(),
+            within=lambda fn: net.within("s3", fn),
+        ) as server:
+            yield Lan(net, server)
+
+
+def read_in_namespaces(lan: Lan, nodes: dict[str, Mount], names: list[str], threads: int
+                       ) -> dict[str, dict[str, list[str]]]:  # fmt: skip
+    """Every node's readers (in its namespace) read ``names`` at once: node -> what they saw."""
+    processes = {}
+    try:
+        for label, mount in nodes.items():
+            command = [sys.executable, "-c", READERS, str(mount.path("v1", str(SIZE)))]
+            processes[label] = subprocess.Popen(
+                lan.net.hosts[label].command(*command, str(threads), *names),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        for process in processes.values():  # every reader is up before any reads
+            assert process.stdout is not None
+            assert process.stdout.readline().strip() == "ready"
+        for process in processes.values():
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        seen = {}
+        for label, process in processes.items():
+            out, _ = process.communicate(timeout=90)
+            assert process.returncode == 0, (label, out)
+            seen[label] = json.loads(out)
+        return seen
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_three_nodes_cold_at_once_on_a_network_decode_each_original_once(
+    mounts: MountFactory, tmp_path: Path, lan: Lan, large: list[Path]
+) -> None:
+    # The issue's scenario, smaller: one decode slot per node and a lease shorter than
+    # the time each node's misses queue for it (7 MP originals, 8 readers a node).
+    originals, source = large, large[0].parents[1]
+    bucket = lan.server.bucket()
+    keys = {"decode_workers": 1, "l2_lease_seconds": LEASE}
+    nodes = {n: lan.node(mounts, tmp_path, n, source, bucket, **keys) for n in NODES}
+    names = sorted(f"{p.stem}.npy" for p in originals)
+    seen = read_in_namespaces(lan, nodes, names, threads=8)
+    expected = {
+        f"{p.stem}.npy": hashlib.sha256(reference_npy(p, SIZE)).hexdigest() for p in originals
+    }
+    for label, digests in seen.items():
+        assert digests == {name: [expected[name]] * 8 for name in names}, label
+    stats = {label: mount.stats() for label, mount in nodes.items()}
+    decodes = {label: s["decodes"] for label, s in stats.items()}
+    assert sum(decodes.values()) == len(originals), stats  # one per original, cluster-wide
+    assert sum(s["l2_hits"] for s in stats.values()) == 2 * len(originals)
+    assert all(s["l2_errors"] == {} and s["l2_breaker_opens"] == 0 for s in stats.values())
+
+
+def test_a_node_cut_off_mid_epoch_reads_right_while_the_others_do_not_decode(
+    mounts: MountFactory, tmp_path: Path, lan: Lan
+) -> None:
+    originals = make_sample_corpus(tmp_path / "originals", 24, 480, 360, seed=12)
+    paths = {f"{p.stem}.npy": p for p in originals}
+    names = sorted(paths)
+    bucket = lan.server.bucket()
+    source = tmp_path / "originals"
+    keys = {"l2_timeout_seconds": 0.5, "l2_retry_seconds": 0.2}
+    warm = lan.node(mounts, tmp_path, "n0", source, bucket, **keys)
+    for name in names:
+        warm.path("v1", str(SIZE), name).read_bytes()
+    wait_for(lambda: warm.stats()["l2_publishes"] == len(names), 60, "n0 published", warm.stats)
+    # Fresh stores on n1 and n2 read the epoch from L2; n1 is cut off for its middle third.
+    # (A FUSE read never touches the network: these readers need no namespace.)
+    cut = lan.node(mounts, tmp_path, "n1", source, bucket, **keys)
+    other = lan.node(mounts, tmp_path, "n2", source, bucket, **keys)
+
+    def read(mount: Mount, name: str) -> None:
+        data = mount.path("v1", str(SIZE), name).read_bytes()
+        assert data == reference_npy(paths[name], SIZE), name
+
+    third = len(names) // 3
+    for name in names[:third]:
+        read(cut, name)
+        read(other, name)
+    assert cut.stats()["decodes"] == other.stats()["decodes"] == 0
+    lan.net.cut("n1")
+    try:
+        for name in names[third : 2 * third]:
+            read(cut, name)  # decoded there, after at most one call's deadline
+            read(other, name)
+        during = cut.stats()
+        assert during["l2_state"] == "open" and during["decodes"] == third, during
+    finally:
+        lan.net.restore("n1")
+    # The breaker tries again only for a miss once its pause is over: read arrays of new
+    # sizes (each a miss that asks L2, when let) until it has closed.
+    sizes = iter(range(SIZE + 1, SIZE + 3000))
+
+    def closed_after_a_read() -> bool:
+        size = next(sizes)
+        data = cut.path("v1", str(size), names[0]).read_bytes()
+        assert data == reference_npy(paths[names[0]], size), size
+        return bool(cut.stats()["l2_state"] == "closed")
+
+    wait_for(closed_after_a_read, 60, "n1's breaker to close with its link back", cut.stats)
+    before = cut.stats()
+    for name in names[2 * third :]:
+        read(cut, name)
+        read(other, name)
+    after = cut.stats()
+    assert after["decodes"] == before["decodes"], after  # from L2 again
+    assert after["l2_breaker_opens"] >= 1 and after["l2_state"] == "closed", after
+    assert other.stats()["decodes"] == 0 and other.stats()["l2_hits"] == len(names)
+    assert warm.stats()["decodes"] == len(names)  # n0's count did not move either
+    assert "-> open" in cut.log_text() and "-> closed" in cut.log_text()
