@@ -6,31 +6,33 @@ straight to L2 (a create that never overwrites), skipping what L2 already
 holds, so a warm run again resumes. A worker claims each array before decoding
 it, as nodes do (leases.py): an array a node is decoding is left for later and
 then found published, so a warm racing with readers decodes each array once.
-It never removes an object but one it has just read and found bad. Workers
-need the originals at the same paths and the L2 (its credentials the standard
-AWS way), not a mount. A worker whose Pillow or codecs decode differently from
-the client's refuses to publish (its arrays would land under another
-fingerprint, where no node looks). Dask is an optional extra
+It renews a claim while it decodes, and never removes an object but one it has
+just read and found bad. Workers need the originals at the same paths and the L2
+(its credentials the standard AWS way), not a mount. A worker whose Pillow or
+codecs decode differently from the client's refuses to publish (its arrays would
+land under another fingerprint, where no node looks). Dask is an optional extra
 (``decodefs[cluster]``): only this module imports it, and only when called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
 import os
 import secrets
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from tqdm import tqdm
 
 from . import leases
-from .cluster import verify_object
+from .cluster import RENEW_LEASES, verify_object
 from .config import Config, L2Config
 from .decode import DecodeError, DecodeSettings, decode_image, decoder_fingerprint, npy_bytes
 from .decode import npy_file_size as _npy_file_size
@@ -162,7 +164,7 @@ class _Worker:
             if found is not None and found.holder != self.holder:
                 return found
             mine = found
-        try:
+        with self._renewed(mine):
             if mine is not None and self.backend.size(name) == self.expected:
                 result.skipped += 1  # published and let go just before we claimed
                 return None
@@ -181,9 +183,40 @@ class _Worker:
             publish_entry(self.backend, key, name, entry, self.digest)
             result.decoded += 1
             return None
+
+    @contextlib.contextmanager
+    def _renewed(self, claim: Claim | None) -> Iterator[None]:
+        """While the body runs, renew ``claim`` (ours) as the tier does (cluster.py), from
+        a thread; then let go of it."""
+        if claim is None:
+            yield
+            return
+        held, stop, lease = [claim], threading.Event(), self.spec.l2.lease_seconds
+        taken = claim.expires - lease
+
+        def renew() -> None:
+            while not stop.wait(lease / 4):
+                now = time.time()
+                if now - taken >= RENEW_LEASES * lease:
+                    return  # a hung decode: let the nodes go on
+                if held[0].expires - now > lease / 2:
+                    continue
+                try:
+                    renewed = leases.renew(self.backend, held[0], now, lease)
+                except L2Error:
+                    continue  # tried again, until it runs out
+                if renewed is None:
+                    return  # taken over: it ran out
+                held[0] = renewed
+
+        renewer = threading.Thread(target=renew, name="decodefs-warm-renew", daemon=True)
+        renewer.start()
+        try:
+            yield
         finally:
-            if mine is not None:
-                leases.release(self.backend, mine)
+            stop.set()
+            renewer.join()  # a renewal under way ends first: it is the term let go of
+            leases.release(self.backend, held[0])
 
 
 def publish_entry(
