@@ -381,3 +381,68 @@ def juicefs(seaweed: SeaweedFS, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield volume.start()
     finally:
         volume.stop()
+
+
+# -- Dask ------------------------------------------------------------------------------
+
+
+@dataclass
+class Dask:
+    """A Dask scheduler and workers (one process, one thread each), every one started
+    through its own wrapper (a network namespace: tests/netns.py) with the AWS
+    credentials in its environment: ``decodefs warm --cluster`` runs on them."""
+
+    directory: Path
+    address: str = ""
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, scheduler: tuple[list[str], str], workers: list[tuple[list[str], str]]) -> Dask:
+        """``scheduler``: (wrapper, host address); ``workers``: one (wrapper, address) each."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        wrapper, host = scheduler
+        port = free_port_block(1)
+        self.address = f"tcp://{host}:{port}"
+        dask = [str(Path(sys.executable).parent / "dask")]
+        env = {**os.environ, **S3_ENV}
+        command = [*wrapper, *dask, "scheduler", "--host", host, "--port", str(port)]
+        self._spawn([*command, "--no-dashboard"], "scheduler", env)
+        for i, (wrapper, host) in enumerate(workers):
+            command = [*wrapper, *dask, "worker", self.address, "--host", host, "--no-nanny"]
+            command += ["--nthreads", "1", "--no-dashboard", "--memory-limit", "0"]
+            command += ["--local-directory", str(self.directory / f"worker-{i}")]
+            self._spawn(command, f"worker-{i}", env)
+        return self
+
+    def _spawn(self, command: list[str], name: str, env: dict[str, str]) -> None:
+        self.processes.append(_start(command, self.directory / f"{name}.log", env=env))
+
+    def workers(self, within: Callable[[Callable[[], Any]], Any]) -> int:
+        """How many workers the scheduler has (asked ``within`` where it can be reached)."""
+        from distributed import Client
+
+        def count() -> int:
+            with Client(self.address, timeout="10s") as client:  # type: ignore[no-untyped-call]
+                return len(client.scheduler_info()["workers"])
+
+        return int(within(count))
+
+    def log_tail(self) -> str:
+        return "\n".join(
+            f"{log.name}: " + "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+            for log in sorted(self.directory.glob("*.log"))
+        )
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):  # workers first
+            _stop(process, timeout=10)
+
+
+@contextlib.contextmanager
+def dask_running(
+    directory: Path, scheduler: tuple[list[str], str], workers: list[tuple[list[str], str]]
+) -> Iterator[Dask]:
+    cluster = Dask(directory)
+    try:
+        yield cluster.start(scheduler, workers)
+    finally:
+        cluster.stop()

@@ -19,9 +19,9 @@ import pytest
 
 from decodefs.sample import make_sample_corpus
 from tests.conftest import MountFactory
-from tests.helpers import Mount, reference_npy
+from tests.helpers import Mount, reference_npy, write_config
 from tests.netns import Network, network
-from tests.servers import S3_ENV, SeaweedFS, seaweedfs_running, wait_for
+from tests.servers import S3_ENV, SeaweedFS, dask_running, seaweedfs_running, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("nsenter")),
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SIZE = 64
-LEASE = float(os.environ.get("DFC_LEASE", "0.5"))
+LEASE = 0.5  # seconds: shorter than a node's misses queue for its one decode slot
 NODES = ("n0", "n1", "n2")
 
 # A node's readers: THREADS threads in one process, started together once the parent
@@ -87,6 +87,10 @@ def lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lan]:
             yield Lan(net, server)
 
 
+def expected_digests(originals: list[Path]) -> dict[str, str]:
+    return {f"{p.stem}.npy": hashlib.sha256(reference_npy(p, SIZE)).hexdigest() for p in originals}
+
+
 def read_in_namespaces(lan: Lan, nodes: dict[str, Mount], names: list[str], threads: int
                        ) -> dict[str, dict[str, list[str]]]:  # fmt: skip
     """Every node's readers (in its namespace) read ``names`` at once: node -> what they saw."""
@@ -131,9 +135,7 @@ def test_three_nodes_cold_at_once_on_a_network_decode_each_original_once(
     nodes = {n: lan.node(mounts, tmp_path, n, source, bucket, **keys) for n in NODES}
     names = sorted(f"{p.stem}.npy" for p in originals)
     seen = read_in_namespaces(lan, nodes, names, threads=8)
-    expected = {
-        f"{p.stem}.npy": hashlib.sha256(reference_npy(p, SIZE)).hexdigest() for p in originals
-    }
+    expected = expected_digests(originals)
     for label, digests in seen.items():
         assert digests == {name: [expected[name]] * 8 for name in names}, label
     stats = {label: mount.stats() for label, mount in nodes.items()}
@@ -200,3 +202,58 @@ def test_a_node_cut_off_mid_epoch_reads_right_while_the_others_do_not_decode(
     assert other.stats()["decodes"] == 0 and other.stats()["l2_hits"] == len(names)
     assert warm.stats()["decodes"] == len(names)  # n0's count did not move either
     assert "-> open" in cut.log_text() and "-> closed" in cut.log_text()
+
+
+def test_a_cluster_warm_on_workers_in_the_namespaces_racing_two_nodes_decodes_once(
+    mounts: MountFactory, tmp_path: Path, lan: Lan, large: list[Path]
+) -> None:
+    originals, source = large, large[0].parents[1]
+    names = sorted(f"{p.stem}.npy" for p in originals)
+    bucket = lan.server.bucket()
+    l2 = {"l2": f"s3://{bucket}/decoded", "l2_endpoint": lan.server.endpoint}
+    config = write_config(
+        tmp_path / "warm.toml", tmp_path / "unused", {"v1": source}, l2_lease_seconds=LEASE, **l2
+    )
+    keys = {"l2_lease_seconds": LEASE}
+    nodes = {n: lan.node(mounts, tmp_path, n, source, bucket, **keys) for n in ("n1", "n2")}
+    hosts = lan.net.hosts
+    workers = [(hosts[n].command(), hosts[n].address) for n in NODES]
+    scheduler = (hosts["s3"].command(), hosts["s3"].address)
+    with dask_running(tmp_path / "dask", scheduler, workers) as dask:
+
+        def workers_up() -> bool:
+            return dask.workers(lambda fn: lan.net.within("s3", fn)) == len(NODES)
+
+        wait_for(workers_up, 60, "three Dask workers", dask.log_tail)
+        # The warm's client runs on n0; the nodes' readers start once it has begun.
+        command = [sys.executable, "-m", "decodefs", "warm", "--cluster", dask.address]
+        command += ["v1", str(SIZE), "--config", str(config)]
+        warm = subprocess.Popen(
+            hosts["n0"].command(*command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **S3_ENV},
+        )
+        try:
+            wait_for(
+                lambda: warm.poll() is not None or lan.server.objects(bucket, "decoded/"),
+                60,
+                "the warm's first claim",
+            )
+            seen = read_in_namespaces(lan, nodes, names, threads=8)
+            out, err = warm.communicate(timeout=120)
+        finally:
+            if warm.poll() is None:
+                warm.kill()
+                warm.wait()
+    assert warm.returncode == 0, err
+    assert f"on {len(NODES)} workers" in out, out
+    warmed = int(out.split(": ")[-1].split(" decoded")[0].replace(",", ""))
+    expected = expected_digests(originals)
+    for label, digests in seen.items():
+        assert digests == {name: [expected[name]] * 8 for name in names}, label
+    decodes = {label: mount.stats()["decodes"] for label, mount in nodes.items()}
+    assert warmed + sum(decodes.values()) == len(originals), (out, decodes)
+    objects = lan.server.objects(bucket, "decoded/")
+    assert sum(1 for k in objects if ".leases/" not in k) == len(originals)
