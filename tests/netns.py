@@ -16,11 +16,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import json
 import os
 import secrets
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 T = TypeVar("T")
@@ -106,6 +109,81 @@ def network(prefix: str, names: Sequence[str]) -> Iterator[Network]:
             assert reaper.stdin is not None
             reaper.stdin.close()
             reaper.wait(timeout=60)
+
+
+# Readers: THREADS threads in one process, started together once told to go; thread i
+# reads every name, starting at its own place in the list. Prints the seconds from go
+# to the last read and {name: [sha256 of each read]}.
+_READERS = """
+import concurrent.futures, hashlib, json, sys, time
+from pathlib import Path
+directory, threads, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+def read(i):
+    start = i * len(names) // threads
+    order = names[start:] + names[:start]
+    return [(n, hashlib.sha256((directory / n).read_bytes()).hexdigest()) for n in order]
+print("ready", flush=True)
+sys.stdin.readline()
+started = time.perf_counter()
+with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    seen = {}
+    for pairs in pool.map(read, range(threads)):
+        for name, digest in pairs:
+            seen.setdefault(name, []).append(digest)
+print(json.dumps({"seconds": time.perf_counter() - started, "digests": seen}))
+"""
+
+
+class Readers:
+    """``threads`` readers of ``names`` under ``directory`` (a mount) in one process in
+    ``host``'s namespace, ready to go. ``go`` starts them; ``result`` waits for them."""
+
+    def __init__(self, host: Host, directory: Path, names: Sequence[str], threads: int):
+        command = [sys.executable, "-c", _READERS, str(directory), str(threads), *names]
+        self.process = subprocess.Popen(
+            host.command(*command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().strip()
+        if line != "ready":
+            self.kill()
+            raise RuntimeError(f"readers in {host.namespace} did not start: {line!r}")
+
+    def go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def done(self) -> bool:
+        return self.process.poll() is not None
+
+    def result(self, timeout: float) -> tuple[float, dict[str, list[str]]]:
+        """Seconds the readers took, and name -> the sha256 of each read of it."""
+        out, _ = self.process.communicate(timeout=timeout)
+        if self.process.returncode != 0:
+            raise RuntimeError(f"readers failed ({self.process.returncode}): {out[-2000:]}")
+        result = json.loads(out)
+        return float(result["seconds"]), result["digests"]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@contextlib.contextmanager
+def readers(
+    groups: Sequence[tuple[Host, Path]], names: Sequence[str], threads: int
+) -> Iterator[list[Readers]]:
+    """One Readers per (host, directory), all ready; killed afterwards if still reading."""
+    started: list[Readers] = []
+    try:
+        for host, directory in groups:
+            started.append(Readers(host, directory, names, threads))
+        yield started
+    finally:
+        for group in started:
+            group.kill()
 
 
 def _reaper(net: Network) -> subprocess.Popen[bytes]:

@@ -5,7 +5,6 @@ pairs on a bridge (tests/netns.py). The namespaces are made and removed here."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 from decodefs.sample import make_sample_corpus
 from tests.conftest import MountFactory
 from tests.helpers import Mount, reference_npy, write_config
-from tests.netns import Network, network
+from tests.netns import Network, network, readers
 from tests.servers import S3_ENV, SeaweedFS, dask_running, seaweedfs_running, wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -31,27 +30,6 @@ pytestmark = pytest.mark.skipif(
 SIZE = 64
 LEASE = 0.5  # seconds: shorter than a node's misses queue for its one decode slot
 NODES = ("n0", "n1", "n2")
-
-# A node's readers: THREADS threads in one process, started together once the parent
-# says go; thread i reads every name, starting at its own place in the list. Prints
-# {name: [sha256 of each read]}.
-READERS = """
-import concurrent.futures, hashlib, json, sys
-from pathlib import Path
-directory, threads, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-def read(i):
-    start = i * len(names) // threads
-    order = names[start:] + names[:start]
-    return [(n, hashlib.sha256((directory / n).read_bytes()).hexdigest()) for n in order]
-print("ready", flush=True)
-sys.stdin.readline()
-with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-    seen = {}
-    for pairs in pool.map(read, range(threads)):
-        for name, digest in pairs:
-            seen.setdefault(name, []).append(digest)
-print(json.dumps(seen))
-"""
 
 
 @dataclass
@@ -93,35 +71,12 @@ def expected_digests(originals: list[Path]) -> dict[str, str]:
 
 def read_in_namespaces(lan: Lan, nodes: dict[str, Mount], names: list[str], threads: int
                        ) -> dict[str, dict[str, list[str]]]:  # fmt: skip
-    """Every node's readers (in its namespace) read ``names`` at once: node -> what they saw."""
-    processes = {}
-    try:
-        for label, mount in nodes.items():
-            command = [sys.executable, "-c", READERS, str(mount.path("v1", str(SIZE)))]
-            processes[label] = subprocess.Popen(
-                lan.net.hosts[label].command(*command, str(threads), *names),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        for process in processes.values():  # every reader is up before any reads
-            assert process.stdout is not None
-            assert process.stdout.readline().strip() == "ready"
-        for process in processes.values():
-            assert process.stdin is not None
-            process.stdin.write("go\n")
-            process.stdin.flush()
-        seen = {}
-        for label, process in processes.items():
-            out, _ = process.communicate(timeout=90)
-            assert process.returncode == 0, (label, out)
-            seen[label] = json.loads(out)
-        return seen
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    """Every node's readers, in its namespace, read ``names`` at once: what each node's saw."""
+    groups = [(lan.net.hosts[label], m.path("v1", str(SIZE))) for label, m in nodes.items()]
+    with readers(groups, names, threads) as started:
+        for group in started:  # every reader is up before any reads
+            group.go()
+        return {label: group.result(90)[1] for label, group in zip(nodes, started, strict=True)}
 
 
 def test_three_nodes_cold_at_once_on_a_network_decode_each_original_once(
