@@ -171,6 +171,9 @@ class L2Tier:
         self._wall = wall
         self._node = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
         self._limiter = trio.CapacityLimiter(settings.workers)
+        # Claims hold a decode slot, renewals a claim about to run out: they never queue
+        # behind fetches and publishes, so they have threads of their own.
+        self._claim_limiter = trio.CapacityLimiter(settings.workers)
         # botocore's own timeouts fire first; this catches what has none (a hung mount).
         self._deadline = 2 * settings.timeout_seconds + 1
         self._breaker = CircuitBreaker(
@@ -258,12 +261,12 @@ class L2Tier:
 
     # -- fetching and leases ----------------------------------------------------------
 
-    async def _fetch(self, key: EntryKey, name: str) -> memoryview | None:
+    async def _fetch(self, key: EntryKey, name: str, *, urgent: bool = False) -> memoryview | None:
         """The verified payload of ``name``; None if there is none or it is bad (then it
         is deleted, unless another format wrote it). Raises L2Unavailable."""
         limit = npy_file_size(key.size) + TRAILER_SIZE
         started = time.perf_counter()
-        data = await self._call(self.backend.get, name, limit)
+        data = await self._call(self.backend.get, name, limit, urgent=urgent)
         self.metrics.fetch_seconds.observe(time.perf_counter() - started)
         if data is None:
             return None
@@ -325,6 +328,7 @@ class L2Tier:
                 self._wall(),
                 self.settings.lease_seconds,
                 calls=_TAKE_CALLS,
+                urgent=True,
             )
         except L2Unavailable as exc:
             self.metrics.bypassed += exc.bypassed
@@ -341,7 +345,7 @@ class L2Tier:
         self._held.add(held)
         try:
             # The holder before us may have published and let go just before.
-            payload = await self._fetch(gate.key, gate.name)
+            payload = await self._fetch(gate.key, gate.name, urgent=True)
         except L2Unavailable:
             return
         if payload is not None:
@@ -395,7 +399,7 @@ class L2Tier:
         lease = self.settings.lease_seconds
         try:
             args = (self.backend, held.claim, self._wall(), lease)
-            claim = await self._call(leases.renew, *args, calls=_TAKE_CALLS)
+            claim = await self._call(leases.renew, *args, calls=_TAKE_CALLS, urgent=True)
         except L2Unavailable:
             return  # tried again at the next tick, until it runs out
         finally:
@@ -464,14 +468,16 @@ class L2Tier:
 
     # -- calls --------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., T], *args: object, calls: int = 1) -> T:
-        """``fn(*args)`` in a worker thread, within ``calls`` deadlines counted from when it
-        has its thread; raises L2Unavailable for any failure (counted, and told to the
-        breaker). Waiting for a thread behind other calls is not L2's time: it counts
-        toward neither the deadline nor the breaker."""
+    async def _call(
+        self, fn: Callable[..., T], *args: object, calls: int = 1, urgent: bool = False
+    ) -> T:
+        """``fn(*args)`` in a worker thread (an ``urgent`` one: for claims), within ``calls``
+        deadlines counted from when it has its thread; raises L2Unavailable for any
+        failure (counted, and told to the breaker). Waiting for a thread behind other
+        calls is not L2's time: it counts toward neither the deadline nor the breaker."""
         if self._breaker.state == "open" and self._breaker.retry_in > 0:
             raise L2Unavailable(bypassed=True)  # no need to queue to learn that
-        slot = _Slot(self._limiter)
+        slot = _Slot(self._claim_limiter if urgent else self._limiter)
         await slot.take()
         try:
             if not self._breaker.allow():  # it may have opened while this call queued
