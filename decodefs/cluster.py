@@ -369,13 +369,11 @@ class L2Tier:
             if payload is not None:
                 return payload
             if await self._call(self.backend.size, claim.name) is None:
-                # Let go (published just before: look once more), or renewed.
-                payload = await self._fetch(key, name)
-                if payload is not None:
-                    return payload
+                # Renewed under the next term, or let go: after publishing (look once
+                # more: a holder publishes before it lets go), or its decode failed.
                 renewed = await self._call(leases.current, self.backend, name, self._wall())
                 if renewed is None or renewed.holder == self._node:
-                    return None  # its decode failed, or it gave up: claim it
+                    return await self._fetch(key, name)
                 claim = renewed
                 deadline = self._clock() + min(claim.expires - self._wall(), lease)
         self.metrics.lease_timeouts += 1

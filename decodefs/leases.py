@@ -113,18 +113,12 @@ def renew(backend: L2Backend, claim: Claim, now: float, seconds: float) -> Claim
     live: the old one ran out and was taken over)."""
     name = claim.array
 
-    def rivals(found: list[Claim]) -> list[Claim]:
-        return [c for c in found if c.holder != claim.holder and c.live(now)]
-
-    found = claims(backend, name)
-    if rivals(found):
-        return None
-    term = max((c.term for c in found), default=claim.term) + 1
+    term = max((c.term for c in claims(backend, name)), default=claim.term) + 1
     renewed = Claim(claim_name(name, term), term, claim.holder, now + seconds)
     if not backend.create(renewed.name, renewed.body()):
         return None  # another node took the next term: ours ran out
-    if rivals(claims(backend, name)):
-        backend.delete(renewed.name)
+    if any(c.holder != claim.holder and c.live(now) for c in claims(backend, name)):
+        backend.delete(renewed.name)  # taken over (with a lower, free term): ours ran out
         return None
     backend.delete(claim.name)
     return renewed

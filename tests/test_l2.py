@@ -351,7 +351,7 @@ async def test_nodes_cold_at_once_decode_each_array_once(
         assert a.stats()["l2_leases"] + b.stats()["l2_leases"] >= len(photos)
         assert a.stats()["l2_hits"] + b.stats()["l2_hits"] == len(photos)
         await wait_for(
-            lambda: a.stats()["l2_publish_queue"] + b.stats()["l2_publish_queue"] == 0,
+            lambda: a.stats()["l2_publish_queue"] == b.stats()["l2_publish_queue"] == 0,
             what="flushed",
         )
     backend = cluster.backend()
@@ -460,9 +460,9 @@ async def test_a_lease_running_out_for_three_waiting_nodes_at_once_is_taken_over
             mock_clock.jump(30)  # it runs out for all three at the same instant
         assert got == [reference_npy(photos[uuid], SIZE)] * 3
         stats = [n.stats() for n in nodes]
-        assert sum(s["decodes"] for s in stats) == 1, stats
-        assert sum(s["l2_leases"] for s in stats) == 1, stats  # one took term 2 ...
+        assert sum(s["decodes"] for s in stats) == 1, stats  # one took the next term ...
         assert sum(s["l2_hits"] for s in stats) == 2, stats  # ... the others its array
+        # (One that claims after the winner let go finds the array: a claim, not a decode.)
         await wait_for(
             lambda: sum(n.stats()["l2_publish_queue"] for n in nodes) == 0, what="flushed"
         )
@@ -533,7 +533,10 @@ async def test_a_holder_renews_its_claim_while_it_decodes_past_the_lease(
         assert decoding == ["a"]  # B never decoded
         assert [o.decoded for o in got] == [True, False]
         assert b.metrics.lease_waits == 1 and b.metrics.lease_timeouts == 0
-        await wait_for(lambda: a.stats()["l2_publish_queue"] == 0, what="A let go")
+        await wait_for(
+            lambda: a.stats()["l2_publish_queue"] == b.stats()["l2_publish_queue"] == 0,
+            what="claims let go",
+        )
     assert claims(backend, name) == []
 
 
