@@ -6,6 +6,9 @@ scheduler live in a fourth; veth pairs on a bridge join them (tests/netns.py,
 removed at the end, even on failure). Readers: --readers threads a node, each
 reading every array from its own place in the list, all nodes at once.
 
+issue  the issue's scenario: 16 originals of 12 MP (PNG), one decode slot a node,
+       l2_lease_seconds = 2, 16 readers a node (48 in all) cold at once: decodes, with
+       this branch's daemons and with --baseline's (another checkout, e.g. main)
 cold   3 fresh nodes read the same originals at once, cold, with --cold-workers decode
        slots each and l2_lease_seconds = --lease (the issue's setup): decodes per
        original with claims, without (l2_lease_seconds = 0), and with --baseline's
@@ -70,6 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(S3_ENV)  # the daemons' and workers' credentials, the standard AWS way
     corpus = make_corpus(WORK / f"cluster-crops-{args.count}", args.count)
+    pngs = make_corpus(WORK / "cluster-crops-png-16", 16, "png")
     print(
         f"{os.cpu_count()} cores; Python {platform.python_version()}, Pillow {PIL.__version__}; "
         f"{args.count} originals of 4000x3000 at {args.size}; {args.readers} readers a node; "
@@ -85,6 +89,7 @@ def main() -> None:
         with seaweedfs_running(directory, **where) as server:
             bench = Bench(net, server, corpus, args)
             try:
+                print(bench.issue(pngs), flush=True)
                 bucket, cold = bench.cold()
                 print(cold, flush=True)
                 print(bench.epoch(bucket), flush=True)
@@ -99,12 +104,15 @@ def _load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def make_corpus(directory: Path, count: int) -> Path:
-    """``count`` photo-like 12 MP JPEGs named as make_sample_corpus names them, made by
-    two processes (~0.3 s each after ~3 s per base image); kept between runs."""
+def make_corpus(directory: Path, count: int, extension: str = "jpg") -> Path:
+    """``count`` photo-like 12 MP JPEGs (or PNGs) named as make_sample_corpus names them,
+    made by two processes (~0.3 s each after ~3 s per base image); kept between runs."""
     rng = np.random.default_rng(0)
     names = [_uuid(rng) for _ in range(count)]
-    todo = [(directory / f"batch-{i % 4:02d}" / f"{name}.jpg", i) for i, name in enumerate(names)]
+    todo = [
+        (directory / f"batch-{i % 4:02d}" / f"{name}.{extension}", i)
+        for i, name in enumerate(names)
+    ]
     todo = [(path, i) for path, i in todo if not path.exists()]
     if todo:
         print(f"making {len(todo)} originals under {directory} ...", flush=True)
@@ -160,7 +168,10 @@ def _make_one(job: tuple[Path, int]) -> None:
     path, i = job
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    original(i).save(tmp, format="JPEG", quality=90)
+    if path.suffix == ".png":
+        original(i).save(tmp, format="PNG")
+    else:
+        original(i).save(tmp, format="JPEG", quality=90)
     tmp.rename(path)
 
 
@@ -177,16 +188,17 @@ class Bench:
     def __post_init__(self) -> None:
         self.names = sorted(f"{p.stem}.npy" for p in self.source.rglob("*.jpg"))
         self.mounts: list[BenchMount] = []
-        self.reference: dict[str, str] = {}  # name -> sha256 of the right array
+        # source -> name -> sha256 of the right array
+        self.references: dict[Path, dict[str, str]] = {}
 
     def node(self, name: str, bucket: str | None, code: Path | None = None,
-             **keys: Any) -> BenchMount:  # fmt: skip
+             source: Path | None = None, **keys: Any) -> BenchMount:  # fmt: skip
         """Node ``name``'s daemon (fresh store), started in its namespace."""
         settings: dict[str, Any] = dict(keys)
         if bucket is not None:
             settings |= {"l2": f"s3://{bucket}/decoded", "l2_endpoint": self.server.endpoint}
         mount = BenchMount(
-            self.source, [self.args.size], settings=settings,
+            source or self.source, [self.args.size], settings=settings,
             wrapper=self.net.hosts[name].command(), code=code,
         )  # fmt: skip
         self.mounts.append(mount)
@@ -194,45 +206,49 @@ class Bench:
         return mount
 
     @contextlib.contextmanager
-    def nodes(self, bucket: str | None, code: Path | None = None,
+    def nodes(self, bucket: str | None, code: Path | None = None, source: Path | None = None,
               **keys: Any) -> Iterator[dict[str, BenchMount]]:  # fmt: skip
         started = {}
         try:
             for name in NODES:
-                started[name] = self.node(name, bucket, code, **keys)
+                started[name] = self.node(name, bucket, code, source, **keys)
             yield started
         finally:
             for mount in started.values():
                 mount.remove()
                 self.mounts.remove(mount)
 
-    def start_readers(self, nodes: dict[str, BenchMount]) -> contextlib.AbstractContextManager[
+    def start_readers(self, nodes: dict[str, BenchMount], names: list[str] | None = None,
+                      threads: int | None = None) -> contextlib.AbstractContextManager[
             list[Readers]]:  # fmt: skip
         groups = [(self.net.hosts[n], m.arrays(self.args.size)) for n, m in nodes.items()]
-        return readers(groups, self.names, self.args.readers)
+        return readers(groups, names or self.names, threads or self.args.readers)
 
-    def epoch_at_once(self, nodes: dict[str, BenchMount]) -> dict[str, tuple[float, Digests]]:
+    def epoch_at_once(self, nodes: dict[str, BenchMount], names: list[str] | None = None,
+                      threads: int | None = None) -> dict[str, tuple[float, Digests]]:  # fmt: skip
         """Every node's readers read every array at once: node -> (seconds, digests)."""
-        with self.start_readers(nodes) as started:
+        with self.start_readers(nodes, names, threads) as started:
             for group in started:
                 group.go()
             return {n: g.result(3600) for n, g in zip(nodes, started, strict=True)}
 
-    def right(self, digests: Digests) -> int:
+    def right(self, digests: Digests, source: Path | None = None) -> int:
         """Reads whose bytes equal the right array's."""
-        if not self.reference:
-            self.reference = self._reference(digests)
-        return sum(d == self.reference[n] for n, reads in digests.items() for d in reads)
+        source = source or self.source
+        if source not in self.references:
+            self.references[source] = self._reference(digests, source)
+        reference = self.references[source]
+        return sum(d == reference[n] for n, reads in digests.items() for d in reads)
 
-    def _reference(self, digests: Digests) -> dict[str, str]:
+    def _reference(self, digests: Digests, source: Path) -> dict[str, str]:
         """The arrays of a first epoch, agreed on by every read, with a sample of 8
         checked against the decode function (the rest are compared read to read)."""
         reference = {}
         for name, reads in digests.items():
             assert len(set(reads)) == 1, f"reads of {name} differ"
             reference[name] = reads[0]
-        paths = {p.stem: p for p in self.source.rglob("*.jpg")}
-        for name in self.names[:8]:
+        paths = {p.stem: p for p in source.rglob("*.*")}
+        for name in sorted(reference)[:8]:
             array = npy_bytes(decode_image(paths[name[: -len(".npy")]], self.args.size))
             assert hashlib.sha256(array).hexdigest() == reference[name], name
         return reference
@@ -243,19 +259,54 @@ class Bench:
 
     # -- phases ---------------------------------------------------------------------------
 
+    def issue(self, source: Path) -> str:
+        """The issue's scenario, with this branch's daemons and --baseline's."""
+        names = sorted(f"{p.stem}.npy" for p in source.rglob("*.png"))
+        cases: list[tuple[str, Path | None]] = [("this branch", None)]
+        baseline = self._baseline_label()
+        if baseline is not None:
+            cases.append((baseline, self.args.baseline))
+        rows = []
+        for label, code in cases:
+            keys = {"decode_workers": 1, "l2_lease_seconds": 2}
+            with self.nodes(self.server.bucket(), code, source, **keys) as nodes:
+                started = time.perf_counter()
+                seen = self.epoch_at_once(nodes, names, threads=len(names))
+                seconds = time.perf_counter() - started
+                stats = {name: m.stats() for name, m in nodes.items()}
+            decodes = [stats[name]["decodes"] for name in NODES]
+            right = sum(self.right(digests, source) for _, digests in seen.values())
+            rows.append([
+                label, len(names), " + ".join(map(str, decodes)), sum(decodes),
+                f"**{sum(decodes) / len(names):.2f}**",
+                f"{right} of {len(NODES) * len(names) ** 2}", seconds,
+            ])  # fmt: skip
+        return _table(
+            f"The issue's scenario: {len(names)} originals of 12 MP (PNG), 3 nodes cold at "
+            f"once, {len(names)} readers each, decode_workers = 1, l2_lease_seconds = 2",
+            ["daemons", "originals", "decodes (n0 + n1 + n2)", "decodes", "decodes / original",
+             "reads right", "s"],
+            rows,
+        )  # fmt: skip
+
+    def _baseline_label(self) -> str | None:
+        code = self.args.baseline
+        if code is None:
+            return None
+        return f"{code.name}'s daemons"
+
     def cold(self) -> tuple[str, str]:
         """Three fresh nodes cold at once; the bucket of the first row (now full)."""
         a = self.args
         n = len(self.names)
         rows, full = [], ""
         cases: list[tuple[str, dict[str, Any], Path | None]] = [
-            ("claims (this branch)", {"l2_lease_seconds": a.lease}, None),
-            ("no claims (l2_lease_seconds = 0)", {"l2_lease_seconds": 0}, None),
+            ("this branch (claims)", {"l2_lease_seconds": a.lease}, None),
+            ("this branch, no claims (l2_lease_seconds = 0)", {"l2_lease_seconds": 0}, None),
         ]
-        if a.baseline is not None:
-            cases.append(
-                (f"{a.baseline.name}'s daemons", {"l2_lease_seconds": a.lease}, a.baseline)
-            )
+        baseline = self._baseline_label()
+        if baseline is not None:
+            cases.append((baseline, {"l2_lease_seconds": a.lease}, a.baseline))
         for label, keys, code in cases:
             bucket = self.server.bucket()
             full = full or bucket
