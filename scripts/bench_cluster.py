@@ -33,8 +33,10 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,13 +83,21 @@ def main() -> None:
         flush=True,
     )
     started = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="cluster-", dir=WORK))  # SeaweedFS's, Dask's
+    try:
+        run(scratch, corpus, pngs, args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"load average {_load()} at the end; {time.perf_counter() - started:.0f} s in all")
+
+
+def run(scratch: Path, corpus: Path, pngs: Path, args: argparse.Namespace) -> None:
     with network("dfc", ("s3", *NODES)) as net:
         s3 = net.hosts["s3"]
         within = functools.partial(net.within, "s3")
-        directory = WORK / f"seaweedfs-{os.getpid()}"
         where = {"address": s3.address, "wrapper": s3.command(), "within": within}
-        with seaweedfs_running(directory, **where) as server:
-            bench = Bench(net, server, corpus, args)
+        with seaweedfs_running(scratch / "seaweedfs", **where) as server:
+            bench = Bench(net, server, corpus, args, scratch)
             try:
                 print(bench.issue(pngs), flush=True)
                 bucket, cold = bench.cold()
@@ -97,7 +107,6 @@ def main() -> None:
                 print(bench.warm(), flush=True)
             finally:
                 bench.close()
-    print(f"load average {_load()} at the end; {time.perf_counter() - started:.0f} s in all")
 
 
 def _load() -> str:
@@ -184,6 +193,7 @@ class Bench:
     server: SeaweedFS
     source: Path
     args: argparse.Namespace
+    scratch: Path
 
     def __post_init__(self) -> None:
         self.names = sorted(f"{p.stem}.npy" for p in self.source.rglob("*.jpg"))
@@ -429,7 +439,7 @@ class Bench:
         n = len(self.names)
         hosts = self.net.hosts
         bucket = self.server.bucket()
-        config = WORK / f"cluster-warm-{os.getpid()}.toml"
+        config = self.scratch / "warm.toml"
         config.write_text(
             f'store = "{WORK}/unused"\nl2 = "s3://{bucket}/decoded"\n'
             f'l2_endpoint = "{self.server.endpoint}"\n'
@@ -437,7 +447,7 @@ class Bench:
         )
         workers = [(hosts[name].command(), hosts[name].address) for name in NODES]
         scheduler = (hosts["s3"].command(), hosts["s3"].address)
-        with dask_running(WORK / f"dask-{os.getpid()}", scheduler, workers) as dask:
+        with dask_running(self.scratch / "dask", scheduler, workers) as dask:
             _wait_workers(dask, functools.partial(self.net.within, "s3"))
             started = time.perf_counter()
             command = [*DECODEFS, "warm", "--cluster", dask.address, VERSION]
