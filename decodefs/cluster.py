@@ -7,15 +7,20 @@ layout), else a decode by the engine's own ``decode``, which is then queued
 for publishing. A corrupt object is never served: it is counted, deleted and
 replaced by the next decode's publish (a conditional create, like any other).
 
-Leases: before decoding, a node creates ``.leases/<name>`` (a create that never
-overwrites) holding its expiry; a node that finds a live lease polls for the
-object until the lease expires (at most ``lease_seconds``), then decodes
-itself. The holder publishes, then deletes the lease. Expiries are wall-clock
-times, so nodes' clocks must agree to well within ``lease_seconds`` (NTP).
+Claims (leases.py): a miss that L2 cannot give goes to the engine's decode,
+which calls back (``start``) when the decode can start, its memory and decode
+slot granted; only then does the node claim the array, so a claim covers a
+decode, never a wait in a queue. Where another node's claim is live, no decode
+runs here: the node gives its slot back and polls for the object until that
+claim runs out or is let go, then tries again. The holder renews its claim
+while it decodes and publishes (for at most RENEW_LEASES leases: a hung decode
+lets the others go on), then lets go of it. Expiries are wall-clock times, so
+nodes' clocks must agree to well within ``lease_seconds`` (NTP).
 
 L2 never breaks a read: every call runs in a worker thread under this tier's
-own limiter with a deadline, failures feed a circuit breaker (breaker.py), and
-any failure means a local decode. Publishing happens in background tasks
+own limiter with a deadline that starts once the call has its thread (time
+queued behind other calls is not L2's), failures feed a circuit breaker
+(breaker.py), and any failure means a local decode. Publishing happens in background tasks
 (``run``) from a queue bounded in bytes; a full queue or an unreachable L2
 drops the publish, never delays a reader. Everything here but the worker
 threads runs on the trio thread. This module knows nothing of FUSE or the
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -35,24 +39,28 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Final, TypeVar, cast
 
 import trio
 
+from . import leases
 from .breaker import CircuitBreaker, State
 from .config import L2Config
 from .decode import Fingerprint, npy_file_size, npy_layout_problem
 from .entry import EntryKey, check_entry, encode_trailer
-from .l2 import L2Backend, L2Error, lease_name, object_name
+from .l2 import L2Backend, L2Error, object_name
+from .leases import Claim
 from .metrics import Histogram, LogThrottle
 from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
 
 __all__ = [
     "L2_SECONDS_BUCKETS",
+    "Decode",
     "L2Metrics",
     "L2Tier",
     "L2Unavailable",
     "Obtained",
+    "Start",
     "verify_object",
 ]
 
@@ -62,8 +70,14 @@ T = TypeVar("T")
 L2_SECONDS_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _POLL_FIRST: Final = 0.05  # a waiter's first look for the holder's object, then 1.5x ...
 _POLL_MAX: Final = 0.5  # ... up to this: ~2 requests a second per waiting array
-_LEASE_MAX: Final = 4096  # bytes of a lease object read
-_CLAIM_TRIES: Final = 3  # lease takeovers raced by other nodes before decoding anyway
+_WAITS: Final = 3  # other nodes' claims on one array waited out before decoding it anyway
+RENEW_LEASES: Final = 6  # a claim is renewed for at most this many leases from when taken
+_TAKE_CALLS: Final = 4  # L2 calls a claim makes (leases.take): its deadline is that many
+
+# What the engine gives ``obtain``: ``decode(start)`` awaits ``start()`` (if not None) once
+# its decode can start, and lets whatever that raises pass (then nothing is decoded).
+Start = Callable[[], Awaitable[None]]
+Decode = Callable[[Start | None], Awaitable[bytes]]
 
 
 class L2Unavailable(Exception):
@@ -81,9 +95,10 @@ class L2Metrics:
     hits: int = 0  # arrays fetched from L2 and verified (instead of decoding)
     misses: int = 0  # arrays L2 could not give (absent, bad, unreachable): decoded here
     bypassed: int = 0  # of those, decoded without asking L2 (its breaker was open)
-    leases: int = 0  # leases this node took to decode an array
-    lease_waits: int = 0  # times this node waited for another node's lease
-    lease_timeouts: int = 0  # waits that ran out: this node decoded too
+    leases: int = 0  # claims this node took to decode an array
+    lease_renewals: int = 0  # claims this node renewed while decoding and publishing
+    lease_waits: int = 0  # times this node waited for another node's claim
+    lease_timeouts: int = 0  # waits that ran out (the holder did not publish in time)
     publishes: int = 0  # objects this node created
     publish_exists: int = 0  # publishes that found the object there already
     publish_dropped: int = 0  # publishes given up (queue full, L2 failing)
@@ -91,6 +106,16 @@ class L2Metrics:
     bytes_fetched: int = 0
     errors: Counter[str] = field(default_factory=Counter)  # kind -> count
     fetch_seconds: Histogram = field(default_factory=lambda: Histogram(L2_SECONDS_BUCKETS))
+
+
+@dataclass(eq=False)
+class _Held:
+    """A claim this node holds for a decode, renewed until it is let go."""
+
+    claim: Claim  # the current term (renewing replaces it)
+    taken: float  # wall-clock time
+    renewing: bool = False
+    released: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,12 +126,12 @@ class Obtained:
 
 @dataclass
 class _Job:
-    """On the publish queue: an array to publish and/or a lease to let go."""
+    """On the publish queue: an array to publish and/or a claim to let go of."""
 
     key: EntryKey
     name: str
-    data: bytes | memoryview | None  # None: only let go of the lease
-    lease: str | None
+    data: bytes | memoryview | None  # None: only let go of the claim
+    lease: _Held | None
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +171,9 @@ class L2Tier:
         self._wall = wall
         self._node = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
         self._limiter = trio.CapacityLimiter(settings.workers)
+        # Claims hold a decode slot, renewals a claim about to run out: they never queue
+        # behind fetches and publishes, so they have threads of their own.
+        self._claim_limiter = trio.CapacityLimiter(settings.workers)
         # botocore's own timeouts fire first; this catches what has none (a hung mount).
         self._deadline = 2 * settings.timeout_seconds + 1
         self._breaker = CircuitBreaker(
@@ -154,6 +182,7 @@ class L2Tier:
         self._send, self._receive = trio.open_memory_channel[_Job](math.inf)
         self._queued_bytes = 0  # bounded by settings.publish_queue_bytes
         self._queued = 0
+        self._held: set[_Held] = set()  # renewed by ``run``
         self.metrics = L2Metrics()
         self._throttle = LogThrottle(log)
 
@@ -163,39 +192,45 @@ class L2Tier:
 
     # -- for the engine ---------------------------------------------------------------
 
-    async def obtain(
-        self, key: EntryKey, decode: Callable[[], Awaitable[bytes]], *, publish: bool = True
-    ) -> Obtained:
-        """``key``'s .npy bytes from L2, else from ``decode()`` (then queued for publishing
-        if ``publish``). Raises only what ``decode`` raises."""
+    async def obtain(self, key: EntryKey, decode: Decode, *, publish: bool = True) -> Obtained:
+        """``key``'s .npy bytes from L2, else from ``decode`` (then queued for publishing if
+        ``publish``). Raises only what ``decode`` raises.
+
+        ``decode(start)`` awaits ``start()`` when its decode can start: there this node
+        claims the array, or ``start`` raises (another node holds a live claim, or the
+        array was published meanwhile) and the decode must not run."""
         name = object_name(key, self._fingerprints[key.version].hex)
-        lease: str | None = None
-        payload: memoryview | None = None
         try:
             payload = await self._fetch(key, name)
-            if payload is None and self.settings.lease_seconds > 0:
-                payload, lease = await self._claim(key, name)
         except L2Unavailable as exc:
             self.metrics.bypassed += exc.bypassed
+            return await self._decode(key, name, decode, None, publish)
         if payload is not None:
-            self.metrics.hits += 1
-            return Obtained(payload, decoded=False)
-        self.metrics.misses += 1
-        try:
-            data = await decode()
-        except BaseException:
-            if lease is not None:
-                self._enqueue(_Job(key, name, None, lease))
-            raise
-        if publish or lease is not None:
-            self._enqueue(_Job(key, name, data if publish else None, lease))
-        return Obtained(data, decoded=True)
+            return self._hit(payload)
+        if self.settings.lease_seconds > 0:
+            for _ in range(_WAITS):
+                gate = _Gate(self, key, name)
+                try:
+                    return await self._decode(key, name, decode, gate, publish)
+                except _Published as published:
+                    return self._hit(published.payload)
+                except _Deferred as deferred:
+                    try:
+                        payload = await self._wait(key, name, deferred.claim)
+                    except L2Unavailable:
+                        break
+                    if payload is not None:
+                        return self._hit(payload)
+        return await self._decode(key, name, decode, None, publish)
 
     async def run(self) -> None:
-        """Publish queued arrays until cancelled (a task of the daemon's nursery)."""
+        """Publish queued arrays and renew claims until cancelled (a task of the daemon's
+        nursery)."""
         async with trio.open_nursery() as nursery:
             for _ in range(max(1, self.settings.workers // 2)):
                 nursery.start_soon(self._publisher)
+            if self.settings.lease_seconds > 0:
+                nursery.start_soon(self._renewer, nursery)
 
     def stats(self) -> dict[str, object]:
         m = self.metrics
@@ -207,6 +242,7 @@ class L2Tier:
             "l2_misses": m.misses,
             "l2_bypassed": m.bypassed,
             "l2_leases": m.leases,
+            "l2_lease_renewals": m.lease_renewals,
             "l2_lease_waits": m.lease_waits,
             "l2_lease_timeouts": m.lease_timeouts,
             "l2_publishes": m.publishes,
@@ -225,12 +261,12 @@ class L2Tier:
 
     # -- fetching and leases ----------------------------------------------------------
 
-    async def _fetch(self, key: EntryKey, name: str) -> memoryview | None:
+    async def _fetch(self, key: EntryKey, name: str, *, urgent: bool = False) -> memoryview | None:
         """The verified payload of ``name``; None if there is none or it is bad (then it
         is deleted, unless another format wrote it). Raises L2Unavailable."""
         limit = npy_file_size(key.size) + TRAILER_SIZE
         started = time.perf_counter()
-        data = await self._call(self.backend.get, name, limit)
+        data = await self._call(self.backend.get, name, limit, urgent=urgent)
         self.metrics.fetch_seconds.observe(time.perf_counter() - started)
         if data is None:
             return None
@@ -255,56 +291,126 @@ class L2Tier:
         self.metrics.bytes_fetched += len(data)
         return memoryview(data)[: len(data) - TRAILER_SIZE]
 
-    async def _claim(self, key: EntryKey, name: str) -> tuple[memoryview | None, str | None]:
-        """Take the lease to decode ``key`` (returns None and the lease's name), or wait
-        for the node holding it to publish (returns the payload, or None when the wait
-        ran out). Raises L2Unavailable only while holding no lease."""
-        lease = lease_name(name)
-        for _ in range(_CLAIM_TRIES):
-            expires = self._wall() + self.settings.lease_seconds
-            body = json.dumps({"holder": self._node, "expires": expires}).encode()
-            if await self._call(self.backend.create, lease, body):
-                self.metrics.leases += 1
-                try:
-                    # The holder before us may have published and let go in between.
-                    payload = await self._fetch(key, name)
-                except L2Unavailable:
-                    return None, lease
-                if payload is None:
-                    return None, lease
-                self._enqueue(_Job(key, name, None, lease))
-                return payload, None
-            held = await self._call(self.backend.get, lease, _LEASE_MAX)
-            if held is None:  # let go meanwhile: its array may be there now
-                payload = await self._fetch(key, name)
-                if payload is not None:
-                    return payload, None
-                continue
-            until = _lease_expiry(held)
-            if until is None or until <= self._wall():
-                log.info("L2 lease %s expired (%s); taking it over", lease, held[:200])
-                await self._call(self.backend.delete, lease)
-                continue
-            return await self._wait(key, name, lease, until), None
-        return None, None
+    def _hit(self, payload: memoryview) -> Obtained:
+        self.metrics.hits += 1
+        return Obtained(payload, decoded=False)
 
-    async def _wait(self, key: EntryKey, name: str, lease: str, until: float) -> memoryview | None:
-        """Poll for the object another node holds the lease for, until the lease expires."""
+    async def _decode(
+        self, key: EntryKey, name: str, decode: Decode, gate: _Gate | None, publish: bool
+    ) -> Obtained:
+        """``decode``, claimed through ``gate`` (None: without a claim); queues the publish
+        and lets go of the claim."""
+        try:
+            data = await decode(None if gate is None else gate.start)
+        except (_Deferred, _Published):
+            raise
+        except BaseException:
+            self.metrics.misses += 1
+            if gate is not None and gate.claim is not None:
+                self._enqueue(_Job(key, name, None, gate.claim))
+            raise
+        self.metrics.misses += 1
+        claim = None if gate is None else gate.claim
+        if publish or claim is not None:
+            self._enqueue(_Job(key, name, data if publish else None, claim))
+        return Obtained(data, decoded=True)
+
+    async def _claim(self, gate: _Gate) -> None:
+        """The decode can start: claim the array for it (``gate.claim``), or raise _Deferred
+        (another node's claim is live) or _Published (the array is there now). Without
+        an answer from L2, or after lost races, the decode goes ahead unclaimed."""
+        try:
+            claim = await self._call(
+                leases.take,
+                self.backend,
+                gate.name,
+                self._node,
+                self._wall(),
+                self.settings.lease_seconds,
+                calls=_TAKE_CALLS,
+                urgent=True,
+            )
+        except L2Unavailable as exc:
+            self.metrics.bypassed += exc.bypassed
+            return
+        if claim is None:
+            log.info(
+                "other nodes won %d claims of %s in a row; decoding it", leases.TRIES, gate.name
+            )
+            return
+        if claim.holder != self._node:
+            raise _Deferred(claim)
+        self.metrics.leases += 1
+        held = gate.claim = _Held(claim, self._wall())
+        self._held.add(held)
+        try:
+            # The holder before us may have published and let go just before.
+            payload = await self._fetch(gate.key, gate.name, urgent=True)
+        except L2Unavailable:
+            return
+        if payload is not None:
+            gate.claim = None
+            self._enqueue(_Job(gate.key, gate.name, None, held))
+            raise _Published(payload)
+
+    async def _wait(self, key: EntryKey, name: str, claim: Claim) -> memoryview | None:
+        """Poll for the array another node's ``claim`` covers, following its renewals,
+        until it runs out or is let go: the payload, or None (then try to claim it).
+        Raises L2Unavailable."""
         self.metrics.lease_waits += 1
-        deadline = self._clock() + min(until - self._wall(), self.settings.lease_seconds)
+        lease = self.settings.lease_seconds
+        give_up = self._clock() + RENEW_LEASES * lease  # a holder renews no longer
+        deadline = self._clock() + min(claim.expires - self._wall(), lease)
         interval = _POLL_FIRST
-        while (remaining := deadline - self._clock()) > 0:
+        while (remaining := min(deadline, give_up) - self._clock()) > 0:
             await trio.sleep(min(interval, remaining))
             interval = min(interval * 1.5, _POLL_MAX)
             payload = await self._fetch(key, name)
             if payload is not None:
                 return payload
-            if await self._call(self.backend.size, lease) is None:
-                # Let go: published just before (look once more), or its decode failed.
-                return await self._fetch(key, name)
+            if await self._call(self.backend.size, claim.name) is None:
+                # Renewed under the next term, or let go: after publishing (look once
+                # more: a holder publishes before it lets go), or its decode failed.
+                renewed = await self._call(leases.current, self.backend, name, self._wall())
+                if renewed is None or renewed.holder == self._node:
+                    return await self._fetch(key, name)
+                claim = renewed
+                deadline = self._clock() + min(claim.expires - self._wall(), lease)
         self.metrics.lease_timeouts += 1
-        log.info("another node's lease on %s ran out before it published; decoding it here", name)
+        log.info("claim %s ran out before its holder published; claiming it here", claim.name)
         return None
+
+    async def _renewer(self, nursery: trio.Nursery) -> None:
+        """Renew the claims this node holds once half their lease has passed."""
+        lease = self.settings.lease_seconds
+        while True:
+            await trio.sleep(lease / 4)
+            now = self._wall()
+            for held in self._held:
+                if held.renewing or held.claim.expires - now > lease / 2:
+                    continue
+                if now - held.taken < RENEW_LEASES * lease:
+                    held.renewing = True
+                    nursery.start_soon(self._renew, held)
+
+    async def _renew(self, held: _Held) -> None:
+        lease = self.settings.lease_seconds
+        try:
+            args = (self.backend, held.claim, self._wall(), lease)
+            claim = await self._call(leases.renew, *args, calls=_TAKE_CALLS, urgent=True)
+        except L2Unavailable:
+            return  # tried again at the next tick, until it runs out
+        finally:
+            held.renewing = False
+        if claim is None:
+            self._held.discard(held)
+            log.info("claim %s ran out and was taken over while decoding", held.claim.name)
+        elif held.released:  # let go of while this renewal ran: the new term too
+            with contextlib.suppress(L2Unavailable):
+                await self._call(leases.release, self.backend, claim)
+        else:
+            held.claim = claim
+            self.metrics.lease_renewals += 1
 
     # -- publishing -------------------------------------------------------------------
 
@@ -347,8 +453,11 @@ class L2Tier:
                 self.metrics.publishes += created
                 self.metrics.publish_exists += not created
         if job.lease is not None:
-            with contextlib.suppress(L2Unavailable):  # else it expires
-                await self._call(self.backend.delete, job.lease)
+            held = job.lease
+            held.released = True
+            self._held.discard(held)
+            with contextlib.suppress(L2Unavailable):  # else it runs out
+                await self._call(leases.release, self.backend, held.claim)
 
     def _entry(self, key: EntryKey, payload: bytes | memoryview) -> bytes:
         """The object for ``payload``: the store entry, trailer included."""
@@ -357,29 +466,43 @@ class L2Tier:
 
     # -- calls --------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` in a worker thread, within the deadline; raises L2Unavailable
-        for any failure (counted, and told to the breaker)."""
-        if not self._breaker.allow():
-            raise L2Unavailable(bypassed=True)
+    async def _call(
+        self, fn: Callable[..., T], *args: object, calls: int = 1, urgent: bool = False
+    ) -> T:
+        """``fn(*args)`` in a worker thread (an ``urgent`` one: for claims), within ``calls``
+        deadlines counted from when it has its thread; raises L2Unavailable for any
+        failure (counted, and told to the breaker). Waiting for a thread behind other
+        calls is not L2's time: it counts toward neither the deadline nor the breaker."""
+        if self._breaker.state == "open" and self._breaker.retry_in > 0:
+            raise L2Unavailable(bypassed=True)  # no need to queue to learn that
+        slot = _Slot(self._claim_limiter if urgent else self._limiter)
+        await slot.take()
         try:
-            with trio.fail_after(self._deadline):
-                result = await trio.to_thread.run_sync(
-                    functools.partial(fn, *args), limiter=self._limiter, abandon_on_cancel=True
-                )
-        except trio.TooSlowError:
-            self._failed("deadline", f"no answer in {self._deadline:g} s")
-            raise L2Unavailable() from None
-        except L2Error as exc:
-            self._failed(exc.kind, str(exc))
-            raise L2Unavailable() from exc
-        except Exception as exc:
-            log.exception("unexpected error in an L2 call")
-            self._failed("unexpected", repr(exc))
-            raise L2Unavailable() from exc
-        except BaseException:
-            self._breaker.abandon()
-            raise
+            if not self._breaker.allow():  # it may have opened while this call queued
+                raise L2Unavailable(bypassed=True)
+            try:
+                with trio.fail_after(calls * self._deadline):
+                    result = await trio.to_thread.run_sync(
+                        functools.partial(fn, *args),
+                        # trio takes any object with a CapacityLimiter's two methods.
+                        limiter=cast(trio.CapacityLimiter, slot),
+                        abandon_on_cancel=True,
+                    )
+            except trio.TooSlowError:
+                self._failed("deadline", f"no answer in {calls * self._deadline:g} s")
+                raise L2Unavailable() from None
+            except L2Error as exc:
+                self._failed(exc.kind, str(exc))
+                raise L2Unavailable() from exc
+            except Exception as exc:
+                log.exception("unexpected error in an L2 call")
+                self._failed("unexpected", repr(exc))
+                raise L2Unavailable() from exc
+            except BaseException:
+                self._breaker.abandon()
+                raise
+        finally:
+            slot.give_back()
         self._breaker.success()
         return result
 
@@ -402,10 +525,54 @@ class L2Tier:
         )
 
 
-def _lease_expiry(data: bytes) -> float | None:
-    try:
-        value = json.loads(data)
-        expires = float(value["expires"])
-    except (ValueError, KeyError, TypeError):
-        return None
-    return expires if math.isfinite(expires) else None
+class _Gate:
+    """One try at decoding an array: the engine calls ``start`` when the decode can start."""
+
+    def __init__(self, tier: L2Tier, key: EntryKey, name: str) -> None:
+        self._tier = tier
+        self.key = key
+        self.name = name
+        self.claim: _Held | None = None  # taken by this node for this decode
+
+    async def start(self) -> None:
+        await self._tier._claim(self)
+
+
+class _Deferred(Exception):
+    """Raised through the engine's decode: another node's claim is live (no decode runs)."""
+
+    def __init__(self, claim: Claim) -> None:
+        super().__init__(claim.name)
+        self.claim = claim
+
+
+class _Published(Exception):
+    """Raised through the engine's decode: the array is in L2 now (no decode runs)."""
+
+    def __init__(self, payload: memoryview) -> None:
+        super().__init__("published meanwhile")
+        self.payload = payload
+
+
+class _Slot:
+    """One of the tier's threads, taken before a call's deadline starts. trio's
+    ``to_thread.run_sync`` takes it as its limiter and gives it back when the thread
+    ends, an abandoned one too, so hung calls still count against ``l2_workers``."""
+
+    def __init__(self, limiter: trio.CapacityLimiter) -> None:
+        self._limiter = limiter
+        self._handed = False  # to trio: it gives the slot back
+
+    async def take(self) -> None:
+        await self._limiter.acquire_on_behalf_of(self)
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        self._handed = True  # taken already: the thread may start
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._limiter.release_on_behalf_of(self)
+
+    def give_back(self) -> None:
+        """After the call: give the slot back, unless trio has it (to give back itself)."""
+        if not self._handed:
+            self._limiter.release_on_behalf_of(self)

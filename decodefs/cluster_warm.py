@@ -3,38 +3,58 @@
 The client indexes the version's originals and splits the uuids into batches;
 each worker decodes its batch with ``decode_image`` and publishes the entries
 straight to L2 (a create that never overwrites), skipping what L2 already
-holds, so a warm run again resumes. Workers need the originals at the same
-paths and the L2 (its credentials the standard AWS way), not a mount. A worker
-whose Pillow or codecs decode differently from the client's refuses to
-publish (its arrays would land under another fingerprint, where no node
-looks). Dask is an optional extra (``decodefs[cluster]``): only this module
-imports it, and only when called.
+holds, so a warm run again resumes. A worker claims each array before decoding
+it, as nodes do (leases.py): an array a node is decoding is left for later and
+then found published, so a warm racing with readers decodes each array once.
+It renews a claim while it decodes, and never removes an object but one it has
+just read and found bad. Workers need the originals at the same paths and the L2
+(its credentials the standard AWS way), not a mount. A worker whose Pillow or
+codecs decode differently from the client's refuses to publish (its arrays would
+land under another fingerprint, where no node looks). Dask is an optional extra
+(``decodefs[cluster]``): only this module imports it, and only when called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
+import os
+import secrets
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from tqdm import tqdm
 
+from . import leases
+from .cluster import RENEW_LEASES, verify_object
 from .config import Config, L2Config
 from .decode import DecodeError, DecodeSettings, decode_image, decoder_fingerprint, npy_bytes
 from .decode import npy_file_size as _npy_file_size
 from .entry import EntryKey, encode_trailer
 from .l2 import L2Backend, L2Error, object_name, open_backend
+from .leases import Claim
 from .protocol import TRAILER_SIZE
 from .source import OriginalMissing, scan_source
 
-__all__ = ["BatchResult", "ClusterWarmReport", "WarmSpec", "cluster_warm", "warm_batch"]
+__all__ = [
+    "BatchResult",
+    "ClusterWarmReport",
+    "WarmSpec",
+    "cluster_warm",
+    "publish_entry",
+    "warm_batch",
+]
 
 _BATCH_MAX: Final = 32  # arrays a task decodes: small enough for a lively progress bar
+_WAITS: Final = 3  # nodes' claims on one array waited out before decoding it anyway
+_POLL_FIRST: Final = 0.05  # a pause when every array left is claimed by nodes, then 1.5x ...
+_POLL_MAX: Final = 0.5  # ... up to this
 
 
 @dataclass(frozen=True)
@@ -53,7 +73,7 @@ class WarmSpec:
 @dataclass
 class BatchResult:
     decoded: int = 0  # decoded and published (or found published meanwhile)
-    skipped: int = 0  # L2 held them already
+    skipped: int = 0  # L2 held them already (or a node published them while claimed)
     failed: dict[str, str] = field(default_factory=dict)  # uuid -> reason
 
 
@@ -78,7 +98,8 @@ class SchedulerUnreachable(Exception):
 
 
 def warm_batch(spec: WarmSpec, items: Sequence[tuple[str, str]]) -> BatchResult:
-    """On a worker: decode and publish each (uuid, path) that L2 does not hold yet."""
+    """On a worker: decode and publish each (uuid, path) that L2 does not hold yet. An
+    array a node has claimed is left for later in the batch, and looked at again."""
     result = BatchResult()
     fingerprint = decoder_fingerprint(spec.settings, keys=spec.layout)
     if fingerprint.hex != spec.fingerprint_hex:
@@ -88,31 +109,131 @@ def warm_batch(spec: WarmSpec, items: Sequence[tuple[str, str]]) -> BatchResult:
         )
         result.failed = {uuid: reason for uuid, _ in items}
         return result
-    backend = _backend(spec.l2)
-    expected = _npy_file_size(spec.size) + TRAILER_SIZE
-    for uuid, path in items:
-        key = EntryKey(spec.version, spec.size, uuid)
-        name = object_name(key, fingerprint.hex)
-        try:
-            if backend.size(name) == expected:  # daemons verify it when they fetch it
-                result.skipped += 1
-                continue
+    worker = _Worker(spec, _backend(spec.l2), fingerprint.hex, fingerprint.digest)
+    todo = list(items)
+    seen: dict[str, list[str]] = {}  # uuid -> the nodes' claims it waited for
+    pause = _POLL_FIRST
+    while todo:
+        later = []
+        for uuid, path in todo:
             try:
-                array = decode_image(path, spec.size, spec.settings, max_pixels=spec.max_pixels)
+                claim = worker.warm(uuid, path, result, claim=len(seen.get(uuid, ())) < _WAITS)
+            except L2Error as exc:
+                result.failed[uuid] = f"L2 {spec.l2.url}: {exc}"
+                continue
+            if claim is not None:  # a node decodes it: look again after the others
+                waited = seen.setdefault(uuid, [])
+                if claim.name not in waited:
+                    waited.append(claim.name)
+                later.append((uuid, path))
+        if later and len(later) == len(todo):  # nothing else to do meanwhile
+            time.sleep(pause)
+            pause = min(pause * 1.5, _POLL_MAX)
+        else:
+            pause = _POLL_FIRST
+        todo = later
+    return result
+
+
+class _Worker:
+    """One worker's view of L2 for a warm: claims under its own name."""
+
+    def __init__(
+        self, spec: WarmSpec, backend: L2Backend, fingerprint_hex: str, digest: bytes
+    ) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.hex = fingerprint_hex
+        self.digest = digest
+        self.holder = f"warm:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.expected = _npy_file_size(spec.size) + TRAILER_SIZE
+
+    def warm(self, uuid: str, path: str, result: BatchResult, *, claim: bool) -> Claim | None:
+        """Warm one array (counted in ``result``); another node's live claim on it, if it
+        has one (then nothing was done). ``claim``: False once enough were waited out."""
+        key = EntryKey(self.spec.version, self.spec.size, uuid)
+        name = object_name(key, self.hex)
+        if self.backend.size(name) == self.expected:  # nodes verify it when they fetch it
+            result.skipped += 1
+            return None
+        mine = None
+        if claim and self.spec.l2.lease_seconds > 0:
+            found = leases.take(
+                self.backend, name, self.holder, time.time(), self.spec.l2.lease_seconds
+            )
+            if found is not None and found.holder != self.holder:
+                return found
+            mine = found
+        with self._renewed(mine):
+            if mine is not None and self.backend.size(name) == self.expected:
+                result.skipped += 1  # published and let go just before we claimed
+                return None
+            try:
+                array = decode_image(
+                    path, self.spec.size, self.spec.settings, max_pixels=self.spec.max_pixels
+                )
             except DecodeError as exc:
                 result.failed[uuid] = f"{path}: {exc.reason}"
-                continue
+                return None
             except OSError as exc:
                 result.failed[uuid] = f"{path}: {exc.strerror or exc}"
-                continue
+                return None
             payload = npy_bytes(array)
-            if backend.size(name) is not None:
-                backend.delete(name)  # of the wrong length: verified bad
-            backend.create(name, payload + encode_trailer(key, payload, fingerprint.digest))
+            entry = payload + encode_trailer(key, payload, self.digest)
+            publish_entry(self.backend, key, name, entry, self.digest)
             result.decoded += 1
-        except L2Error as exc:
-            result.failed[uuid] = f"L2 {spec.l2.url}: {exc}"
-    return result
+            return None
+
+    @contextlib.contextmanager
+    def _renewed(self, claim: Claim | None) -> Iterator[None]:
+        """While the body runs, renew ``claim`` (ours) as the tier does (cluster.py), from
+        a thread; then let go of it."""
+        if claim is None:
+            yield
+            return
+        held, stop, lease = [claim], threading.Event(), self.spec.l2.lease_seconds
+        taken = claim.expires - lease
+
+        def renew() -> None:
+            while not stop.wait(lease / 4):
+                now = time.time()
+                if now - taken >= RENEW_LEASES * lease:
+                    return  # a hung decode: let the nodes go on
+                if held[0].expires - now > lease / 2:
+                    continue
+                try:
+                    renewed = leases.renew(self.backend, held[0], now, lease)
+                except L2Error:
+                    continue  # tried again, until it runs out
+                if renewed is None:
+                    return  # taken over: it ran out
+                held[0] = renewed
+
+        renewer = threading.Thread(target=renew, name="decodefs-warm-renew", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            renewer.join()  # a renewal under way ends first: it is the term let go of
+            leases.release(self.backend, held[0])
+
+
+def publish_entry(
+    backend: L2Backend, key: EntryKey, name: str, entry: bytes, digest: bytes
+) -> Literal["created", "kept", "replaced"]:
+    """Create the object ``name`` holding ``entry`` (``key``'s). One there already is
+    replaced only if it is read now and found bad: a good one (another node's publish)
+    or another decodefs format's is kept."""
+    if backend.create(name, entry):
+        return "created"
+    there = backend.get(name, len(entry))
+    if there is not None:
+        problem, foreign = verify_object(key, there, digest)
+        if problem is None or foreign:
+            return "kept"
+        backend.delete(name)
+    return "replaced" if backend.create(name, entry) else "kept"
 
 
 def _probe(address: str) -> None:

@@ -43,7 +43,7 @@ from typing import Final, TypeVar
 import cachetools
 import trio
 
-from .cluster import L2Tier
+from .cluster import L2Tier, Start
 from .config import Config
 from .decode import (
     DecodeError,
@@ -153,6 +153,7 @@ class _Flight:
     outcome: _Outcome | None = None
     error: Exception | None = None
     job: Job[tuple[bytes, float]] | None = None  # a warm decode, which a reader may boost
+    boosted: bool = False  # a reader waits for it (a warm decode not yet submitted too)
     waiters: int = 0  # openers waiting for the outcome, each to get its own hold
 
 
@@ -200,6 +201,8 @@ class Engine:
         # Decode threads are capped by _decode_limiter; their trio limiter must not cap them again.
         self._pool_threads = trio.CapacityLimiter(math.inf)
         self._warm_pool = LowPriorityPool(config.decode_workers)
+        # As many as the pool's threads: a warm decode submitted starts at once.
+        self._warm_slots = trio.CapacityLimiter(config.decode_workers)
         self._warm_stopped = False
         self._read_limiter = trio.CapacityLimiter(config.io_workers)
         self._write_limiter = trio.CapacityLimiter(config.io_workers)
@@ -631,8 +634,10 @@ class Engine:
                 flight = await self._fly(key, index, purpose, may_store=may_store)
             else:
                 self.metrics.coalesced += reading
-                if reading and flight.job is not None:
-                    flight.job.boost()  # a reader now waits for this warm decode
+                if reading:
+                    flight.boosted = True  # a reader now waits for this warm decode
+                    if flight.job is not None:
+                        flight.job.boost()
                 flight.waiters += 1
                 try:
                     await flight.done.wait()
@@ -781,10 +786,11 @@ class Engine:
         self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool
     ) -> tuple[bytes | memoryview, bool]:
         """The array's .npy bytes, and whether they were decoded here: from the cluster's
-        L2 when it has them (cluster.py: verified, else decoded here and published)."""
-        decode = functools.partial(self._decode, key, index, purpose, flight)
+        L2 when it has them (cluster.py: verified, else decoded here and published). The
+        tier claims the array when the decode can start (``_decode``'s ``start``)."""
         if self.l2 is None:
-            return await decode(), True
+            return await self._decode(key, index, purpose, flight), True
+        decode = functools.partial(self._decode, key, index, purpose, flight)
         obtained = await self.l2.obtain(key, decode, publish=may_store)
         return obtained.data, obtained.decoded
 
@@ -804,7 +810,16 @@ class Engine:
             return problem
         return checked
 
-    async def _decode(self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight) -> bytes:
+    async def _decode(
+        self,
+        key: EntryKey,
+        index: int,
+        purpose: Purpose,
+        flight: _Flight,
+        start: Start | None = None,
+    ) -> bytes:
+        """Decode ``key``; ``start`` (the cluster tier's claim) is awaited once the decode
+        has its memory and its slot, and what it raises passes (no decode then)."""
         source = self._sources[key.version]
         settings = self.config.versions[key.version].decode
         max_pixels = self.config.max_pixels
@@ -826,10 +841,15 @@ class Engine:
             granted = await self.decode_memory.acquire(peak)  # a bigger one runs alone
             try:
                 if purpose is Purpose.READ:
-                    data, seconds = await self._run_decode(work)
+                    data, seconds = await self._run_decode(work, start)
                 else:
-                    flight.job = self._warm_pool.submit(work)
-                    data, seconds = await flight.job.wait()
+                    async with self._warm_slots:
+                        if start is not None:
+                            await start()
+                        flight.job = self._warm_pool.submit(work)
+                        if flight.boosted:
+                            flight.job.boost()
+                        data, seconds = await flight.job.wait()
             finally:
                 self.decode_memory.release(granted)
         except OriginalMissing as exc:
@@ -863,14 +883,17 @@ class Engine:
         log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
         return data
 
-    async def _run_decode(self, work: Callable[[], T]) -> T:
-        """Run a reader's ``work`` in the decode pool, counting it as queued, then running."""
+    async def _run_decode(self, work: Callable[[], T], start: Start | None = None) -> T:
+        """Run a reader's ``work`` in the decode pool, counting it as queued, then running;
+        ``start`` is awaited once it has its slot."""
         self.metrics.queued_decodes += 1
         queued = True
         try:
             async with self._decode_limiter:
                 self.metrics.queued_decodes -= 1
                 queued = False
+                if start is not None:
+                    await start()
                 self.metrics.inflight_decodes += 1
                 try:
                     return await self._in_thread(self._pool_threads, work)

@@ -1,5 +1,5 @@
 """The cluster's second tier (L2) as blocking storage: objects named by key, created
-without ever overwriting, read, and deleted.
+without ever overwriting, read, listed by prefix, and deleted.
 
 Two backends: an S3-compatible bucket (boto3, conditional ``If-None-Match: *``
 puts) and a directory on a shared POSIX filesystem (a temp file in the same
@@ -8,7 +8,7 @@ directory, then ``link``, which never replaces). Objects are store entries
 fingerprint::
 
     <prefix>/<version>/<fingerprint hex>/<size>/<shard>/<file name>    an array
-    <prefix>/.leases/<the same name>                                   a lease
+    <prefix>/.leases/<the same name>@<term>                            a claim (leases.py)
 
 where ``<size>/<shard>/<file name>`` is the tail of ``EntryKey.relpath`` (for a
 uuid: ``<size>/<uuid[:2]>/<uuid>.npy``). Every call blocks: the caller runs
@@ -41,7 +41,6 @@ __all__ = [
     "L2Backend",
     "L2Error",
     "PosixL2",
-    "lease_name",
     "object_name",
     "open_backend",
 ]
@@ -64,10 +63,6 @@ def object_name(key: EntryKey, fingerprint_hex: str) -> str:
     return f"{key.version}/{fingerprint_hex}/{tail}"
 
 
-def lease_name(name: str) -> str:
-    return f"{LEASES}/{name}"
-
-
 class L2Backend(Protocol):
     """Blocking, thread-safe object storage. Names are relative, ``/``-separated."""
 
@@ -86,6 +81,11 @@ class L2Backend(Protocol):
     def create(self, name: str, data: bytes | memoryview) -> bool:
         """Create the object unless one exists: True if this call created it. Never
         replaces an existing object, even one created at the same instant."""
+        ...
+
+    def list(self, prefix: str, limit: int) -> list[str]:
+        """Names of objects that begin with ``prefix`` (at most ``limit`` of them; on a
+        shared directory, only those in the directory ``prefix`` names)."""
         ...
 
     def delete(self, name: str) -> None:
@@ -176,6 +176,14 @@ class S3L2:
                     return False
                 raise
             return True
+
+    def list(self, prefix: str, limit: int) -> list[str]:
+        with _s3_errors():
+            response = self._s3.list_objects_v2(
+                Bucket=self.bucket, Prefix=self._key(prefix), MaxKeys=limit
+            )
+        skip = len(self._key(""))
+        return [str(item["Key"])[skip:] for item in response.get("Contents", [])]
 
     def delete(self, name: str) -> None:
         with _s3_errors():
@@ -300,6 +308,25 @@ class PosixL2:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=parent)
                 os.close(parent)
+
+    def list(self, prefix: str, limit: int) -> list[str]:
+        with _os_errors():
+            parent, start = self._parent(prefix, create=False)
+            if parent is None:
+                return []
+            directory = prefix[: len(prefix) - len(start)]
+            found: list[str] = []
+            try:
+                with os.scandir(parent) as entries:
+                    for entry in entries:
+                        if len(found) >= limit:
+                            break
+                        # Not a temp file of a create under way (it begins with ".").
+                        if entry.name.startswith(start) and entry.is_file(follow_symlinks=False):
+                            found.append(directory + entry.name)
+            finally:
+                os.close(parent)
+            return sorted(found)
 
     def delete(self, name: str) -> None:
         with _os_errors():

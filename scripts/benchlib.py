@@ -33,9 +33,15 @@ class BenchMount:
         store: Path | None = None,
         settings: Mapping[str, object] | None = None,
         version_settings: Mapping[str, object] | None = None,
+        wrapper: Sequence[str] = (),
+        code: Path | None = None,
     ) -> None:
-        """``settings``: top-level config keys; ``version_settings``: keys of the version."""
+        """``settings``: top-level config keys; ``version_settings``: keys of the version;
+        ``wrapper``: what the mount command runs under (e.g. nsenter into a network
+        namespace); ``code``: another checkout whose decodefs the daemon runs."""
         WORK.mkdir(parents=True, exist_ok=True)
+        self.wrapper = list(wrapper)
+        self.code = code
         self.directory = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
         self.mountpoint = self.directory / "mnt"
         self.mountpoint.mkdir()
@@ -52,9 +58,14 @@ class BenchMount:
     def mount(self) -> None:
         log = self.directory / "daemon.log"
         subprocess.run(
-            [*DECODEFS, "mount", self.mountpoint, "--config", self.config, "--log-file", log],
+            [
+                *self.wrapper,
+                *DECODEFS,
+                *("mount", self.mountpoint, "--config", self.config, "--log-file", log),
+            ],
             check=True,
             stdout=subprocess.DEVNULL,
+            cwd=self.code,  # `python -m` looks in the working directory first
         )
 
     def unmount(self) -> None:

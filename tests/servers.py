@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -31,6 +31,7 @@ S3_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 START_TIMEOUT = 60.0
+T = TypeVar("T")
 
 
 def tool(name: str) -> str:
@@ -117,25 +118,35 @@ def _stop(process: subprocess.Popen[bytes], timeout: float = 15) -> None:
 # -- SeaweedFS ----------------------------------------------------------------------
 
 
+def _here(fn: Callable[[], T]) -> T:
+    return fn()
+
+
 @dataclass
 class SeaweedFS:
-    """``weed mini`` on loopback: S3 at ``endpoint``."""
+    """``weed mini``: S3 at ``endpoint``. On loopback, or at ``address`` in a network
+    namespace (``wrapper`` starts it there; ``within`` runs this process's client
+    calls where it can be reached: tests/netns.py)."""
 
     directory: Path
     process: subprocess.Popen[bytes] | None = None
     endpoint: str = ""
+    address: str = "127.0.0.1"
+    wrapper: list[str] = field(default_factory=list)
+    within: Callable[[Callable[[], Any]], Any] = _here
     _buckets: set[str] = field(default_factory=set)
 
     def start(self) -> SeaweedFS:
         self.directory.mkdir(parents=True, exist_ok=True)
         base = free_port_block(10, offset=10000)  # weed's gRPC ports are its HTTP ports + 10000
-        self.endpoint = f"http://127.0.0.1:{base + 3}"
+        self.endpoint = f"http://{self.address}:{base + 3}"
         command = [
+            *self.wrapper,
             tool("weed"),
             "mini",
             f"-dir={self.directory}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.address}",
+            f"-ip.bind={self.address}",
             "-admin.ui=false",
             "-master.telemetry=false",  # no traffic off this machine
             f"-master.port={base}",
@@ -185,18 +196,23 @@ class SeaweedFS:
         """A new bucket (a fresh name each call unless given); its name."""
         name = name or f"l2-{secrets.token_hex(4)}"
         if name not in self._buckets:
-            self.client().create_bucket(Bucket=name)
+            self.within(lambda: self.client().create_bucket(Bucket=name))
             self._buckets.add(name)
         return name
 
     def objects(self, bucket: str, prefix: str = "") -> dict[str, int]:
         """key -> size of every object under ``prefix``."""
-        found: dict[str, int] = {}
-        paginator = self.client().get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                found[item["Key"]] = item["Size"]
-        return found
+
+        def listing() -> dict[str, int]:
+            found: dict[str, int] = {}
+            paginator = self.client().get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    found[item["Key"]] = item["Size"]
+            return found
+
+        result: dict[str, int] = self.within(listing)
+        return result
 
     def pause(self) -> None:
         assert self.process is not None
@@ -211,7 +227,7 @@ class SeaweedFS:
         if self.process.poll() is not None:
             raise AssertionError(f"weed exited with {self.process.returncode}:\n{self.log_tail()}")
         try:
-            self.client(timeout=2).list_buckets()
+            self.within(lambda: self.client(timeout=2).list_buckets())
         except Exception:
             return False
         return True
@@ -229,8 +245,9 @@ class SeaweedFS:
 
 
 @contextlib.contextmanager
-def seaweedfs_running(directory: Path) -> Iterator[SeaweedFS]:
-    server = SeaweedFS(directory)
+def seaweedfs_running(directory: Path, **where: Any) -> Iterator[SeaweedFS]:
+    """A SeaweedFS (``where``: its address, wrapper and within), always stopped."""
+    server = SeaweedFS(directory, **where)
     try:
         yield server.start()
     finally:
@@ -364,3 +381,68 @@ def juicefs(seaweed: SeaweedFS, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield volume.start()
     finally:
         volume.stop()
+
+
+# -- Dask ------------------------------------------------------------------------------
+
+
+@dataclass
+class Dask:
+    """A Dask scheduler and workers (one process, one thread each), every one started
+    through its own wrapper (a network namespace: tests/netns.py) with the AWS
+    credentials in its environment: ``decodefs warm --cluster`` runs on them."""
+
+    directory: Path
+    address: str = ""
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, scheduler: tuple[list[str], str], workers: list[tuple[list[str], str]]) -> Dask:
+        """``scheduler``: (wrapper, host address); ``workers``: one (wrapper, address) each."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        wrapper, host = scheduler
+        port = free_port_block(1)
+        self.address = f"tcp://{host}:{port}"
+        dask = [str(Path(sys.executable).parent / "dask")]
+        env = {**os.environ, **S3_ENV}
+        command = [*wrapper, *dask, "scheduler", "--host", host, "--port", str(port)]
+        self._spawn([*command, "--no-dashboard"], "scheduler", env)
+        for i, (wrapper, host) in enumerate(workers):
+            command = [*wrapper, *dask, "worker", self.address, "--host", host, "--no-nanny"]
+            command += ["--nthreads", "1", "--no-dashboard", "--memory-limit", "0"]
+            command += ["--local-directory", str(self.directory / f"worker-{i}")]
+            self._spawn(command, f"worker-{i}", env)
+        return self
+
+    def _spawn(self, command: list[str], name: str, env: dict[str, str]) -> None:
+        self.processes.append(_start(command, self.directory / f"{name}.log", env=env))
+
+    def workers(self, within: Callable[[Callable[[], Any]], Any]) -> int:
+        """How many workers the scheduler has (asked ``within`` where it can be reached)."""
+        from distributed import Client
+
+        def count() -> int:
+            with Client(self.address, timeout="10s") as client:  # type: ignore[no-untyped-call]
+                return len(client.scheduler_info()["workers"])
+
+        return int(within(count))
+
+    def log_tail(self) -> str:
+        return "\n".join(
+            f"{log.name}: " + "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+            for log in sorted(self.directory.glob("*.log"))
+        )
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):  # workers first
+            _stop(process, timeout=10)
+
+
+@contextlib.contextmanager
+def dask_running(
+    directory: Path, scheduler: tuple[list[str], str], workers: list[tuple[list[str], str]]
+) -> Iterator[Dask]:
+    cluster = Dask(directory)
+    try:
+        yield cluster.start(scheduler, workers)
+    finally:
+        cluster.stop()

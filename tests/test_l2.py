@@ -21,12 +21,14 @@ import trio
 import trio.testing
 
 from decodefs.breaker import CircuitBreaker
-from decodefs.cluster import L2Tier, verify_object
+from decodefs.cluster import L2Tier, Start, verify_object
+from decodefs.cluster_warm import WarmSpec, publish_entry, warm_batch
 from decodefs.config import ConfigError, parse_config
 from decodefs.decode import decoder_fingerprint, npy_bytes, quiet_pillow_warnings
 from decodefs.engine import Engine
 from decodefs.entry import EntryKey, encode_trailer
-from decodefs.l2 import L2Backend, L2Error, PosixL2, lease_name, object_name, open_backend
+from decodefs.l2 import L2Backend, L2Error, PosixL2, object_name, open_backend
+from decodefs.leases import Claim, claim_name, claims, release, renew, take
 from decodefs.metrics import render_prometheus
 from decodefs.source import scan_source
 from decodefs.store import Store
@@ -36,6 +38,9 @@ from tests.servers import S3_ENV, SeaweedFS, seaweed  # noqa: F401 - a fixture
 pytestmark = pytest.mark.trio
 
 SIZE = 32
+# For tests that jump trio's MockClock by a lease (30 s) or less: an L2 call's deadline
+# (2 x 60 + 1 s) is longer, so that a jump never ends a call under way.
+MOCK_KEYS: dict[str, Any] = {"l2_lease_seconds": 30, "l2_timeout_seconds": 60}
 
 
 # -- the harness --------------------------------------------------------------------
@@ -108,6 +113,35 @@ class Cluster:
         finally:
             engine.close()
             store.close()
+
+    @contextlib.asynccontextmanager
+    async def tier(
+        self,
+        name: str,
+        *,
+        wall: Callable[[], float] = time.time,
+        backend: L2Backend | None = None,
+        running: bool = True,
+        **keys: Any,
+    ) -> AsyncIterator[L2Tier]:
+        """A node's L2 tier alone (no engine): the test's ``decode`` stands in for its
+        engine's, and calls ``start`` as the engine does once its decode can start.
+        Without ``running``, the test starts its background tasks (``run``) itself."""
+        base = self.base / name
+        base.mkdir()
+        config = parse_config(self._raw(base, **keys), base_dir=base)
+        assert config.l2 is not None
+        tier = L2Tier(
+            backend or open_backend(config.l2), config.l2, config.fingerprints(), wall=wall
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                if running:
+                    nursery.start_soon(tier.run)
+                yield tier
+                nursery.cancel_scope.cancel()
+        finally:
+            tier.close()
 
 
 @pytest.fixture(params=["posix", "s3"])
@@ -317,11 +351,11 @@ async def test_nodes_cold_at_once_decode_each_array_once(
         assert a.stats()["l2_leases"] + b.stats()["l2_leases"] >= len(photos)
         assert a.stats()["l2_hits"] + b.stats()["l2_hits"] == len(photos)
         await wait_for(
-            lambda: a.stats()["l2_publish_queue"] + b.stats()["l2_publish_queue"] == 0,
+            lambda: a.stats()["l2_publish_queue"] == b.stats()["l2_publish_queue"] == 0,
             what="flushed",
         )
     backend = cluster.backend()
-    assert not any(backend.size(lease_name(name_of(u))) for u in photos)  # all let go
+    assert not any(claims(backend, name_of(u)) for u in photos)  # all let go
 
 
 async def test_a_waiter_decodes_itself_once_the_holders_lease_runs_out(
@@ -335,9 +369,9 @@ async def test_a_waiter_decodes_itself_once_the_holders_lease_runs_out(
     uuid = sorted(photos)[0]
     backend = cluster.backend()
     # A node that took the lease and died: it never publishes, never lets go.
-    dead = b'{"holder": "dead", "expires": %f}' % (wall() + 30)
-    assert backend.create(lease_name(name_of(uuid)), dead)
-    async with cluster.node("b", wall=wall, l2_lease_seconds=30) as b:
+    dead = Claim(claim_name(name_of(uuid), 1), 1, "dead", wall() + 30)
+    assert backend.create(dead.name, dead.body())
+    async with cluster.node("b", wall=wall, **MOCK_KEYS) as b:
         result: list[bytes] = []
 
         async def reader() -> None:
@@ -358,8 +392,8 @@ async def test_a_waiter_takes_the_holders_array_as_soon_as_it_is_published(
 ) -> None:
     uuid = sorted(photos)[0]
     backend = cluster.backend()
-    lease = lease_name(name_of(uuid))
-    assert backend.create(lease, b'{"holder": "slow", "expires": %f}' % (time.time() + 60))
+    lease = claim_name(name_of(uuid), 1)
+    assert backend.create(lease, Claim(lease, 1, "slow", time.time() + 60).body())
     async with cluster.node("b") as b:
         result: list[bytes] = []
 
@@ -377,16 +411,361 @@ async def test_a_waiter_takes_the_holders_array_as_soon_as_it_is_published(
         assert b.stats()["decodes"] == 0 and b.stats()["l2_hits"] == 1
 
 
-async def test_an_expired_lease_is_taken_over(cluster: Cluster, photos: dict[str, Path]) -> None:
+async def test_an_expired_lease_is_taken_over_with_the_next_term(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
     uuid = sorted(photos)[0]
     backend = cluster.backend()
-    lease = lease_name(name_of(uuid))
-    assert backend.create(lease, b'{"holder": "dead", "expires": %f}' % (time.time() - 5))
+    dead = Claim(claim_name(name_of(uuid), 1), 1, "dead", time.time() - 5)
+    assert backend.create(dead.name, dead.body())
     async with cluster.node("b") as b:
         assert await b.read(uuid) == reference_npy(photos[uuid], SIZE)
         assert b.stats()["l2_leases"] == 1 and b.stats()["l2_lease_waits"] == 0
         await wait_for(lambda: b.stats()["l2_publish_queue"] == 0, what="published")
-    assert backend.size(lease) is None
+    # B claimed term 2 and let go of it; the dead node's claim is its own to remove.
+    assert claims(backend, name_of(uuid)) == [dead]
+
+
+async def test_a_lease_running_out_for_three_waiting_nodes_at_once_is_taken_over_by_one(
+    cluster: Cluster, photos: dict[str, Path], mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.rate = 1.0  # real speed (worker threads), but jumps at will
+
+    def wall() -> float:
+        return 1_000_000.0 + trio.current_time()
+
+    uuid = sorted(photos)[0]
+    backend = cluster.backend()
+    dead = Claim(claim_name(name_of(uuid), 1), 1, "dead", wall() + 30)
+    assert backend.create(dead.name, dead.body())
+    keys: dict[str, Any] = {"wall": wall, **MOCK_KEYS}
+    async with (
+        cluster.node("a", **keys) as a,
+        cluster.node("b", **keys) as b,
+        cluster.node("c", **keys) as c,
+    ):
+        nodes = [a, b, c]
+        got: list[bytes] = []
+
+        async def read(node: Node) -> None:
+            got.append(await node.read(uuid))
+
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                nursery.start_soon(read, node)
+            await wait_for(
+                lambda: all(n.tier.metrics.lease_waits == 1 for n in nodes),
+                what="all three wait for the dead node's claim",
+            )
+            mock_clock.jump(30)  # it runs out for all three at the same instant
+        assert got == [reference_npy(photos[uuid], SIZE)] * 3
+        stats = [n.stats() for n in nodes]
+        assert sum(s["decodes"] for s in stats) == 1, stats  # one took the next term ...
+        assert sum(s["l2_hits"] for s in stats) == 2, stats  # ... the others its array
+        # (One that claims after the winner let go finds the array: a claim, not a decode.)
+        await wait_for(
+            lambda: sum(n.stats()["l2_publish_queue"] for n in nodes) == 0, what="flushed"
+        )
+    assert claims(backend, name_of(uuid)) == [dead]  # the winner let go of its own
+
+
+def slow_decoder(
+    payload: bytes, finish: dict[str, trio.Event], decoding: list[str]
+) -> Callable[[str], Callable[[Start | None], Any]]:
+    """Decodes for tiers alone: each claims as the engine's would, then runs until the
+    test lets it finish (a decode slower than the lease)."""
+
+    def decoder(label: str) -> Callable[[Start | None], Any]:
+        async def decode(start: Start | None) -> bytes:
+            assert start is not None
+            await start()
+            decoding.append(label)
+            await finish[label].wait()
+            return payload
+
+        return decode
+
+    return decoder
+
+
+async def test_a_holder_renews_its_claim_while_it_decodes_past_the_lease(
+    cluster: Cluster, photos: dict[str, Path], mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.rate = 1.0
+
+    def wall() -> float:
+        return 1_000_000.0 + trio.current_time()
+
+    uuid = sorted(photos)[0]
+    key, name = EntryKey("v1", SIZE, uuid), name_of(uuid)
+    payload = reference_npy(photos[uuid], SIZE)
+    backend = cluster.backend()
+    finish, decoding = {"a": trio.Event()}, list[str]()
+    decoder = slow_decoder(payload, finish, decoding)
+    async with (
+        cluster.tier("a", wall=wall, **MOCK_KEYS) as a,
+        cluster.tier("b", wall=wall, **MOCK_KEYS) as b,
+    ):
+        got: list[Any] = []
+
+        async def obtain(tier: L2Tier, label: str) -> None:
+            got.append(await tier.obtain(key, decoder(label)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(obtain, a, "a")
+            await wait_for(lambda: decoding == ["a"], what="A decodes")
+            nursery.start_soon(obtain, b, "b")
+            await wait_for(lambda: b.metrics.lease_waits == 1, what="B waits for A's claim")
+            for renewals in (1, 2, 3):  # A decodes for three leases and more
+                looked = b.metrics.fetch_seconds.count
+                mock_clock.jump(16)  # past half the lease: A renews
+                # (Each wait ends within its iteration: the loop variables are current.)
+                await wait_for(
+                    lambda: a.metrics.lease_renewals == renewals,  # noqa: B023
+                    what="A renewed",
+                )
+                await wait_for(
+                    lambda: b.metrics.fetch_seconds.count >= looked + 2,  # noqa: B023
+                    what="B looked again (and found A's claim renewed)",
+                )
+                assert [c.holder for c in claims(backend, name)] == [a._node]
+            finish["a"].set()
+        assert decoding == ["a"]  # B never decoded
+        assert [o.decoded for o in got] == [True, False]
+        assert b.metrics.lease_waits == 1 and b.metrics.lease_timeouts == 0
+        await wait_for(
+            lambda: a.stats()["l2_publish_queue"] == b.stats()["l2_publish_queue"] == 0,
+            what="claims let go",
+        )
+    assert claims(backend, name) == []
+
+
+async def test_a_holder_finishing_after_its_lease_ran_out_lets_go_of_its_own_claim_only(
+    cluster: Cluster, photos: dict[str, Path], mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.rate = 1.0
+
+    def wall() -> float:
+        return 1_000_000.0 + trio.current_time()
+
+    uuid = sorted(photos)[0]
+    key, name = EntryKey("v1", SIZE, uuid), name_of(uuid)
+    payload = reference_npy(photos[uuid], SIZE)
+    backend = cluster.backend()
+    finish, decoding = {"a": trio.Event(), "b": trio.Event()}, list[str]()
+    decoder = slow_decoder(payload, finish, decoding)
+    # A stalls (its background tasks do not run: as if paused), so its claim runs out.
+    async with (
+        cluster.tier("a", wall=wall, running=False, **MOCK_KEYS) as a,
+        cluster.tier("b", wall=wall, **MOCK_KEYS) as b,
+    ):
+        done: dict[str, bool] = {}
+
+        async def obtain(label: str, tier: L2Tier) -> None:
+            obtained = await tier.obtain(key, decoder(label))
+            assert obtained.data == payload
+            done[label] = obtained.decoded
+
+        def held() -> list[tuple[int, str]]:
+            return [(c.term, c.holder) for c in claims(backend, name)]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(obtain, "a", a)
+            await wait_for(lambda: decoding == ["a"], what="A decodes")
+            nursery.start_soon(obtain, "b", b)
+            await wait_for(lambda: b.metrics.lease_waits == 1, what="B waits for A's claim")
+            mock_clock.jump(30)  # A's claim runs out while A still decodes
+            await wait_for(lambda: decoding == ["a", "b"], what="B took it over")
+            assert [term for term, _ in held()] == [1, 2]
+            nursery.start_soon(a.run)  # A comes back: it finds its claim lost, ...
+            finish["a"].set()  # ... finishes, publishes, and lets go of term 1 only
+            await wait_for(lambda: "a" in done and a.metrics.publishes == 1, what="A done")
+            await wait_for(lambda: len(held()) == 1, what="A let go")
+            assert held() == [(2, b._node)]  # B's claim stands
+            finish["b"].set()
+            await wait_for(lambda: "b" in done, what="B done")
+            nursery.cancel_scope.cancel()  # A's run
+        assert done == {"a": True, "b": True}  # past the lease, both decoded (the bound)
+        await wait_for(lambda: b.stats()["l2_publish_queue"] == 0, what="B let go")
+        assert b.metrics.publish_exists == 1
+    assert held() == []
+    assert backend.get(name, 1 << 20) == entry_of(key, payload)
+
+
+# -- claims, step by step ----------------------------------------------------------------------
+
+
+async def test_claims_are_taken_by_term_and_only_their_holder_removes_them(
+    cluster: Cluster,
+) -> None:
+    backend = cluster.backend()
+    name = name_of("claimed")
+    first = take(backend, name, "a", now=100.0, seconds=10)
+    assert first == Claim(claim_name(name, 1), 1, "a", 110.0)
+    assert take(backend, name, "b", now=105.0, seconds=10) == first  # live: B defers to A
+    # A's claim ran out: B and C both saw it so; B creates term 2 first, C finds it live.
+    second = take(backend, name, "b", now=111.0, seconds=10)
+    assert second == Claim(claim_name(name, 2), 2, "b", 121.0)
+    assert take(backend, name, "c", now=111.5, seconds=10) == second
+    release(backend, first)  # A, finishing late, lets go of its own term
+    assert claims(backend, name) == [second]
+    # A hole at term 1 while term 2 is live: whoever creates term 1 finds term 2 and
+    # defers to it, removing its own claim.
+    assert take(backend, name, "d", now=112.0, seconds=10) == second
+    assert claims(backend, name) == [second]
+    # B renews: term 3 for B, then its term 2 let go.
+    third = renew(backend, second, now=116.0, seconds=10)
+    assert third == Claim(claim_name(name, 3), 3, "b", 126.0)
+    assert claims(backend, name) == [third] and third.array == name
+    assert take(backend, name, "c", now=122.0, seconds=10) == third
+    # Renewed too late: C took it over (with term 1, free again); B's renewal finds it lost.
+    fourth = take(backend, name, "c", now=127.0, seconds=10)
+    assert fourth == Claim(claim_name(name, 1), 1, "c", 137.0)
+    assert renew(backend, third, now=127.5, seconds=10) is None
+    release(backend, third)
+    assert claims(backend, name) == [fourth]
+    release(backend, fourth)
+    assert claims(backend, name) == []
+    assert take(backend, name, "e", now=200.0, seconds=10) == Claim(
+        claim_name(name, 1), 1, "e", 210.0
+    )
+
+
+async def test_claims_that_cannot_be_read_count_as_expired_and_litter_is_ignored(
+    cluster: Cluster,
+) -> None:
+    backend = cluster.backend()
+    name = name_of("littered")
+    assert backend.create(claim_name(name, 1), b"not json")  # a holder died while writing
+    assert backend.create(f"{claim_name(name, 1)}.npy@7", b"another array's name")
+    assert backend.create(f".leases/{name}@01", b"{}")  # not a term
+    assert [(c.term, c.live(0.0)) for c in claims(backend, name)] == [(1, False)]
+    assert take(backend, name, "a", now=100.0, seconds=10) == Claim(
+        claim_name(name, 2), 2, "a", 110.0
+    )
+
+
+# -- a burst on a busy L2 -----------------------------------------------------------------
+
+
+class BusyL2(PosixL2):
+    """A healthy shared directory whose every call takes a while, as over a network."""
+
+    delay = 0.005
+
+    def get(self, name: str, limit: int) -> bytes | None:
+        time.sleep(self.delay)
+        return super().get(name, limit)
+
+    def create(self, name: str, data: bytes | memoryview) -> bool:
+        time.sleep(self.delay)
+        return super().create(name, data)
+
+
+async def test_a_burst_of_500_misses_on_a_busy_l2_never_opens_the_breaker(
+    tmp_path: Path, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    (tmp_path / "shared").mkdir()
+    cluster = Cluster(tmp_path, photos_dir, str(tmp_path / "shared"), {})
+    payload = reference_npy(next(iter(photos.values())), SIZE)
+    # One L2 thread, each call 5 ms: the last of 500 fetches waits ~2.5 s for its thread,
+    # more than a call's deadline (2 x 0.05 + 1 s). Only time spent on L2 counts.
+    keys: dict[str, Any] = {"l2_workers": 1, "l2_timeout_seconds": 0.05, "l2_lease_seconds": 0}
+    async with cluster.tier("a", backend=BusyL2(tmp_path / "shared"), **keys) as tier:
+
+        async def decode(start: Start | None) -> bytes:
+            return payload
+
+        async def obtain(i: int) -> None:
+            obtained = await tier.obtain(EntryKey("v1", SIZE, f"burst-{i:03d}"), decode)
+            assert obtained.decoded and obtained.data == payload
+
+        async with trio.open_nursery() as nursery:
+            for i in range(500):
+                nursery.start_soon(obtain, i)
+        stats: dict[str, Any] = tier.stats()
+        assert stats["l2_misses"] == 500 and stats["l2_bypassed"] == 0, stats
+        assert stats["l2_errors"] == {} and stats["l2_breaker_opens"] == 0, stats
+        assert stats["l2_state"] == "closed"
+        assert stats["l2_fetch_seconds"]["count"] == 500  # every one was asked
+
+
+# -- the cluster warm against readers --------------------------------------------------------
+
+
+def warm_spec(cluster: Cluster) -> WarmSpec:
+    config = parse_config(cluster._raw(cluster.base / "warm"), base_dir=cluster.base)
+    assert config.l2 is not None
+    version = config.versions["v1"]
+    return WarmSpec(
+        l2=config.l2,
+        version="v1",
+        size=SIZE,
+        settings=version.decode,
+        layout=version.layout,
+        max_pixels=config.max_pixels,
+        fingerprint_hex=version.fingerprint().hex,
+    )
+
+
+async def test_a_cluster_warm_racing_with_a_reader_decodes_each_array_once(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    spec = warm_spec(cluster)
+    items = [(uuid, str(path)) for uuid, path in sorted(photos.items())]
+    async with cluster.node("a") as a:
+        got: dict[str, bytes] = {}
+        warmed: list[Any] = []
+
+        async def read(uuid: str) -> None:
+            got[uuid] = await a.read(uuid)
+
+        async def warm() -> None:
+            warmed.append(await trio.to_thread.run_sync(warm_batch, spec, items))
+
+        async with trio.open_nursery() as nursery:  # the warm and the reader start together
+            nursery.start_soon(warm)
+            for uuid in photos:
+                nursery.start_soon(read, uuid)
+        for uuid, path in photos.items():
+            assert got[uuid] == reference_npy(path, SIZE), uuid
+        [result] = warmed
+        assert result.failed == {}
+        assert result.decoded + result.skipped == len(photos)
+        assert result.decoded + a.stats()["decodes"] == len(photos), (result, a.stats())
+        await wait_for(lambda: a.stats()["l2_publish_queue"] == 0, what="A let go")
+    backend = cluster.backend()
+    assert not any(claims(backend, name_of(u)) for u in photos)
+
+
+async def test_the_cluster_warm_replaces_only_an_object_it_has_just_found_bad(
+    cluster: Cluster, photos: dict[str, Path]
+) -> None:
+    backend = cluster.backend()
+    digest = decoder_fingerprint_v1().digest
+    uuid = sorted(photos)[0]
+    key, name = EntryKey("v1", SIZE, uuid), name_of(uuid)
+    good = entry_of(key, reference_npy(photos[uuid], SIZE))
+    assert publish_entry(backend, key, name, good, digest) == "created"
+    assert publish_entry(backend, key, name, good, digest) == "kept"  # never deleted
+    foreign = bytearray(good)
+    foreign[-36] = 99  # another decodefs format's: not ours to judge
+    backend.delete(name)
+    assert backend.create(name, bytes(foreign))
+    assert publish_entry(backend, key, name, good, digest) == "kept"
+    assert backend.get(name, 1 << 20) == bytes(foreign)
+    backend.delete(name)
+    assert backend.create(name, good[:200] + bytes([good[200] ^ 1]) + good[201:])
+    assert publish_entry(backend, key, name, good, digest) == "replaced"
+    assert backend.get(name, 1 << 20) == good
+    # A warm over an object of the wrong length: decoded and replaced.
+    backend.delete(name)
+    assert backend.create(name, good[:-100])
+    result = await trio.to_thread.run_sync(
+        warm_batch, warm_spec(cluster), [(uuid, str(photos[uuid]))]
+    )
+    assert (result.decoded, result.skipped, result.failed) == (1, 0, {})
+    assert backend.get(name, 1 << 20) == good
 
 
 # -- L2 failing: reads never fail, never wait past a bound ---------------------------------------
@@ -476,7 +855,7 @@ async def test_a_full_publish_queue_drops_publishes_and_lets_go_of_leases(
         assert a.stats()["l2_publish_dropped"] == len(photos)
         assert a.stats()["l2_publishes"] == 0
     backend = cluster.backend()
-    assert not any(backend.size(lease_name(name_of(u))) for u in photos)
+    assert not any(claims(backend, name_of(u)) for u in photos)
 
 
 # -- the breaker alone --------------------------------------------------------------------------
