@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Final
 
 from . import __version__
-from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from .adopt import DEFAULT_SAMPLE
+from .config import DEFAULT_CONFIG_PATH, LOG_LEVELS, Config, ConfigError, load_config
+from .protocol import CONFIG_FILE, FS_TYPE, STATS_FILE, STATUS_DIR, STORE_MARKER
 
 __all__ = ["main"]
 
@@ -128,9 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="where a background daemon logs (default: ~/.local/state/decodefs/<mountpoint>.log)",
     )
-    mount.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], help="overrides log_level"
-    )
+    mount.add_argument("--log-level", choices=LOG_LEVELS, help="overrides log_level")
     mount.add_argument(
         "--mkdir", action="store_true", help="create the mount point if it is missing (systemd)"
     )
@@ -197,8 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     adopt.add_argument(
         "--sample",
         type=_int_at_least(1),
-        default=300,
-        help="arrays decoded again and compared byte for byte first (default: 300)",
+        default=DEFAULT_SAMPLE,
+        help="arrays decoded again and compared byte for byte first (default: %(default)s)",
     )
     how = adopt.add_mutually_exclusive_group()
     how.add_argument(
@@ -234,7 +234,7 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="print a mounted daemon's counters")
     stats.add_argument("mountpoint", type=Path)
-    stats.add_argument("--json", action="store_true", help="print the raw stats.json")
+    stats.add_argument("--json", action="store_true", help=f"print the raw {STATS_FILE}")
     stats.set_defaults(run=_stats)
 
     sample = commands.add_parser(
@@ -337,7 +337,6 @@ def _mount(args: argparse.Namespace) -> int:
 
 def _umount(args: argparse.Namespace) -> int:
     from .daemon import clear_stale, find_mount, unmount
-    from .protocol import FS_TYPE
 
     configured = None
     if args.mountpoint is None:
@@ -566,8 +565,6 @@ class UsageError(Exception):
 
 def _require_store(root: Path, what: str = "") -> None:
     """A UsageError unless ``root`` is a store a daemon has used (it has the format marker)."""
-    from .protocol import STORE_MARKER
-
     name = f"{what} ({root})" if what else str(root)
     if not root.exists():
         raise UsageError(f"{name} does not exist (no daemon has used it yet)")
@@ -589,7 +586,6 @@ def _mountpoint(given: Path | None, configured: Path | None) -> str:
 def _decodefs_mounts() -> list[str]:
     """Where decodefs is mounted now (for a user who gave no mount point)."""
     from .mountinfo import mounts
-    from .protocol import FS_TYPE
 
     return [m.mountpoint for m in mounts() if m.fstype == FS_TYPE]
 
@@ -640,7 +636,6 @@ def _live_mount(path: Path, command: str) -> Path:
     """``path`` if a live decodefs daemon serves it; else a UsageError that says what it is
     (``command``, e.g. "stats {}", is how to run it on the mount point: for a path inside one)."""
     from .daemon import PROBE_TIMEOUT, decodefs_mount_above, find_mount, probe
-    from .protocol import FS_TYPE
 
     real = os.path.realpath(path)  # the mount table holds real paths
     info = find_mount(real)
@@ -699,7 +694,7 @@ def _version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
     try:
         os.stat(directory)
     except FileNotFoundError:
-        bounds = _read_status(mountpoint, "config.json")
+        bounds = _read_status(mountpoint, CONFIG_FILE)
         low, high = bounds.get("min_size"), bounds.get("max_size")
         served = f" (it serves sizes {low} to {high})" if low and high else ""
         raise UsageError(f"{mountpoint} serves no size {size} of {version}{served}") from None
@@ -711,7 +706,7 @@ def _version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
 def _serving(mountpoint: Path) -> list[str]:
     """What a live mount serves, one line per version and one for the store (its
     status files; nothing is listed but the first entry of a uuid size directory)."""
-    stats, config = _read_stats(mountpoint), _read_status(mountpoint, "config.json")
+    stats, config = _read_stats(mountpoint), _read_status(mountpoint, CONFIG_FILE)
     served = stats.get("versions")
     configured = config.get("versions")
     if not isinstance(served, dict) or not isinstance(configured, dict):
@@ -757,12 +752,12 @@ def _first_entry(directory: Path) -> str | None:
 
 
 def _read_stats(mountpoint: Path) -> dict[str, object]:
-    return _read_status(mountpoint, "stats.json")
+    return _read_status(mountpoint, STATS_FILE)
 
 
 def _read_status(mountpoint: Path, name: str) -> dict[str, object]:
     try:
-        data = json.loads((mountpoint / ".decodefs" / name).read_bytes())
+        data = json.loads((mountpoint / STATUS_DIR / name).read_bytes())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -775,7 +770,7 @@ def _counter(stats: dict[str, object], key: str) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    path = _live_mount(args.mountpoint, "stats {}") / ".decodefs" / "stats.json"
+    path = _live_mount(args.mountpoint, "stats {}") / STATUS_DIR / STATS_FILE
     try:
         raw = path.read_bytes()
         stats = json.loads(raw)

@@ -142,7 +142,7 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
     example["store"] = str(tmp_path / "store")
     example["versions"]["v1"]["source"] = str(photos_dir)
     config = parse_config(example, base_dir=tmp_path)
-    assert config.allow_other and config.mountpoint == Path("/mnt/decoded")
+    assert not config.allow_other and config.mountpoint == Path("/mnt/decoded")
     # A second install keeps the edited config and puts the example beside it.
     install()
     assert (root / "etc" / "decodefs" / "config.example.toml").exists()
