@@ -27,7 +27,7 @@ from typing import Final
 from . import __version__
 from .adopt import DEFAULT_SAMPLE
 from .config import DEFAULT_CONFIG_PATH, LOG_LEVELS, Config, ConfigError, load_config
-from .protocol import CONFIG_FILE, FS_TYPE, STATS_FILE, STATUS_DIR, STORE_MARKER
+from .protocol import CONFIG_FILE, FS_TYPE, STATS, STATS_FILE, STATUS_DIR, STORE_MARKER, Stat
 
 __all__ = ["main"]
 
@@ -234,7 +234,11 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="print a mounted daemon's counters")
     stats.add_argument("mountpoint", type=Path)
-    stats.add_argument("--json", action="store_true", help=f"print the raw {STATS_FILE}")
+    shown = stats.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help=f"print the raw {STATS_FILE}")
+    shown.add_argument(
+        "--all", action="store_true", help="print every figure, with its unit and meaning"
+    )
     stats.set_defaults(run=_stats)
 
     sample = commands.add_parser(
@@ -781,14 +785,19 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(raw.decode())
         return 0
-    print(format_stats(stats if isinstance(stats, dict) else {}))
+    stats = stats if isinstance(stats, dict) else {}
+    print(format_all_stats(stats) if args.all else format_stats(stats))
     return 0
+
+
+_STAT_NAMES: Final = frozenset(stat.name for stat in STATS)
 
 
 def format_stats(stats: dict[str, object]) -> str:
     """The human table printed by `decodefs stats`: every counter a user acts on."""
 
     def n(key: str) -> int:
+        assert key in _STAT_NAMES, key  # every figure shown is one of protocol.STATS
         return _counter(stats, key)
 
     reads = n("hits") + n("direct_hits") + n("misses")
@@ -859,6 +868,50 @@ def format_stats(stats: dict[str, object]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def format_all_stats(stats: dict[str, object]) -> str:
+    """`decodefs stats --all`: every figure of protocol.STATS the daemon reported, one a
+    line: its name, its value with its unit, and what it means."""
+    rows = [
+        (stat.name, _figure_text(stat, stats[stat.name]), stat.help)
+        for stat in STATS
+        if stat.name in stats
+    ]
+    name_width = max((len(name) for name, _, _ in rows), default=0)
+    value_width = max((len(value) for _, value, _ in rows), default=0)
+    return "\n".join(
+        f"{name:<{name_width}}  {value:<{value_width}}  {meaning}" for name, value, meaning in rows
+    )
+
+
+def _figure_text(stat: Stat, value: object) -> str:
+    """One figure as `decodefs stats --all` shows it."""
+    if value is None:
+        return "none"
+    if stat.kind == "flag":
+        return "yes" if value else "no"
+    if stat.kind == "counter by kind":
+        counts = sorted(value.items()) if isinstance(value, dict) else []
+        return ", ".join(f"{kind} {count:,}" for kind, count in counts) or "none"
+    if stat.kind == "histogram":
+        figures = value if isinstance(value, dict) else {}
+        count, total = figures.get("count", 0), figures.get("sum", 0.0)
+        return f"{count:,} (mean {1000 * total / count:.0f} ms)" if count else "0"
+    if stat.kind == "per version":
+        versions = sorted(value.items()) if isinstance(value, dict) else []
+        return ", ".join(
+            f"{name}: {figures.get('originals', 0):,} originals ({figures.get('layout')})"
+            for name, figures in versions
+            if isinstance(figures, dict)
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if stat.unit == "bytes":
+        return f"{value:,} bytes ({_human_bytes(int(value))})"
+    if stat.unit == "seconds":
+        return f"{value:,.1f} s"
+    return f"{value:,} {stat.unit}".rstrip()
 
 
 def _make_sample(args: argparse.Namespace) -> int:

@@ -172,7 +172,7 @@ STATS: Final = (
         "store_usage_complete",
         "flag",
         "",
-        "False while a scan fills a new catalog (store_bytes still counting)",
+        "True once the store is counted (false while a scan fills a new catalog)",
     ),
     Stat("store_writable", "flag", "", "True if the store accepts new entries"),
     Stat(

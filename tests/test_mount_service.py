@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from decodefs.config import parse_config
+from decodefs.protocol import STATS
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
     decodefs,
@@ -255,6 +256,7 @@ def test_metrics_file_is_prometheus_text_agreeing_with_stats(
     for uuid_ in photos:
         mount.path("v1", "64", f"{uuid_}.npy").read_bytes()
     stats = mount.stats()
+    assert set(stats) == {stat.name for stat in STATS if not stat.l2}  # the schema, no more
     text = mount.path(".decodefs", "metrics").read_text()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
