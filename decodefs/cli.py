@@ -423,10 +423,7 @@ def _warm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
-    if report.interrupted:
-        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    return EXIT_ERROR if report.failed or report.missing else 0
+    return _exit_status(report.interrupted, failed=bool(report.failed or report.missing))
 
 
 def _warm_cluster(args: argparse.Namespace) -> int:
@@ -473,10 +470,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
             f"e.g. {report.missing[0]!r}",
             file=sys.stderr,
         )
-    if report.interrupted:
-        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    return EXIT_ERROR if report.failed or report.missing else 0
+    return _exit_status(report.interrupted, failed=bool(report.failed or report.missing))
 
 
 def _adopt(args: argparse.Namespace) -> int:
@@ -530,10 +524,7 @@ def _adopt(args: argparse.Namespace) -> int:
                 f"decodefs: left in the cache: {count:,} {why} (e.g. {report.examples[kind]})",
                 file=sys.stderr,
             )
-    if report.interrupted:
-        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    return 0
+    return _exit_status(report.interrupted, failed=False)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -561,6 +552,15 @@ def _verify(args: argparse.Namespace) -> int:
         f"{report.ok:,} ok, {corrupt:,} corrupt, {report.stale:,} stale{action}"
     )
     return EXIT_ERROR if len(report.bad) > report.removed else 0
+
+
+def _exit_status(interrupted: bool, failed: bool) -> int:
+    """A long command's exit status: 130 if interrupted (saying how to resume), else 1
+    if some of its work failed, else 0."""
+    if interrupted:
+        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return EXIT_ERROR if failed else 0
 
 
 class UsageError(Exception):

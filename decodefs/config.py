@@ -346,16 +346,8 @@ class _Parser:
             lambda: self.boolean(raw, "allow_other", defaults.allow_other, None),
             defaults.allow_other,
         )
-        decode_workers = self.check(
-            lambda: self.integer(
-                raw, "decode_workers", defaults.decode_workers, low=1, high=WORKERS_MAX
-            ),
-            defaults.decode_workers,
-        )
-        io_workers = self.check(
-            lambda: self.integer(raw, "io_workers", defaults.io_workers, low=1, high=WORKERS_MAX),
-            defaults.io_workers,
-        )
+        decode_workers = self.workers(raw, "decode_workers", defaults.decode_workers)
+        io_workers = self.workers(raw, "io_workers", defaults.io_workers)
         memory_cache_bytes = self.check(
             lambda: self.byte_size(raw, "memory_cache_bytes", defaults.memory_cache_bytes),
             defaults.memory_cache_bytes,
@@ -546,6 +538,12 @@ class _Parser:
             raise ConfigError(f"{name}: {value} is outside {low}..{high}")
         return value
 
+    def workers(self, table: Mapping[str, Any], name: str, default: int) -> int:
+        """A thread count, 1..WORKERS_MAX; a mistake is recorded (the default stands in)."""
+        return self.check(
+            lambda: self.integer(table, name, default, low=1, high=WORKERS_MAX), default
+        )
+
     def number(self, table: Mapping[str, Any], name: str, default: float) -> float:
         value = table.get(name, default)
         if (
@@ -645,10 +643,7 @@ def l2_config(parser: _Parser, raw: Mapping[str, Any]) -> L2Config | None:
     timeout = seconds("l2_timeout_seconds", defaults.timeout_seconds)
     lease = seconds("l2_lease_seconds", defaults.lease_seconds, zero=True)
     retry = seconds("l2_retry_seconds", defaults.retry_seconds)
-    workers = parser.check(
-        lambda: parser.integer(raw, "l2_workers", defaults.workers, low=1, high=WORKERS_MAX),
-        defaults.workers,
-    )
+    workers = parser.workers(raw, "l2_workers", defaults.workers)
     queue = parser.check(
         lambda: parser.byte_size(raw, "l2_publish_queue_bytes", defaults.publish_queue_bytes),
         defaults.publish_queue_bytes,
