@@ -272,3 +272,8 @@ def test_metrics_file_is_prometheus_text_agreeing_with_stats(
     assert ("decodefs_memory_cache_bytes", ()) in samples
     assert ("decodefs_inflight_decodes", ()) in samples
     assert json.loads(mount.path(".decodefs", "stats.json").read_bytes())["decodes"] == len(photos)
+    every = decodefs("stats", "--all", str(mount.mountpoint))  # the same figures, for people
+    assert every.returncode == 0, every.stderr
+    assert [line.split()[0] for line in every.stdout.splitlines()] == [
+        stat.name for stat in STATS if not stat.l2
+    ]
