@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Final
 
 from . import __version__
-from .config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from .adopt import DEFAULT_SAMPLE
+from .config import DEFAULT_CONFIG_PATH, LOG_LEVELS, Config, ConfigError, load_config
+from .protocol import CONFIG_FILE, FS_TYPE, STATS, STATS_FILE, STATUS_DIR, STORE_MARKER, Stat
 
 __all__ = ["main"]
 
@@ -128,9 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="where a background daemon logs (default: ~/.local/state/decodefs/<mountpoint>.log)",
     )
-    mount.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], help="overrides log_level"
-    )
+    mount.add_argument("--log-level", choices=LOG_LEVELS, help="overrides log_level")
     mount.add_argument(
         "--mkdir", action="store_true", help="create the mount point if it is missing (systemd)"
     )
@@ -197,8 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     adopt.add_argument(
         "--sample",
         type=_int_at_least(1),
-        default=300,
-        help="arrays decoded again and compared byte for byte first (default: 300)",
+        default=DEFAULT_SAMPLE,
+        help="arrays decoded again and compared byte for byte first (default: %(default)s)",
     )
     how = adopt.add_mutually_exclusive_group()
     how.add_argument(
@@ -234,7 +234,11 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="print a mounted daemon's counters")
     stats.add_argument("mountpoint", type=Path)
-    stats.add_argument("--json", action="store_true", help="print the raw stats.json")
+    shown = stats.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help=f"print the raw {STATS_FILE}")
+    shown.add_argument(
+        "--all", action="store_true", help="print every figure, with its unit and meaning"
+    )
     stats.set_defaults(run=_stats)
 
     sample = commands.add_parser(
@@ -337,7 +341,6 @@ def _mount(args: argparse.Namespace) -> int:
 
 def _umount(args: argparse.Namespace) -> int:
     from .daemon import clear_stale, find_mount, unmount
-    from .protocol import FS_TYPE
 
     configured = None
     if args.mountpoint is None:
@@ -420,10 +423,7 @@ def _warm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
-    if report.interrupted:
-        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    return EXIT_ERROR if report.failed or report.missing else 0
+    return _exit_status(report.interrupted, failed=bool(report.failed or report.missing))
 
 
 def _warm_cluster(args: argparse.Namespace) -> int:
@@ -470,10 +470,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
             f"e.g. {report.missing[0]!r}",
             file=sys.stderr,
         )
-    if report.interrupted:
-        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    return EXIT_ERROR if report.failed or report.missing else 0
+    return _exit_status(report.interrupted, failed=bool(report.failed or report.missing))
 
 
 def _adopt(args: argparse.Namespace) -> int:
@@ -527,10 +524,7 @@ def _adopt(args: argparse.Namespace) -> int:
                 f"decodefs: left in the cache: {count:,} {why} (e.g. {report.examples[kind]})",
                 file=sys.stderr,
             )
-    if report.interrupted:
-        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    return 0
+    return _exit_status(report.interrupted, failed=False)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -560,14 +554,21 @@ def _verify(args: argparse.Namespace) -> int:
     return EXIT_ERROR if len(report.bad) > report.removed else 0
 
 
+def _exit_status(interrupted: bool, failed: bool) -> int:
+    """A long command's exit status: 130 if interrupted (saying how to resume), else 1
+    if some of its work failed, else 0."""
+    if interrupted:
+        print("decodefs: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return EXIT_ERROR if failed else 0
+
+
 class UsageError(Exception):
     """A command-line mistake the user can fix (printed as one line)."""
 
 
 def _require_store(root: Path, what: str = "") -> None:
     """A UsageError unless ``root`` is a store a daemon has used (it has the format marker)."""
-    from .protocol import STORE_MARKER
-
     name = f"{what} ({root})" if what else str(root)
     if not root.exists():
         raise UsageError(f"{name} does not exist (no daemon has used it yet)")
@@ -589,7 +590,6 @@ def _mountpoint(given: Path | None, configured: Path | None) -> str:
 def _decodefs_mounts() -> list[str]:
     """Where decodefs is mounted now (for a user who gave no mount point)."""
     from .mountinfo import mounts
-    from .protocol import FS_TYPE
 
     return [m.mountpoint for m in mounts() if m.fstype == FS_TYPE]
 
@@ -640,7 +640,6 @@ def _live_mount(path: Path, command: str) -> Path:
     """``path`` if a live decodefs daemon serves it; else a UsageError that says what it is
     (``command``, e.g. "stats {}", is how to run it on the mount point: for a path inside one)."""
     from .daemon import PROBE_TIMEOUT, decodefs_mount_above, find_mount, probe
-    from .protocol import FS_TYPE
 
     real = os.path.realpath(path)  # the mount table holds real paths
     info = find_mount(real)
@@ -699,7 +698,7 @@ def _version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
     try:
         os.stat(directory)
     except FileNotFoundError:
-        bounds = _read_status(mountpoint, "config.json")
+        bounds = _read_status(mountpoint, CONFIG_FILE)
         low, high = bounds.get("min_size"), bounds.get("max_size")
         served = f" (it serves sizes {low} to {high})" if low and high else ""
         raise UsageError(f"{mountpoint} serves no size {size} of {version}{served}") from None
@@ -711,7 +710,7 @@ def _version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
 def _serving(mountpoint: Path) -> list[str]:
     """What a live mount serves, one line per version and one for the store (its
     status files; nothing is listed but the first entry of a uuid size directory)."""
-    stats, config = _read_stats(mountpoint), _read_status(mountpoint, "config.json")
+    stats, config = _read_stats(mountpoint), _read_status(mountpoint, CONFIG_FILE)
     served = stats.get("versions")
     configured = config.get("versions")
     if not isinstance(served, dict) or not isinstance(configured, dict):
@@ -757,12 +756,12 @@ def _first_entry(directory: Path) -> str | None:
 
 
 def _read_stats(mountpoint: Path) -> dict[str, object]:
-    return _read_status(mountpoint, "stats.json")
+    return _read_status(mountpoint, STATS_FILE)
 
 
 def _read_status(mountpoint: Path, name: str) -> dict[str, object]:
     try:
-        data = json.loads((mountpoint / ".decodefs" / name).read_bytes())
+        data = json.loads((mountpoint / STATUS_DIR / name).read_bytes())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -775,7 +774,7 @@ def _counter(stats: dict[str, object], key: str) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    path = _live_mount(args.mountpoint, "stats {}") / ".decodefs" / "stats.json"
+    path = _live_mount(args.mountpoint, "stats {}") / STATUS_DIR / STATS_FILE
     try:
         raw = path.read_bytes()
         stats = json.loads(raw)
@@ -786,14 +785,19 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(raw.decode())
         return 0
-    print(format_stats(stats if isinstance(stats, dict) else {}))
+    stats = stats if isinstance(stats, dict) else {}
+    print(format_all_stats(stats) if args.all else format_stats(stats))
     return 0
+
+
+_STAT_NAMES: Final = frozenset(stat.name for stat in STATS)
 
 
 def format_stats(stats: dict[str, object]) -> str:
     """The human table printed by `decodefs stats`: every counter a user acts on."""
 
     def n(key: str) -> int:
+        assert key in _STAT_NAMES, key  # every figure shown is one of protocol.STATS
         return _counter(stats, key)
 
     reads = n("hits") + n("direct_hits") + n("misses")
@@ -864,6 +868,50 @@ def format_stats(stats: dict[str, object]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def format_all_stats(stats: dict[str, object]) -> str:
+    """`decodefs stats --all`: every figure of protocol.STATS the daemon reported, one a
+    line: its name, its value with its unit, and what it means."""
+    rows = [
+        (stat.name, _figure_text(stat, stats[stat.name]), stat.help)
+        for stat in STATS
+        if stat.name in stats
+    ]
+    name_width = max((len(name) for name, _, _ in rows), default=0)
+    value_width = max((len(value) for _, value, _ in rows), default=0)
+    return "\n".join(
+        f"{name:<{name_width}}  {value:<{value_width}}  {meaning}" for name, value, meaning in rows
+    )
+
+
+def _figure_text(stat: Stat, value: object) -> str:
+    """One figure as `decodefs stats --all` shows it."""
+    if value is None:
+        return "none"
+    if stat.kind == "flag":
+        return "yes" if value else "no"
+    if stat.kind == "counter by kind":
+        counts = sorted(value.items()) if isinstance(value, dict) else []
+        return ", ".join(f"{kind} {count:,}" for kind, count in counts) or "none"
+    if stat.kind == "histogram":
+        figures = value if isinstance(value, dict) else {}
+        count, total = figures.get("count", 0), figures.get("sum", 0.0)
+        return f"{count:,} (mean {1000 * total / count:.0f} ms)" if count else "0"
+    if stat.kind == "per version":
+        versions = sorted(value.items()) if isinstance(value, dict) else []
+        return ", ".join(
+            f"{name}: {figures.get('originals', 0):,} originals ({figures.get('layout')})"
+            for name, figures in versions
+            if isinstance(figures, dict)
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if stat.unit == "bytes":
+        return f"{value:,} bytes ({_human_bytes(int(value))})"
+    if stat.unit == "seconds":
+        return f"{value:,.1f} s"
+    return f"{value:,} {stat.unit}".rstrip()
 
 
 def _make_sample(args: argparse.Namespace) -> int:

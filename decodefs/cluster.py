@@ -50,7 +50,7 @@ from .decode import Fingerprint, npy_file_size, npy_layout_problem
 from .entry import EntryKey, check_entry, encode_trailer
 from .l2 import L2Backend, L2Error, object_name
 from .leases import Claim
-from .metrics import Histogram, LogThrottle
+from .metrics import Histogram, LogThrottle, figures
 from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
 
 __all__ = [
@@ -90,7 +90,8 @@ class L2Unavailable(Exception):
 
 @dataclass
 class L2Metrics:
-    """What this node's L2 tier has done. See docs/operations.md, "Status files"."""
+    """What this node's L2 tier has done: each field is the figure ``l2_<field>`` of
+    protocol.STATS (tests/test_stats.py checks it). See docs/operations.md, "Status files"."""
 
     hits: int = 0  # arrays fetched from L2 and verified (instead of decoding)
     misses: int = 0  # arrays L2 could not give (absent, bad, unreachable): decoded here
@@ -233,27 +234,14 @@ class L2Tier:
                 nursery.start_soon(self._renewer, nursery)
 
     def stats(self) -> dict[str, object]:
-        m = self.metrics
+        """The tier's figures of stats.json (protocol.STATS, those with ``l2``)."""
         return {
             "l2": self.backend.description,
             "l2_state": self._breaker.state,
             "l2_breaker_opens": self._breaker.opened,
-            "l2_hits": m.hits,
-            "l2_misses": m.misses,
-            "l2_bypassed": m.bypassed,
-            "l2_leases": m.leases,
-            "l2_lease_renewals": m.lease_renewals,
-            "l2_lease_waits": m.lease_waits,
-            "l2_lease_timeouts": m.lease_timeouts,
-            "l2_publishes": m.publishes,
-            "l2_publish_exists": m.publish_exists,
-            "l2_publish_dropped": m.publish_dropped,
             "l2_publish_queue": self._queued,
             "l2_publish_queue_bytes": self._queued_bytes,
-            "l2_corrupt": m.corrupt,
-            "l2_bytes_fetched": m.bytes_fetched,
-            "l2_errors": dict(m.errors),
-            "l2_fetch_seconds": m.fetch_seconds.as_dict(),
+            **figures(self.metrics, prefix="l2_"),
         }
 
     def close(self) -> None:

@@ -14,9 +14,9 @@ import re
 import stat
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar, cast
+from typing import Any, Final, Literal, TypeVar, cast, get_args
 
 from .decode import (
     DEFAULT_MAX_PIXELS,
@@ -30,6 +30,8 @@ from .decode import (
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_EXTENSIONS",
+    "LOG_LEVELS",
+    "WORKERS_MAX",
     "Config",
     "ConfigError",
     "L2Config",
@@ -43,6 +45,8 @@ DEFAULT_CONFIG_PATH: Final = Path("/etc/decodefs/config.toml")
 DEFAULT_EXTENSIONS: Final = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 # The inode layout (see tree.py) has 13 bits for the size.
 SIZE_LIMIT: Final = 8191
+# The most threads of one kind a config may ask for (decode_workers, io_workers, l2_workers).
+WORKERS_MAX: Final = 256
 # A version name is a path component both in the mount and in the store.
 _VERSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 _BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
@@ -52,6 +56,14 @@ Duplicates = Literal["error", "skip"]
 Layout = Literal["uuid", "mirror"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 UnlistedSizes = Literal["owner", "everyone"]
+LOG_LEVELS: Final[tuple[LogLevel, ...]] = get_args(LogLevel)
+
+
+def default_decode_workers() -> int:
+    """decode_workers when a config does not set it: the cores, but never more than a
+    config may set (a machine of more cores than WORKERS_MAX must still load a config
+    that leaves the key out)."""
+    return min(os.cpu_count() or 1, WORKERS_MAX)
 
 
 T = TypeVar("T")
@@ -68,16 +80,21 @@ class ConfigError(Exception):
         super().__init__("\n".join(problems))
 
 
+# The defaults of every key live in the dataclasses below (and DecodeSettings): the
+# parser, the key lists, ``as_dict`` and docs/configuration.md's tables (checked by
+# tests/test_config.py) all take them from there.
+
+
 @dataclass(frozen=True)
 class VersionConfig:
     """One dataset version: where its originals are and how they are decoded."""
 
     name: str
     source: Path
-    sizes: tuple[int, ...]
-    decode: DecodeSettings
-    extensions: frozenset[str]
-    duplicates: Duplicates
+    sizes: tuple[int, ...] = (224,)  # also the top-level ``sizes`` default
+    decode: DecodeSettings = field(default_factory=DecodeSettings)  # its fields: table keys
+    extensions: frozenset[str] = frozenset(DEFAULT_EXTENSIONS)
+    duplicates: Duplicates = "error"
     warm: bool = False
     # "uuid": <size>/<uuid>.npy by file stem; "mirror": the source's own relative paths.
     layout: Layout = "uuid"
@@ -85,6 +102,11 @@ class VersionConfig:
     def fingerprint(self) -> Fingerprint:
         """What the version's stored arrays must have been made by (and keyed by)."""
         return decoder_fingerprint(self.decode, keys=self.layout)
+
+    def as_dict(self) -> dict[str, object]:
+        """Its keys as a config file spells them (the decode settings flattened)."""
+        value = _plain_fields(self, leave_out=("name", "decode"))
+        return {**value, **_plain_fields(self.decode)}
 
 
 # -- L2: the cluster's second tier (cluster.py, l2.py) -----------------------------------
@@ -116,16 +138,7 @@ class L2Config:
         return self.url[len("s3://") :].partition("/")[2].strip("/")
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "url": self.url,
-            "endpoint": self.endpoint,
-            "region": self.region,
-            "timeout_seconds": self.timeout_seconds,
-            "lease_seconds": self.lease_seconds,
-            "retry_seconds": self.retry_seconds,
-            "workers": self.workers,
-            "publish_queue_bytes": self.publish_queue_bytes,
-        }
+        return _plain_fields(self)
 
 
 @dataclass(frozen=True)
@@ -141,7 +154,7 @@ class Config:
     min_free_fraction: float | None = 0.05
     min_size: int = 8
     max_size: int = 4096
-    decode_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    decode_workers: int = field(default_factory=default_decode_workers)
     io_workers: int = 8
     memory_cache_bytes: int = 512 << 20
     decode_memory_bytes: int = 1 << 30
@@ -157,42 +170,29 @@ class Config:
         return {name: version.fingerprint() for name, version in self.versions.items()}
 
     def as_dict(self) -> dict[str, object]:
-        """The effective config, for /.decodefs/config.json."""
-        extra: dict[str, object] = {} if self.l2 is None else {"l2": self.l2.as_dict()}
-        return {
-            **extra,
-            "path": str(self.path) if self.path else None,
-            "mountpoint": str(self.mountpoint) if self.mountpoint else None,
-            "allow_other": self.allow_other,
-            "store": str(self.store),
-            "max_store_bytes": self.max_store_bytes,
-            "min_free_fraction": self.min_free_fraction,
-            "min_size": self.min_size,
-            "max_size": self.max_size,
-            "decode_workers": self.decode_workers,
-            "io_workers": self.io_workers,
-            "memory_cache_bytes": self.memory_cache_bytes,
-            "decode_memory_bytes": self.decode_memory_bytes,
-            "unlisted_sizes": self.unlisted_sizes,
-            "max_pixels": self.max_pixels,
-            "error_cache_seconds": self.error_cache_seconds,
-            "log_level": self.log_level,
-            "versions": {
-                name: {
-                    "source": str(v.source),
-                    "sizes": list(v.sizes),
-                    "resample": v.decode.resample,
-                    "fit": v.decode.fit,
-                    "exif_transpose": v.decode.exif_transpose,
-                    "draft": v.decode.draft,
-                    "extensions": sorted(v.extensions),
-                    "duplicates": v.duplicates,
-                    "warm": v.warm,
-                    "layout": v.layout,
-                }
-                for name, v in self.versions.items()
-            },
-        }
+        """The effective config, for /.decodefs/config.json (``l2`` only when set)."""
+        return _plain_fields(self, leave_out=() if self.l2 is not None else ("l2",))
+
+
+def _plain_fields(value: Any, leave_out: tuple[str, ...] = ()) -> dict[str, object]:
+    """A config dataclass's fields as JSON values, by field name."""
+    return {
+        f.name: _plain(getattr(value, f.name)) for f in fields(value) if f.name not in leave_out
+    }
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, frozenset):
+        return sorted(value)
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, Mapping):
+        return {name: _plain(item) for name, item in value.items()}
+    if is_dataclass(value) and hasattr(value, "as_dict"):
+        return value.as_dict()
+    return value
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
@@ -245,49 +245,19 @@ def parse_byte_size(value: object) -> int:
     raise ValueError(f'{value!r} is not a byte size such as 536870912 or "512M"')
 
 
-# The l2* keys (L2Config, parsed by l2_config below).
-L2_KEYS: Final = (
-    "l2",
-    "l2_endpoint",
-    "l2_region",
-    "l2_timeout_seconds",
-    "l2_lease_seconds",
-    "l2_retry_seconds",
-    "l2_workers",
-    "l2_publish_queue_bytes",
-)
-
+# The l2* keys (L2Config, parsed by l2_config below): "l2" is its url.
+L2_KEYS: Final = ("l2", *(f"l2_{f.name}" for f in fields(L2Config) if f.name != "url"))
+# Config's fields that are no key of a file (``path``: where it was read from), and
+# the keys that are no field of it (``sizes``: every version's default).
+_NOT_KEYS: Final = ("path", "l2")
 _TOP_KEYS: Final = (
-    "store",
-    "mountpoint",
-    "allow_other",
-    "max_store_bytes",
-    "min_free_fraction",
+    *(f.name for f in fields(Config) if f.name not in _NOT_KEYS),
     "sizes",
-    "min_size",
-    "max_size",
-    "decode_workers",
-    "io_workers",
-    "memory_cache_bytes",
-    "decode_memory_bytes",
-    "unlisted_sizes",
-    "max_pixels",
-    "error_cache_seconds",
-    "log_level",
-    "versions",
     *L2_KEYS,
 )
 _VERSION_KEYS: Final = (
-    "source",
-    "sizes",
-    "resample",
-    "fit",
-    "exif_transpose",
-    "draft",
-    "extensions",
-    "duplicates",
-    "warm",
-    "layout",
+    *(f.name for f in fields(VersionConfig) if f.name not in ("name", "decode")),
+    *(f.name for f in fields(DecodeSettings)),
 )
 
 
@@ -313,6 +283,7 @@ class _Parser:
     def config(self, raw: Mapping[str, Any], path: Path | None) -> Config | None:
         self.reject_unknown(raw, _TOP_KEYS, prefix="")
         defaults = Config(store=Path(), versions={})
+        version_defaults = VersionConfig(name="", source=Path())
         store: Path | None = None
         if "store" not in raw:
             self.problems.append("store: missing (the directory on flash where arrays are kept)")
@@ -333,7 +304,9 @@ class _Parser:
         # (no follow-on complaint about a bound that is itself the mistake).
         low = 1 if min_size is None else min_size
         high = SIZE_LIMIT if max_size is None else max_size
-        default_sizes = self.sizes(raw.get("sizes", [224]), "sizes", low, high)
+        default_sizes = self.sizes(
+            raw.get("sizes", list(version_defaults.sizes)), "sizes", low, high
+        )
 
         versions_raw = raw.get("versions")
         versions: dict[str, VersionConfig] = {}
@@ -347,9 +320,7 @@ class _Parser:
                 if version is not None:
                     versions[name] = version
         log_level: str = self.check(
-            lambda: self.choice(
-                raw, "log_level", defaults.log_level, ("debug", "info", "warning", "error")
-            ),
+            lambda: self.choice(raw, "log_level", defaults.log_level, LOG_LEVELS),
             str(defaults.log_level),
         )
         max_store_bytes = None
@@ -371,15 +342,12 @@ class _Parser:
         mountpoint = None
         if "mountpoint" in raw:
             mountpoint = self.check(lambda: self.path(raw["mountpoint"], "mountpoint"), None)
-        allow_other = self.check(lambda: self.boolean(raw, "allow_other", False, None), False)
-        decode_workers = self.check(
-            lambda: self.integer(raw, "decode_workers", defaults.decode_workers, low=1, high=256),
-            defaults.decode_workers,
+        allow_other = self.check(
+            lambda: self.boolean(raw, "allow_other", defaults.allow_other, None),
+            defaults.allow_other,
         )
-        io_workers = self.check(
-            lambda: self.integer(raw, "io_workers", defaults.io_workers, low=1, high=256),
-            defaults.io_workers,
-        )
+        decode_workers = self.workers(raw, "decode_workers", defaults.decode_workers)
+        io_workers = self.workers(raw, "io_workers", defaults.io_workers)
         memory_cache_bytes = self.check(
             lambda: self.byte_size(raw, "memory_cache_bytes", defaults.memory_cache_bytes),
             defaults.memory_cache_bytes,
@@ -390,7 +358,7 @@ class _Parser:
         )
         unlisted_sizes = self.check(
             lambda: self.choice(
-                raw, "unlisted_sizes", defaults.unlisted_sizes, ("owner", "everyone")
+                raw, "unlisted_sizes", defaults.unlisted_sizes, get_args(UnlistedSizes)
             ),
             str(defaults.unlisted_sizes),
         )
@@ -466,6 +434,7 @@ class _Parser:
             table.get("sizes", list(default_sizes)), f"{key}.sizes", min_size, max_size
         )
         defaults = DecodeSettings()
+        version_defaults = VersionConfig(name, Path())
         resample: str = self.check(
             lambda: self.choice(table, "resample", defaults.resample, tuple(RESAMPLE_FILTERS), key),
             str(defaults.resample),
@@ -477,16 +446,24 @@ class _Parser:
             lambda: self.boolean(table, "exif_transpose", defaults.exif_transpose, key),
             defaults.exif_transpose,
         )
-        draft = self.check(lambda: self.boolean(table, "draft", defaults.draft, key), False)
+        draft = self.check(
+            lambda: self.boolean(table, "draft", defaults.draft, key), defaults.draft
+        )
         extensions = self.extensions(
-            table.get("extensions", list(DEFAULT_EXTENSIONS)), f"{key}.extensions"
+            table.get("extensions", sorted(version_defaults.extensions)), f"{key}.extensions"
         )
-        duplicates = self.check(
-            lambda: self.choice(table, "duplicates", "error", ("error", "skip"), key), "error"
+        duplicates: str = self.check(
+            lambda: self.choice(
+                table, "duplicates", version_defaults.duplicates, get_args(Duplicates), key
+            ),
+            str(version_defaults.duplicates),
         )
-        warm = self.check(lambda: self.boolean(table, "warm", False, key), False)
-        layout = self.check(
-            lambda: self.choice(table, "layout", "uuid", ("uuid", "mirror"), key), "uuid"
+        warm = self.check(
+            lambda: self.boolean(table, "warm", version_defaults.warm, key), version_defaults.warm
+        )
+        layout: str = self.check(
+            lambda: self.choice(table, "layout", version_defaults.layout, get_args(Layout), key),
+            str(version_defaults.layout),
         )
         if len(self.problems) > before or source is None:
             return None
@@ -560,6 +537,12 @@ class _Parser:
         if not low <= value <= high:
             raise ConfigError(f"{name}: {value} is outside {low}..{high}")
         return value
+
+    def workers(self, table: Mapping[str, Any], name: str, default: int) -> int:
+        """A thread count, 1..WORKERS_MAX; a mistake is recorded (the default stands in)."""
+        return self.check(
+            lambda: self.integer(table, name, default, low=1, high=WORKERS_MAX), default
+        )
 
     def number(self, table: Mapping[str, Any], name: str, default: float) -> float:
         value = table.get(name, default)
@@ -660,10 +643,7 @@ def l2_config(parser: _Parser, raw: Mapping[str, Any]) -> L2Config | None:
     timeout = seconds("l2_timeout_seconds", defaults.timeout_seconds)
     lease = seconds("l2_lease_seconds", defaults.lease_seconds, zero=True)
     retry = seconds("l2_retry_seconds", defaults.retry_seconds)
-    workers = parser.check(
-        lambda: parser.integer(raw, "l2_workers", defaults.workers, low=1, high=256),
-        defaults.workers,
-    )
+    workers = parser.workers(raw, "l2_workers", defaults.workers)
     queue = parser.check(
         lambda: parser.byte_size(raw, "l2_publish_queue_bytes", defaults.publish_queue_bytes),
         defaults.publish_queue_bytes,

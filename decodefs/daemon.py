@@ -4,7 +4,8 @@
 ``spawn`` starts ``serve`` in a detached child and returns once the mount is
 live. SIGUSR1 makes a running daemon log every thread's stack and its trio
 task tree, for a daemon that seems stuck. This module wires the layers
-together; it holds no caching policy.
+together and runs the daemon's periodic loops (the LRU flush, the store
+check); it holds no caching policy.
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ import logging
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import trio
 
+from .background_warm import BackgroundWarm
 from .cluster import L2Tier
 from .config import Config
 from .decode import quiet_pillow_warnings
+from .direct_hits import DirectHits
 from .engine import Engine
 from .fs import DecodeFS, FuseMount, MountFailed
 from .inodes import INODE_LAYOUT
@@ -41,7 +44,6 @@ from .metrics import LogThrottle, render_prometheus
 from .mountinfo import MountInfo, mounts
 from .notify import ServiceNotifier
 from .protocol import (
-    ACCESS_REPORT_MAX,
     CONFIG_FILE,
     FS_TYPE,
     METRICS_FILE,
@@ -51,10 +53,13 @@ from .protocol import (
     StoreStatus,
 )
 from .source import scan_source
+from .stats import snapshot
 from .store import Store
-from .tree import Tree
+from .tree import Tree, version_order
 
 __all__ = [
+    "ACCESS_FLUSH_SECONDS",
+    "STORE_CHECK_SECONDS",
     "MountError",
     "MountInfo",
     "clear_stale",
@@ -62,11 +67,13 @@ __all__ = [
     "decodefs_mount_above",
     "empty_version_warning",
     "find_mount",
+    "flush_accesses_forever",
     "prepare_mountpoint",
     "serve",
     "spawn",
     "store_warning",
     "unmount",
+    "watch_store_forever",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,6 +86,9 @@ _M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
 SHUTDOWN_GRACE: Final = 10.0
 # Then how long requests already running may take to finish before they are cancelled.
 REQUESTS_GRACE: Final = 5.0
+# How often hits' access times go to the catalog (LRU), and the store is checked.
+ACCESS_FLUSH_SECONDS: Final = 30.0
+STORE_CHECK_SECONDS: Final = 5.0
 
 
 class MountError(Exception):
@@ -297,22 +307,31 @@ def _serve_mount(
         status = StoreStatus(
             store=store.root,
             digests=store.digests(),
-            version_order=engine.version_names,  # as inode numbers index them
+            version_order=version_order(config),  # as inode numbers index them
             inode_layout=INODE_LAYOUT,
             min_size=config.min_size,
             max_size=config.max_size,
             access_socket=access_socket,
             mirrors=frozenset(n for n, v in config.versions.items() if v.layout == "mirror"),
         )
+
+        def stats() -> dict[str, object]:
+            return snapshot(engine, sources, pid=os.getpid(), mountpoint=mountpoint)
+
         status_files: dict[str, Callable[[], bytes]] = {
-            STATS_FILE: lambda: _json(
-                {**engine.stats(), "pid": os.getpid(), "mountpoint": mountpoint}
-            ),
-            METRICS_FILE: lambda: render_prometheus(engine.stats()),
+            STATS_FILE: lambda: _json(stats()),
+            METRICS_FILE: lambda: render_prometheus(stats()),
             CONFIG_FILE: lambda: _json(config.as_dict()),
             STORE_FILE: status.to_json,  # what read_array() needs (reader.py)
         }
-        operations = DecodeFS(Tree(engine, list(status_files)), engine, status_files)
+        tree = Tree(config, sources, list(status_files))
+        operations = DecodeFS(tree, engine, status_files)
+        loops = _Loops(
+            engine,
+            BackgroundWarm(engine, sources),
+            DirectHits(config, sources, store, engine.metrics),
+            access_socket,
+        )
         fuse = FuseMount(operations, mountpoint, allow_other=config.allow_other)
         try:
             fuse.mount()
@@ -322,7 +341,7 @@ def _serve_mount(
                 hint = "allow_other needs 'user_allow_other' in /etc/fuse.conf when not root"
             raise MountError(f"cannot mount {mountpoint}: {exc} ({hint})") from exc
         try:
-            trio.run(_serve, fuse, engine, mountpoint, on_ready, notifier, access_socket)
+            trio.run(_serve, fuse, loops, mountpoint, on_ready, notifier)
         finally:
             fuse.close()
             engine.close()
@@ -331,13 +350,22 @@ def _serve_mount(
     log.info("unmounted %s", mountpoint)
 
 
+@dataclass(frozen=True)
+class _Loops:
+    """What runs beside the request handlers for the daemon's life."""
+
+    engine: Engine
+    warm: BackgroundWarm  # started once the mount is live
+    direct_hits: DirectHits
+    access_socket: str | None  # where direct hits arrive (None: nowhere)
+
+
 async def _serve(
     fuse: FuseMount,
-    engine: Engine,
+    loops: _Loops,
     mountpoint: str,
     on_ready: Callable[[], None] | None,
     notifier: ServiceNotifier,
-    access_socket: str | None,
 ) -> None:
     stopping = trio.Event()  # set once a signal asked us to stop
     serving = trio.CancelScope()  # cancelled if requests outlast the grace after a signal
@@ -345,15 +373,16 @@ async def _serve(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier, stopping, serving)
         nursery.start_soon(_dump_on_sigusr1)
-        nursery.start_soon(_once_live, engine, mountpoint, on_ready, notifier, nursery)
-        nursery.start_soon(engine.flush_accesses_forever)
-        nursery.start_soon(engine.watch_store_forever)
+        engine = loops.engine
+        nursery.start_soon(_once_live, loops.warm, mountpoint, on_ready, notifier, nursery)
+        nursery.start_soon(flush_accesses_forever, engine)
+        nursery.start_soon(watch_store_forever, engine)
         nursery.start_soon(engine.reads.drop_forever)
         nursery.start_soon(engine.note_stored)
         if engine.l2 is not None:
             nursery.start_soon(engine.l2.run)  # publishes to the cluster's L2
-        if access_socket is not None:
-            nursery.start_soon(_receive_direct_hits, engine, access_socket)
+        if loops.access_socket is not None:
+            nursery.start_soon(loops.direct_hits.receive, loops.access_socket)
         with serving:
             aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
@@ -366,28 +395,18 @@ async def _serve(
         log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing lost")
 
 
-async def _receive_direct_hits(engine: Engine, path: str) -> None:
-    """Hits read_array() read straight from the store, reported by readers for LRU."""
-    with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # left by an earlier daemon
-            await sock.bind(path)
-            os.chmod(path, 0o666)  # any reader may report; reports only order the LRU
-        except OSError as exc:
-            log.warning("cannot listen for direct hits at %s: %s", path, exc)
-            return
-        throttle = LogThrottle(log)
-        try:
-            while True:
-                try:
-                    engine.note_direct_hits(await sock.recv(ACCESS_REPORT_MAX))
-                except Exception as exc:  # a report orders the LRU: never worth the daemon
-                    throttle.log(logging.ERROR, "direct-hits", "direct-hit report: %r", exc)
-                    await trio.sleep(0.1)  # a socket that keeps failing must not spin
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+async def flush_accesses_forever(engine: Engine, interval: float = ACCESS_FLUSH_SECONDS) -> None:
+    """Write hits' access times to the catalog every ``interval``, for LRU eviction."""
+    while True:
+        await trio.sleep(interval)
+        await engine.flush_accesses()
+
+
+async def watch_store_forever(engine: Engine, interval: float = STORE_CHECK_SECONDS) -> None:
+    """Notice a store removed at runtime, and use it again once it is made again."""
+    while True:
+        await trio.sleep(interval)
+        await engine.check_store()
 
 
 async def _stop_on_signal(
@@ -496,7 +515,7 @@ def _task_tree() -> list[str]:
 
 
 async def _once_live(
-    engine: Engine,
+    warm: BackgroundWarm,
     mountpoint: str,
     on_ready: Callable[[], None] | None,
     notifier: ServiceNotifier,
@@ -513,7 +532,7 @@ async def _once_live(
     interval = notifier.watchdog_interval
     if interval is not None:
         nursery.start_soon(_feed_watchdog, mountpoint, notifier, interval)
-    nursery.start_soon(engine.warm_in_background)
+    nursery.start_soon(warm.run)
 
 
 async def _statvfs_through(mountpoint: str) -> None:

@@ -7,13 +7,14 @@ original. The daemon, the tests and a user's live training path all call
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import IO, Final, Literal
 
@@ -109,30 +110,19 @@ def decode_image(
     """
     if size < 1:
         raise ValueError(f"size must be positive, got {size}")
-    try:
-        with Image.open(source) as im:
-            width, height = im.size
-            if width * height > max_pixels:
-                raise DecodeError(
-                    f"decompression bomb: {width}x{height} is more than {max_pixels} pixels"
-                )
-            if settings.draft:
-                im.draft("RGB", (size, size))
-            image: Image.Image = im
-            if settings.exif_transpose:
-                image = ImageOps.exif_transpose(image)
-            out = _fit(image.convert("RGB"), size, settings)
-            array = np.asarray(out)
-    except DecodeError:
-        raise
-    except Image.DecompressionBombError as exc:
-        raise DecodeError(f"decompression bomb: {exc}") from exc
-    except MemoryError:
-        raise
-    except Exception as exc:
-        # A hostile or broken file can make any codec raise anything; none of it
-        # is a bug of ours, and the caller needs one type to map to EIO.
-        raise DecodeError(f"{type(exc).__name__}: {exc}") from exc
+    with _as_decode_error(), Image.open(source) as im:
+        width, height = im.size
+        if width * height > max_pixels:
+            raise DecodeError(
+                f"decompression bomb: {width}x{height} is more than {max_pixels} pixels"
+            )
+        if settings.draft:
+            im.draft("RGB", (size, size))
+        image: Image.Image = im
+        if settings.exif_transpose:
+            image = ImageOps.exif_transpose(image)
+        out = _fit(image.convert("RGB"), size, settings)
+        array = np.asarray(out)
     if array.shape != (size, size, 3) or array.dtype != np.uint8:
         raise DecodeError(f"decoded to {array.dtype}{array.shape}, not uint8({size}, {size}, 3)")
     return np.ascontiguousarray(array)
@@ -140,13 +130,22 @@ def decode_image(
 
 def image_dimensions(source: ImageSource) -> tuple[int, int]:
     """(width, height) of an original from its header alone; DecodeError if it has none."""
+    with _as_decode_error(), Image.open(source) as im:
+        return im.size
+
+
+@contextlib.contextmanager
+def _as_decode_error() -> Iterator[None]:
+    """Whatever a codec raises for an original, as DecodeError (MemoryError passes).
+
+    A hostile or broken file can make any codec raise anything; none of it is a
+    bug of ours, and the caller needs one type to map to EIO."""
     try:
-        with Image.open(source) as im:
-            return im.size
+        yield
+    except (DecodeError, MemoryError):
+        raise
     except Image.DecompressionBombError as exc:
         raise DecodeError(f"decompression bomb: {exc}") from exc
-    except MemoryError:
-        raise
     except Exception as exc:
         raise DecodeError(f"{type(exc).__name__}: {exc}") from exc
 

@@ -2,8 +2,11 @@
 
 ``Engine.open`` returns a Handle for one array: a verified store entry (read
 from its file), or an array held in memory when the store cannot take it.
-All policy lives here; the fs layer only translates FUSE requests, and this
-module never imports pyfuse3.
+Caching policy lives here and nothing else: the namespace is tree.py's (over
+the sources), the stats snapshot stats.py's, the background warm's choice of
+arrays background_warm.py's, the per-user limit admission.py's, direct-hit
+reports direct_hits.py's and the periodic loops the daemon's. The fs layer only
+translates FUSE requests, and this module never imports pyfuse3.
 
 Concurrency: everything here runs on the trio thread, so the engine's own
 state needs no locks. Blocking work goes to worker threads: readers' decodes
@@ -28,21 +31,20 @@ make another's open wait for good.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import enum
 import functools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
 import cachetools
 import trio
 
+from .admission import WAITING_PER_USER, Admission
 from .cluster import L2Tier, Start
 from .config import Config
 from .decode import (
@@ -58,36 +60,17 @@ from .entry import EntryKey
 from .memory import HeldArray, MemoryBudget, MemoryCache
 from .metrics import LogThrottle, Metrics
 from .pools import Job, LowPriorityPool
-from .protocol import parse_access_report
 from .serving import EntryReads, Pages
-from .source import MirrorFolders, OriginalMissing, SourceIndex
+from .source import OriginalMissing, SourceIndex
 from .store import CorruptEntry, Store, StoreReadError, StoreWriteError, VerifiedEntry
 from .threads import run_in_thread
 
-__all__ = [
-    "ACCESS_FLUSH_SECONDS",
-    "STORE_CHECK_SECONDS",
-    "Engine",
-    "Handle",
-    "OriginalNotFound",
-    "OriginalUndecodable",
-    "UserBusy",
-]
+__all__ = ["Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _FAILURE_CACHE_MAX: Final = 100_000
-ACCESS_FLUSH_SECONDS: Final = 30.0
-STORE_CHECK_SECONDS: Final = 5.0
-_MAX_PENDING_ACCESSES: Final = 1_000_000  # ~200 MB at most between two flushes
-# Requests of one other user that may wait for a decode at once: a quarter of the
-# daemon's request tasks (fs.MAX_REQUEST_TASKS, 512), so that one user's flood of cold
-# opens can never take the tasks every other request (hits, closes, stats) needs.
-WAITING_PER_USER: Final = 128
-_WARM_STOPS: Final = (
-    "background warm of %s stops: the store takes no more without evicting what readers use"
-)
 
 
 class OriginalNotFound(Exception):
@@ -96,10 +79,6 @@ class OriginalNotFound(Exception):
 
 class OriginalUndecodable(Exception):
     """The original exists but cannot be decoded (EIO)."""
-
-
-class UserBusy(Exception):
-    """Another user already has WAITING_PER_USER requests waiting for decodes (EAGAIN)."""
 
 
 class Purpose(enum.Enum):
@@ -193,7 +172,6 @@ class Engine:
         self.l2 = l2  # the cluster's shared tier (cluster.py), asked before decoding
         self.metrics = metrics or Metrics()
         self.store = store
-        self.version_names: tuple[str, ...] = tuple(sorted(config.versions))
         self._sources = sources
         self._clock = clock
         self._owner = os.geteuid()
@@ -203,7 +181,6 @@ class Engine:
         self._warm_pool = LowPriorityPool(config.decode_workers)
         # As many as the pool's threads: a warm decode submitted starts at once.
         self._warm_slots = trio.CapacityLimiter(config.decode_workers)
-        self._warm_stopped = False
         self._read_limiter = trio.CapacityLimiter(config.io_workers)
         self._write_limiter = trio.CapacityLimiter(config.io_workers)
         self._flights: dict[EntryKey, _Flight] = {}
@@ -216,7 +193,8 @@ class Engine:
         self.memory = MemoryBudget(config.memory_cache_bytes)
         # What decodes take while they run: 8 bytes a pixel (decode.decode_peak_bytes).
         self.decode_memory = MemoryBudget(config.decode_memory_bytes)
-        self._memory_cache = MemoryCache(self.memory)
+        # Arrays the store did not take (stats.py reads its size).
+        self.memory_cache = MemoryCache(self.memory)
         # Originals that failed to decode, answered EIO until their entry expires.
         self._failures: cachetools.TTLCache[EntryKey, str] = cachetools.TTLCache(
             maxsize=_FAILURE_CACHE_MAX, ttl=config.error_cache_seconds, timer=clock
@@ -224,47 +202,8 @@ class Engine:
         self._throttle = LogThrottle(log)
         # Serving READs of stored entries, and dropping the entry pages they brought in.
         self.reads = EntryReads(store, self._read_limiter, self.metrics, clock=clock)
-        # Requests of each other user waiting for a decode now (see WAITING_PER_USER).
-        self._waiting_by: collections.Counter[int] = collections.Counter()
-        self.waiting_per_user = waiting_per_user
-
-    # -- the namespace, for the fs layer ------------------------------------
-
-    def sizes(self, version: str) -> tuple[int, ...]:
-        return self.config.versions[version].sizes
-
-    def size_allowed(self, size: int) -> bool:
-        return self.config.min_size <= size <= self.config.max_size
-
-    def allowed_sizes(self) -> range:
-        return range(self.config.min_size, self.config.max_size + 1)
-
-    def count(self, version: str) -> int:
-        return len(self._sources[version])
-
-    def find(self, version: str, uuid: str) -> int | None:
-        return self._sources[version].find(uuid)
-
-    def uuid_at(self, version: str, index: int) -> str:
-        return self._sources[version].uuids[index]
-
-    def uuids(self, version: str) -> Sequence[str]:
-        """All uuids of a version, in index order (read-only)."""
-        return self._sources[version].uuids
-
-    def mirror(self, version: str) -> MirrorFolders | None:
-        """The folders of a mirror version (None: a uuid version)."""
-        return self._sources[version].mirror
-
-    def shard_range(self, version: str, shard: str) -> range:
-        return self._sources[version].prefix_range(shard)
-
-    def scanned_at_ns(self, version: str) -> int:
-        return self._sources[version].scanned_at_ns
-
-    @staticmethod
-    def file_size(size: int) -> int:
-        return npy_file_size(size)
+        # Requests of each other user waiting for a decode now (admission.py).
+        self.admission = Admission(self.metrics, waiting_per_user)
 
     # -- arrays -------------------------------------------------------------
 
@@ -348,7 +287,7 @@ class Engine:
         their opens need no disk (each is verified at its first READ). Before this, or
         for other sizes, an open verifies the entry first."""
         generation = self.store.generation
-        for version in self.version_names:
+        for version in sorted(self.config.versions):
             source = self._sources[version]
             for size in self.config.versions[version].sizes:
                 uuids = await run_in_thread(
@@ -380,25 +319,6 @@ class Engine:
             # holds what readers need, so the entry file's copy goes (serving.py).
             self.reads.release(handle.key, handle.pages)
 
-    def note_direct_hits(self, report: bytes) -> None:
-        """Hits that readers read straight from the store (protocol.parse_access_report).
-
-        Any local user may send these (the socket is world-writable), so a line
-        counts only if it names a configured version, an allowed size and a
-        known original; anything else is ignored, and the pending accesses
-        stay bounded. A report orders the LRU and nothing more.
-        """
-        capacity = self.store.capacity
-        # Only stored arrays are read directly, so no honest reports name more keys.
-        limit = min(_MAX_PENDING_ACCESSES, max(1024, capacity.usage().entries))
-        for version, size, uuid in parse_access_report(report):
-            source = self._sources.get(version)
-            if source is None or not self.size_allowed(size) or source.find(uuid) is None:
-                continue
-            if not capacity.record_access(EntryKey(version, size, uuid), limit):
-                return  # until the next flush: the LRU order of the rest can wait
-            self.metrics.direct_hits += 1
-
     async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes | bytearray:
         end = min(offset + size, handle.length)
         if offset >= end:
@@ -413,122 +333,54 @@ class Engine:
         self.metrics.bytes_served += len(data)
         return data
 
-    async def flush_accesses_forever(self, interval: float = ACCESS_FLUSH_SECONDS) -> None:
-        """Write hits' access times to the catalog now and then, for LRU eviction."""
-        while True:
-            await trio.sleep(interval)
-            try:
-                await self._in_thread(self._write_limiter, self.store.capacity.flush_accesses)
-            except Exception as exc:  # LRU order is not worth stopping the daemon for
-                self._throttle.log(
-                    logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
-                )
-
-    async def watch_store_forever(self, interval: float = STORE_CHECK_SECONDS) -> None:
-        """Notice a store removed at runtime, and use it again once it is made again."""
-        while True:
-            await trio.sleep(interval)
-            await self.check_store()
+    async def flush_accesses(self) -> None:
+        """Write hits' access times to the catalog, for LRU eviction (the daemon calls this
+        now and then); a failure is logged, never raised: LRU order is not worth more."""
+        try:
+            await self._in_thread(self._write_limiter, self.store.capacity.flush_accesses)
+        except Exception as exc:
+            self._throttle.log(
+                logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
+            )
 
     async def check_store(self) -> None:
+        """Notice a store removed at runtime, and use it again once it is made again (the
+        daemon calls this now and then, and a write that finds the store gone)."""
         try:
             await self._in_thread(self._write_limiter, self.store.check)
         except Exception as exc:
             self._throttle.log(logging.ERROR, "store-check", "cannot check the store: %r", exc)
         self._notice_store_generation()
 
-    async def warm_in_background(self) -> None:
-        """Decode and store the configured sizes of versions with ``warm = true``.
-
-        Runs on the low-priority pool, so readers' decodes always come first;
-        stops for a store that cannot take more without evicting what readers use.
-        """
-        versions = [v for v in self.config.versions.values() if v.warm]
-        if not versions:
-            return
-        if not self.store.writable:
-            log.warning("background warm: the store is not writable; not warming")
-            return
-        for version in versions:
-            for size in version.sizes:
-                stored = await self._in_thread(
-                    self._read_limiter, self.store.stored_uuids, version.name, size
-                )
-                todo = iter(
-                    i
-                    for i, uuid in enumerate(self._sources[version.name].uuids)
-                    if uuid not in stored
-                )
-                started, before = time.monotonic(), self.metrics.background_decodes
-                async with trio.open_nursery() as nursery:
-                    # Twice the pool's threads: a thread never idles while its
-                    # worker does store I/O between decodes.
-                    for _ in range(2 * self.config.decode_workers):
-                        nursery.start_soon(self._warm_worker, version.name, size, todo)
-                if self._warm_stopped:
-                    log.info(_WARM_STOPS, f"{version.name}/{size}")
-                    return
-                log.info(
-                    "background warm: %s/%d done, %d decoded in %.0f s",
-                    version.name,
-                    size,
-                    self.metrics.background_decodes - before,
-                    time.monotonic() - started,
-                )
-
-    def stats(self) -> dict[str, object]:
-        m = self.metrics
-        usage = self.store.usage()
-        return {
-            "hits": m.hits,
-            "misses": m.misses,
-            "decodes": m.decodes,
-            "decode_errors": m.decode_errors,
-            "coalesced": m.coalesced,
-            "corrupt_entries": m.corrupt_entries,
-            "store_bytes": usage.bytes,
-            "store_entries": usage.entries,
-            "store_usage_complete": usage.complete,
-            "store_writable": self.store.writable,
-            "store_max_bytes": self.config.max_store_bytes,
-            "evictions": usage.evictions,
-            "store_write_errors": m.store_write_errors,
-            "memory_fallbacks": m.memory_fallbacks,
-            "memory_cache_bytes": self._memory_cache.bytes,
-            "memory_cache_entries": len(self._memory_cache),
-            "memory_bytes": self.memory.used,
-            "memory_limit_bytes": self.memory.limit,
-            "memory_waits": self.memory.waits,
-            "memory_refills": m.memory_refills,
-            "decode_memory_bytes": self.decode_memory.used,
-            "decode_memory_limit_bytes": self.decode_memory.limit,
-            "decode_memory_waits": self.decode_memory.waits,
-            "unlisted_not_stored": m.unlisted_not_stored,
-            "bytes_served": m.bytes_served,
-            "inflight_decodes": m.inflight_decodes,
-            "queued_decodes": m.queued_decodes,
-            "background_decodes": m.background_decodes,
-            "warm_decodes": m.warm_decodes,
-            "warm_not_stored": m.warm_not_stored,
-            "direct_hits": m.direct_hits,
-            "store_reads_inline": m.store_reads_inline,
-            "store_reads_threaded": m.store_reads_threaded,
-            "page_drops": m.page_drops,
-            "errors": dict(m.errors),
-            "decode_seconds": m.decode_seconds.as_dict(),
-            **(self.l2.stats() if self.l2 is not None else {}),
-            "uptime_seconds": round(time.time() - m.started, 3),
-            "versions": {
-                name: {
-                    "originals": len(src),
-                    "layout": src.layout,
-                    "duplicates_left_out": len(src.duplicates),
-                    "symlinks_outside_source": src.symlinks_outside,
-                    "fingerprint": self.store.fingerprint_description(name),
-                }
-                for name, src in self._sources.items()
-            },
-        }
+    async def warm_one(self, version: str, size: int, index: int) -> bool:
+        """Decode and store one array for the background warm (background_warm.py), at low
+        priority, unless it is stored, in flight or failed lately. False if the store
+        would take it only by evicting, or did not take it: the warm stops then."""
+        key = EntryKey(version, size, self._sources[version].uuids[index])
+        if (
+            self._verified_map(version, size)[index]
+            or self._stored_map(version, size)[index]
+            or key in self._flights
+            or key in self._failures
+        ):
+            return True
+        capacity = self.store.capacity
+        if await self._in_thread(self._read_limiter, capacity.would_evict, npy_file_size(size)):
+            return False
+        if key in self._flights:  # a reader got there meanwhile
+            return True
+        capacity.pin(key)
+        try:
+            flight = await self._fly(key, index, Purpose.BACKGROUND)
+        finally:
+            capacity.unpin(key)
+        outcome = flight.outcome
+        if outcome is not None and outcome.pages is not Pages.NOT_OURS:
+            self.reads.release(key, outcome.pages)  # nobody reads it through the mount now
+        if outcome is not None and outcome.held is not None:
+            outcome.held.release()  # nobody reads it
+            return False
+        return True
 
     # -- internals ----------------------------------------------------------
 
@@ -556,12 +408,12 @@ class Engine:
             self.store.capacity.record_access(key)
             handle.unverified, handle.reader = True, reading
             return handle
-        if self._memory_cache.touch(handle.memory_key):
+        if self.memory_cache.touch(handle.memory_key):
             self.metrics.hits += reading
             handle.in_memory = True
             return handle
         self._check_recent_failure(key)
-        with self._waiting(uid):
+        with self.admission.waiting(uid):
             outcome = await self._outcome(key, index, purpose, may_store=may_store)
         handle.pages = outcome.pages
         if not reading:  # a size this user may not store is no sign of a full store
@@ -573,7 +425,7 @@ class Engine:
             self.store.capacity.record_access(key)
         if outcome.held is not None:
             # Kept where memory can be reclaimed, not by this handle (see the docstring).
-            self._memory_cache.put(handle.memory_key, outcome.held)
+            self.memory_cache.put(handle.memory_key, outcome.held)
             outcome.held.release()
             handle.in_memory = True
         return handle
@@ -585,42 +437,17 @@ class Engine:
         decoded = False
         if not self._verified_map(key.version, key.size)[index]:  # none verified it since
             self._check_recent_failure(key)
-            with self._waiting(handle.uid):
+            with self.admission.waiting(handle.uid):
                 outcome = await self._outcome(key, index, Purpose.READ, may_store=handle.may_store)
             handle.pages, decoded = outcome.pages, outcome.decoded
             if outcome.held is not None:
-                self._memory_cache.put(handle.memory_key, outcome.held)
+                self.memory_cache.put(handle.memory_key, outcome.held)
                 outcome.held.release()
                 handle.in_memory = True
         handle.unverified = False  # only now: a READ cancelled before this checks again
         if handle.reader:  # the open's count: a miss if the entry failed and was rebuilt
             self.metrics.misses += decoded
             self.metrics.hits += not decoded
-
-    @contextlib.contextmanager
-    def _waiting(self, uid: int | None) -> Iterator[None]:
-        """Count a request of ``uid`` (None: the daemon's own user) waiting for a decode;
-        past WAITING_PER_USER of that user's, answer UserBusy at once instead."""
-        if uid is None:
-            yield
-            return
-        if self._waiting_by[uid] >= self.waiting_per_user:
-            self.metrics.errors["EAGAIN"] += 1
-            self._throttle.log(
-                logging.WARNING,
-                f"busy-{uid}",
-                "uid %d already has %d requests waiting for decodes; answering EAGAIN",
-                uid,
-                self._waiting_by[uid],
-            )
-            raise UserBusy(uid)
-        self._waiting_by[uid] += 1
-        try:
-            yield
-        finally:
-            self._waiting_by[uid] -= 1
-            if not self._waiting_by[uid]:
-                del self._waiting_by[uid]
 
     async def _outcome(
         self, key: EntryKey, index: int, purpose: Purpose, *, may_store: bool
@@ -694,13 +521,13 @@ class Engine:
     def _verified_map(self, version: str, size: int) -> _Bitmap:
         verified = self._verified.get((version, size))
         if verified is None:
-            verified = self._verified[version, size] = _Bitmap(self.count(version))
+            verified = self._verified[version, size] = _Bitmap(len(self._sources[version]))
         return verified
 
     def _stored_map(self, version: str, size: int) -> _Bitmap:
         stored = self._stored.get((version, size))
         if stored is None:
-            stored = self._stored[version, size] = _Bitmap(self.count(version))
+            stored = self._stored[version, size] = _Bitmap(len(self._sources[version]))
         return stored
 
     def _not_stored(self, key: EntryKey, index: int) -> None:
@@ -903,35 +730,6 @@ class Engine:
             if queued:  # cancelled while waiting for a slot
                 self.metrics.queued_decodes -= 1
 
-    async def _warm_worker(self, version: str, size: int, todo: Iterator[int]) -> None:
-        uuids = self._sources[version].uuids
-        verified, stored = self._verified_map(version, size), self._stored_map(version, size)
-        nbytes = npy_file_size(size)
-        capacity = self.store.capacity
-        for index in todo:  # shared by the workers: each index is taken once
-            if self._warm_stopped:
-                return
-            key = EntryKey(version, size, uuids[index])
-            if verified[index] or stored[index] or key in self._flights or key in self._failures:
-                continue
-            if await self._in_thread(self._read_limiter, capacity.would_evict, nbytes):
-                self._warm_stopped = True  # the others finish what they started, then stop
-                return
-            if key in self._flights:  # a reader got there meanwhile
-                continue
-            capacity.pin(key)
-            try:
-                flight = await self._fly(key, index, Purpose.BACKGROUND)
-            finally:
-                capacity.unpin(key)
-            outcome = flight.outcome
-            if outcome is not None and outcome.pages is not Pages.NOT_OURS:
-                self.reads.release(key, outcome.pages)  # nobody reads it through the mount now
-            if outcome is not None and outcome.held is not None:
-                outcome.held.release()  # nobody reads it
-                self._warm_stopped = True
-                return
-
     async def _read_stored(
         self, handle: Handle, offset: int, size: int
     ) -> memoryview | bytes | bytearray:
@@ -956,11 +754,11 @@ class Engine:
         """Bytes of an array the store did not take, from the memory cache; fetched
         again (one flight per key) if the cache dropped it since."""
         key = handle.key
-        held = self._memory_cache.get(handle.memory_key)
+        held = self.memory_cache.get(handle.memory_key)
         if held is None:
             self.metrics.memory_refills += 1
             self._check_recent_failure(key)
-            with self._waiting(handle.uid):
+            with self.admission.waiting(handle.uid):
                 outcome = await self._outcome(
                     key, handle.index, Purpose.READ, may_store=handle.may_store
                 )
@@ -972,7 +770,7 @@ class Engine:
                     raise OriginalUndecodable(f"stored entry {key} cannot be read back")
                 return data
             held = outcome.held
-            self._memory_cache.put(handle.memory_key, held)
+            self.memory_cache.put(handle.memory_key, held)
         try:
             # The slice keeps the bytes alive until they are sent; the budget counts
             # the cache's hold (for an array too big to cache, only this moment).

@@ -19,14 +19,8 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import pyfuse3
 
-from .engine import (
-    WAITING_PER_USER,
-    Engine,
-    Handle,
-    OriginalNotFound,
-    OriginalUndecodable,
-    UserBusy,
-)
+from .admission import WAITING_PER_USER, UserBusy
+from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
 from .metrics import LogThrottle, Metrics
 from .protocol import FS_NAME, RECHECK_FLAG, WARM_FLAG, OpenRequest
 from .tree import NAME_MAX, Attributes, Kind, Node, Tree
@@ -209,7 +203,7 @@ class DecodeFS(pyfuse3.Operations):
         fh = next(self._next_fh)
         if node.kind == Kind.ENTRY:
             version = self._tree.version_name(node)
-            if self._failpoint and self._engine.uuid_at(version, node.number) == self._failpoint:
+            if self._failpoint and self._tree.uuid(node) == self._failpoint:
                 raise RuntimeError(f"failpoint {_FAILPOINT_ENV} hit")
             request = OpenRequest.from_flags(flags)
             handle = await self._engine.open(

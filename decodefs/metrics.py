@@ -1,4 +1,4 @@
-"""Counters and the decode-latency histogram; rendered as JSON and Prometheus text.
+"""Counters and the decode-latency histogram; a stats snapshot rendered as Prometheus text.
 
 Updated only from the trio thread (the engine and fs layers), so no locks.
 This module knows nothing of FUSE, the store layout or images.
@@ -11,19 +11,29 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["DECODE_SECONDS_BUCKETS", "Histogram", "LogThrottle", "Metrics", "render_prometheus"]
+from .protocol import STATS, Stat
+
+__all__ = [
+    "DECODE_SECONDS_BUCKETS",
+    "Histogram",
+    "LogThrottle",
+    "Metrics",
+    "figures",
+    "render_prometheus",
+]
 
 _THROTTLE_KINDS_MAX: Final = 10_000
 DECODE_SECONDS_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -56,7 +66,8 @@ class Histogram:
 
 @dataclass
 class Metrics:
-    """What the daemon has done since it started. See docs/operations.md, "Status files"."""
+    """What the daemon has done since it started: each field is the figure of protocol.STATS
+    of the same name (tests/test_stats.py checks it). See docs/operations.md, "Status files"."""
 
     hits: int = 0  # opens served from a stored (or memory-cached) array
     misses: int = 0  # opens that needed a decode, including ones that joined another's
@@ -80,7 +91,22 @@ class Metrics:
     queued_decodes: int = 0  # decodes waiting for a pool slot
     errors: Counter[str] = field(default_factory=Counter)  # errno name -> count
     decode_seconds: Histogram = field(default_factory=Histogram)
-    started: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.time, metadata={"figure": False})
+
+
+def figures(counters: object, prefix: str = "") -> dict[str, object]:
+    """A counters dataclass (Metrics, cluster.L2Metrics) as stats.json figures: each field
+    under its name (after ``prefix``), a Counter as a dict, a Histogram as its dict."""
+    result: dict[str, object] = {}
+    for f in fields(counters):  # type: ignore[arg-type]
+        if f.metadata.get("figure", True):
+            value = getattr(counters, f.name)
+            if isinstance(value, Histogram):
+                value = value.as_dict()
+            elif isinstance(value, Counter):
+                value = dict(value)
+            result[prefix + f.name] = value
+    return result
 
 
 class LogThrottle:
@@ -122,128 +148,48 @@ class LogThrottle:
         self._logger.log(level, msg, *args, exc_info=exc_info)
 
 
-# stats.json key -> help text. Counters get the conventional _total suffix.
-_COUNTERS: Final = {
-    "hits": "Opens served from a stored or memory-held array",
-    "misses": "Opens that needed a decode, including ones that joined another's",
-    "decodes": "Decodes that ran, failed ones and rebuilds included",
-    "decode_errors": "Originals that failed to decode",
-    "coalesced": "Opens that joined a decode already running for the same file",
-    "corrupt_entries": "Stored entries that failed verification and were rebuilt",
-    "evictions": "Stored entries evicted to stay within the capacity limits",
-    "store_write_errors": "Arrays the store refused (full, read-only, at its limit)",
-    "memory_fallbacks": "Arrays kept in memory because the store refused them",
-    "background_decodes": "Decodes run by the daemon's own background warm",
-    "warm_decodes": "Decodes that warm requests (decodefs warm, O_NONBLOCK opens) ran",
-    "warm_not_stored": "Warm requests whose array the store would not take",
-    "memory_waits": "Decodes that waited for the memory budget",
-    "memory_refills": "Reads of an open file whose array the memory cache had dropped",
-    "decode_memory_waits": "Decodes that waited for decode memory",
-    "unlisted_not_stored": "Arrays of sizes no version lists, served from memory to other users",
-    "direct_hits": "Arrays read_array() read straight from the store, as reported by readers",
-    "bytes_served": "Bytes delivered in READ replies",
-    "store_reads_inline": "READs served from resident store pages on the request loop",
-    "store_reads_threaded": "READs of the store served by a worker thread",
-    "page_drops": "Entry files whose page cache the daemon brought in, then dropped",
-}
-_GAUGES: Final = {
-    "store_bytes": "Bytes of stored entries",
-    "store_entries": "Stored entries",
-    "inflight_decodes": "Decodes running in the pool",
-    "queued_decodes": "Decodes waiting for a pool slot",
-    "memory_cache_bytes": "Bytes of arrays held in memory because the store refused them",
-    "memory_cache_entries": "Arrays held in memory because the store refused them",
-    "memory_bytes": "Bytes of arrays in memory: decodes in flight and arrays served from memory",
-    "memory_limit_bytes": "The budget for arrays in memory (memory_cache_bytes)",
-    "decode_memory_bytes": "Bytes that decodes running now may take (decode_peak_bytes)",
-    "decode_memory_limit_bytes": "The budget for decodes running at once (decode_memory_bytes)",
-    "uptime_seconds": "Seconds since the daemon started",
-}
-
-
 class _StatsCollector(Collector):
-    """Prometheus families from one stats snapshot (the dict behind stats.json)."""
+    """Prometheus families from one stats snapshot (the dict behind stats.json), one per
+    figure of protocol.STATS that the snapshot holds."""
 
     def __init__(self, stats: Mapping[str, Any]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats
-        for name, documentation in _COUNTERS.items():
-            yield CounterMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
-        for name, documentation in _GAUGES.items():
-            yield GaugeMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
-        yield GaugeMetricFamily(
-            "decodefs_store_writable",
-            "1 if the store accepts new entries",
-            value=int(stats["store_writable"]),
+        for stat in STATS:
+            if stat.name in self._stats:
+                yield _family(stat, self._stats[stat.name])
+
+
+def _family(stat: Stat, value: Any) -> Metric:
+    name, documentation = stat.prometheus, stat.help
+    if stat.kind == "counter":
+        return CounterMetricFamily(name, documentation, value=value)
+    if stat.kind == "gauge":
+        return GaugeMetricFamily(name, documentation, value=0 if value is None else value)
+    if stat.kind == "flag":
+        return GaugeMetricFamily(name, documentation, value=int(bool(value)))
+    if stat.kind == "text":
+        return InfoMetricFamily(name, documentation, value={stat.name: str(value)})
+    if stat.kind == "state":
+        family = GaugeMetricFamily(name, documentation, labels=["state"])
+        for state in stat.states:
+            family.add_metric([state], int(value == state))
+        return family
+    if stat.kind == "counter by kind":
+        counts = CounterMetricFamily(name, documentation, labels=["kind"])
+        for kind, count in sorted(value.items()):
+            counts.add_metric([kind], count)
+        return counts
+    if stat.kind == "histogram":
+        return HistogramMetricFamily(
+            name, documentation, buckets=list(value["buckets"].items()), sum_value=value["sum"]
         )
-        errors = CounterMetricFamily(
-            "decodefs_errors", "Errors answered or met, by kind", labels=["kind"]
-        )
-        for kind, count in sorted(stats["errors"].items()):
-            errors.add_metric([kind], count)
-        yield errors
-        originals = GaugeMetricFamily("decodefs_originals", "Originals indexed", labels=["version"])
-        for version, info in sorted(stats["versions"].items()):
-            originals.add_metric([version], info["originals"])
-        yield originals
-        latency = stats["decode_seconds"]
-        yield HistogramMetricFamily(
-            "decodefs_decode_seconds",
-            "Time to decode, resize and serialize one array",
-            buckets=list(latency["buckets"].items()),
-            sum_value=latency["sum"],
-        )
-        if "l2" in stats:
-            yield from _l2_families(stats)
-
-
-# -- the cluster's L2 tier (cluster.py), present only when `l2` is configured -------------
-
-_L2_COUNTERS: Final = {
-    "l2_hits": "Arrays fetched from L2 and verified instead of decoded",
-    "l2_misses": "Arrays L2 could not give (absent, bad or unreachable), decoded here",
-    "l2_bypassed": "Arrays decoded without asking L2 while its circuit breaker was open",
-    "l2_leases": "Claims this node took to decode an array",
-    "l2_lease_renewals": "Claims this node renewed while decoding and publishing",
-    "l2_lease_waits": "Times this node waited for another node's claim",
-    "l2_lease_timeouts": "Claim waits that ran out before the holder published",
-    "l2_publishes": "Objects this node created in L2",
-    "l2_publish_exists": "Publishes that found the object in L2 already",
-    "l2_publish_dropped": "Publishes given up (queue full, L2 failing)",
-    "l2_corrupt": "L2 objects that failed verification (never served; replaced)",
-    "l2_bytes_fetched": "Bytes of verified objects fetched from L2",
-    "l2_breaker_opens": "Times the L2 circuit breaker opened",
-}
-_L2_GAUGES: Final = {
-    "l2_publish_queue": "Arrays waiting to be published to L2",
-    "l2_publish_queue_bytes": "Bytes of arrays waiting to be published to L2",
-}
-
-
-def _l2_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
-    for name, documentation in _L2_COUNTERS.items():
-        yield CounterMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
-    for name, documentation in _L2_GAUGES.items():
-        yield GaugeMetricFamily(f"decodefs_{name}", documentation, value=stats[name])
-    state = GaugeMetricFamily(
-        "decodefs_l2_state", "1 for the L2 circuit breaker's current state", labels=["state"]
-    )
-    for name in ("closed", "open", "half-open"):
-        state.add_metric([name], int(stats["l2_state"] == name))
-    yield state
-    errors = CounterMetricFamily("decodefs_l2_errors", "Failed L2 calls, by kind", labels=["kind"])
-    for kind, count in sorted(stats["l2_errors"].items()):
-        errors.add_metric([kind], count)
-    yield errors
-    latency = stats["l2_fetch_seconds"]
-    yield HistogramMetricFamily(
-        "decodefs_l2_fetch_seconds",
-        "Time of one L2 fetch (a GET, found or not)",
-        buckets=list(latency["buckets"].items()),
-        sum_value=latency["sum"],
-    )
+    assert stat.kind == "per version", stat
+    family = GaugeMetricFamily(name, documentation, labels=["version"])
+    for version, info in sorted(value.items()):
+        family.add_metric([version], info["originals"])
+    return family
 
 
 def render_prometheus(stats: Mapping[str, Any]) -> bytes:

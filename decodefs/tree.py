@@ -11,28 +11,30 @@ then its originals as ``<name>.npy``. In a folder, ``<name>.npy`` is the
 original ``<folder>/<name>`` if there is one, else (like any other name) a
 subfolder.
 
+The tree reads the config (versions, sizes, size bounds) and the sources (each
+version's originals) directly; it knows nothing of the engine or the store.
 This module is filesystem logic only: it does not import pyfuse3.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
 import stat
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from . import metrics, protocol
-from .engine import Engine
+from .config import Config
+from .decode import npy_file_size
 from .inodes import Kind, Node
-from .source import Folder, MirrorFolders
+from .source import Folder, MirrorFolders, SourceIndex
 
-__all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree"]
+__all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree", "version_order"]
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +75,30 @@ class Attributes:
     nlink: int
 
 
-class Tree:
-    """Resolves names and lists directories from the engine's view of the sources."""
+def version_order(config: Config) -> tuple[str, ...]:
+    """The versions by their index in inode numbers (store.json's ``version_order``)."""
+    return tuple(sorted(config.versions))
 
-    def __init__(self, engine: Engine, status_files: Sequence[str]) -> None:
-        self._engine = engine
+
+class Tree:
+    """Resolves names and lists directories from the config and the sources' indexes."""
+
+    def __init__(
+        self, config: Config, sources: Mapping[str, SourceIndex], status_files: Sequence[str]
+    ) -> None:
+        self._config = config
         self._throttle = metrics.LogThrottle(log)  # sizes out of bounds: said, not flooded
-        self._versions = engine.version_names
+        self._versions = version_order(config)
+        # By version index, as inode numbers name versions.
+        self._sources = tuple(sources[name] for name in self._versions)
         self._version_index = {name.encode(): i for i, name in enumerate(self._versions)}
         self._status_files = [name.encode() for name in status_files]
-        self._mirrors = tuple(engine.mirror(name) for name in self._versions)
+        self._mirrors = tuple(source.mirror for source in self._sources)
         self._mounted_ns = time.time_ns()
         # For ``entry``, per request: the index is a snapshot, so counts never change.
-        self._counts = tuple(engine.count(name) for name in self._versions)
-        self._sizes = engine.allowed_sizes()
-        self._finders = tuple(functools.partial(engine.find, name) for name in self._versions)
+        self._counts = tuple(len(source) for source in self._sources)
+        self._sizes = range(config.min_size, config.max_size + 1)
+        self._finders = tuple(source.find for source in self._sources)
 
     # -- names -> nodes -----------------------------------------------------
 
@@ -108,7 +119,7 @@ class Tree:
         if parent.kind == Kind.VERSION:
             size = self._parse_size(name)
             if size is None and _SIZE_NAME.fullmatch(name):
-                config = self._engine.config  # a size, but out of bounds: say why, not bare ENOENT
+                config = self._config  # a size, but out of bounds: say why, not bare ENOENT
                 self._throttle.log(
                     logging.WARNING,
                     "size-out-of-bounds",
@@ -133,7 +144,7 @@ class Tree:
         if parent.kind == Kind.SHARD:
             entry = self._lookup_entry(parent, name)
             shard = self._shard_name(parent)
-            if entry is not None and self._uuid(entry)[:2] == shard:
+            if entry is not None and self.uuid(entry)[:2] == shard:
                 return entry
         return None
 
@@ -202,14 +213,14 @@ class Tree:
             return False
         if node.kind == Kind.VERSION:
             return node.size == node.number == 0
-        if not self._engine.size_allowed(node.size):
+        if node.size not in self._sizes:
             return False
         if node.kind == Kind.SIZE:
             return node.number == 0
         mirror = self._mirrors[node.version]
         if node.kind == Kind.FOLDER:
             return mirror is not None and 0 < node.number < len(mirror)
-        if node.number >= self._engine.count(self._versions[node.version]):
+        if node.number >= self._counts[node.version]:
             return False
         if node.kind == Kind.SHARD:
             return mirror is None and self._shard_range(node).start == node.number
@@ -238,7 +249,7 @@ class Tree:
                     Node(Kind.SPECIAL, number=_FIRST_STATUS_FILE + i),
                 )
         elif node.kind == Kind.VERSION:
-            sizes = self._engine.sizes(self._versions[node.version])
+            sizes = self._config.versions[self._versions[node.version]].sizes
             for i in range(start, len(sizes)):
                 yield i + 1, str(sizes[i]).encode(), Node(Kind.SIZE, node.version, sizes[i])
         else:
@@ -258,7 +269,7 @@ class Tree:
         ``start``; None for other directories. The fast path for hundreds of
         thousands of arrays: the caller loops over ``rows`` with no object per entry."""
         sample = Node(Kind.ENTRY, node.version, node.size, 0)
-        uuids = self._engine.uuids(self._versions[node.version])
+        uuids = self._sources[node.version].uuids
         folder = self._folder(node)
         if folder is not None:
             listed, files = len(folder.subfolders), folder.files  # offsets 1..listed: subfolders
@@ -266,7 +277,7 @@ class Tree:
             strip = len(folder.path) + 1 if folder.path else 0
             return ArrayRows(sample, rows, uuids, sample.ino, strip, listed - files.start + 1)
         if node.kind == Kind.SIZE:
-            rows = range(start, self._engine.count(self._versions[node.version]))
+            rows = range(start, self._counts[node.version])
         elif node.kind == Kind.SHARD:
             shard = self._shard_range(node)
             rows = range(max(start, shard.start), shard.stop)
@@ -280,14 +291,12 @@ class Tree:
         if self.is_dir(node):
             return Attributes(stat.S_IFDIR | 0o555, 0, self._mtime(node), 2)
         if node.kind == Kind.ENTRY:
-            return Attributes(
-                stat.S_IFREG | 0o444, self._engine.file_size(node.size), self._mtime(node), 1
-            )
+            return Attributes(stat.S_IFREG | 0o444, npy_file_size(node.size), self._mtime(node), 1)
         return Attributes(stat.S_IFREG | 0o444, status_size, time.time_ns(), 1)
 
     def _mtime(self, node: Node) -> int:
         if node.kind in (Kind.SIZE, Kind.SHARD, Kind.ENTRY, Kind.VERSION, Kind.FOLDER):
-            return self._engine.scanned_at_ns(self._versions[node.version])
+            return self._sources[node.version].scanned_at_ns
         return self._mounted_ns
 
     # -- helpers ------------------------------------------------------------
@@ -295,20 +304,21 @@ class Tree:
     def version_name(self, node: Node) -> str:
         return self._versions[node.version]
 
-    def _uuid(self, entry: Node) -> str:
-        return self._engine.uuid_at(self._versions[entry.version], entry.number)
+    def uuid(self, entry: Node) -> str:
+        """The key (uuid, or a mirror's relative path) of the original an entry node names."""
+        return self._sources[entry.version].uuids[entry.number]
 
     def _parse_size(self, name: bytes) -> int | None:
         if not _SIZE_NAME.fullmatch(name):
             return None
         size = int(name)
-        return size if self._engine.size_allowed(size) else None
+        return size if size in self._sizes else None
 
     def _lookup_entry(self, parent: Node, name: bytes) -> Node | None:
         if not name.endswith(_NPY) or len(name) == len(_NPY):
             return None
         uuid = os.fsdecode(name[: -len(_NPY)])
-        index = self._engine.find(self._versions[parent.version], uuid)
+        index = self._finders[parent.version](uuid)
         return Node(Kind.ENTRY, parent.version, parent.size, index) if index is not None else None
 
     def _folder(self, node: Node) -> Folder | None:
@@ -333,7 +343,7 @@ class Tree:
         prefix = f"{folder.path}/" if folder.path else ""
         if name.endswith(_NPY) and len(name) > len(_NPY):
             key = prefix + os.fsdecode(name[: -len(_NPY)])
-            index = self._engine.find(self._versions[parent.version], key)
+            index = self._finders[parent.version](key)
             if index is not None:
                 return Node(Kind.ENTRY, parent.version, parent.size, index)
         child = mirror.find(prefix + os.fsdecode(name))
@@ -345,14 +355,14 @@ class Tree:
         shard = os.fsdecode(name)
         if len(shard) > 2:
             return None
-        rows = self._engine.shard_range(self._versions[parent.version], shard)
+        rows = self._sources[parent.version].prefix_range(shard)
         return Node(Kind.SHARD, parent.version, parent.size, rows.start) if rows else None
 
     def _shard_name(self, shard: Node) -> str:
-        return self._uuid(Node(Kind.ENTRY, shard.version, shard.size, shard.number))[:2]
+        return self.uuid(Node(Kind.ENTRY, shard.version, shard.size, shard.number))[:2]
 
     def _shard_range(self, shard: Node) -> range:
-        return self._engine.shard_range(self._versions[shard.version], self._shard_name(shard))
+        return self._sources[shard.version].prefix_range(self._shard_name(shard))
 
 
 def _valid_component(name: bytes) -> bool:

@@ -89,26 +89,26 @@ MUTANTS = [
         "warm-trips-on-a-failure",
         "the background warm reads the outcome of a decode that failed (and dies)",
         "decodefs/engine.py",
-        "if flight.outcome is not None and flight.outcome.held is not None:\n"
-        "                flight.outcome.held.release()  # nobody reads it",
-        "if flight.outcome is None and flight.outcome.held is not None:\n"
-        "                flight.outcome.held.release()  # nobody reads it",
+        "if outcome is not None and outcome.held is not None:\n"
+        "            outcome.held.release()  # nobody reads it",
+        "if outcome is None and outcome.held is not None:\n"
+        "            outcome.held.release()  # nobody reads it",
         ("tests/test_engine.py",),
     ),
     Mutant(
         "warm-retries-fresh-failures",
         "the background warm decodes originals that just failed again",
         "decodefs/engine.py",
-        "if verified[index] or key in self._flights or key in self._failures:",
-        "if verified[index] or key in self._flights and key in self._failures:",
+        "            or key in self._flights\n            or key in self._failures\n",
+        "            or key in self._flights\n            and key in self._failures\n",
         ("tests/test_engine.py",),
     ),
     Mutant(
         "verified-bit-of-another-entry",
         "verifying one entry marks another as verified",
         "decodefs/engine.py",
-        "self._bits[index >> 3] |= 1 << (index & 7)",
-        "self._bits[index >> 4] |= 1 << (index & 7)",
+        "self.bits[index >> 3] |= 1 << (index & 7)",
+        "self.bits[index >> 4] |= 1 << (index & 7)",
         ("tests/test_engine.py",),
     ),
     Mutant(
@@ -131,8 +131,8 @@ MUTANTS = [
         "evictions-not-forgotten",
         "an evicted entry stays verified, so its next open is a hit on a missing file",
         "decodefs/engine.py",
-        "                self._verified_map(key.version, key.size).set(index, False)",
-        "                pass",
+        "            if index is not None:\n                self._not_stored(key, index)",
+        "            if index is not None:\n                pass",
         ("tests/test_engine.py",),
     ),
     Mutant(
@@ -186,8 +186,8 @@ MUTANTS = [
     Mutant(
         "waiting-per-user-unbounded",
         "another user may have any number of requests waiting for decodes",
-        "decodefs/engine.py",
-        "if self._waiting_by[uid] >= self.waiting_per_user:",
+        "decodefs/admission.py",
+        "if self._waiting_by[uid] >= self.per_user:",
         "if False:",
         ("tests/test_engine.py",),
     ),

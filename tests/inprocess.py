@@ -13,12 +13,14 @@ from typing import Any
 
 import pyfuse3
 
+from decodefs.background_warm import BackgroundWarm
 from decodefs.config import Config, parse_config
 from decodefs.decode import quiet_pillow_warnings
 from decodefs.engine import Engine, Handle
 from decodefs.entry import EntryKey
 from decodefs.fs import DecodeFS
 from decodefs.source import SourceIndex, scan_source
+from decodefs.stats import snapshot
 from decodefs.store import Store
 from decodefs.tree import ROOT, Tree
 
@@ -68,7 +70,11 @@ class InProcess:
         return attrs
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        return snapshot(self.engine, self.sources)
+
+    async def warm_in_background(self) -> None:
+        """The daemon's background warm, run to its end."""
+        await BackgroundWarm(self.engine, self.sources).run()
 
     def entry_path(self, version: str, size: int, uuid: str) -> Path:
         return Path(self.store.root) / EntryKey(version, size, uuid).relpath
@@ -128,10 +134,10 @@ def start(
         else:
             engine = Engine(config, sources, st, clock=engine_clock)
         status_files: dict[str, Callable[[], bytes]] = {
-            "stats.json": lambda: json.dumps(engine.stats()).encode(),
+            "stats.json": lambda: json.dumps(snapshot(engine, sources)).encode(),
             "config.json": lambda: json.dumps(config.as_dict()).encode(),
         }
-        tree = Tree(engine, list(status_files))
+        tree = Tree(config, sources, list(status_files))
         ops = DecodeFS(tree, engine, status_files)
     except BaseException:
         st.close()

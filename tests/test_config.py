@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from decodefs.config import ConfigError, load_config, parse_byte_size
+from decodefs import config as config_module
+from decodefs.config import ConfigError, load_config, parse_byte_size, parse_config
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -280,3 +283,77 @@ def test_a_store_that_is_missing_or_read_only_is_no_config_error(tmp_path: Path)
             write(tmp_path, f"store = '{store}'\n[versions.v1]\nsource = 'originals'\n")
         )
         assert config.store == tmp_path / store
+
+
+def test_a_config_that_never_sets_decode_workers_loads_on_a_machine_of_many_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default follows the cores, but a config may set at most 256: the default
+    # must stay within what a user may set, or a config without the key is refused.
+    monkeypatch.setattr(os, "cpu_count", lambda: 384)
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.decode_workers == 256
+    with pytest.raises(ConfigError, match=r"decode_workers: 384 is outside 1\.\.256"):
+        load_config(write(tmp_path, "decode_workers = 384\n" + MINIMAL))
+
+
+def test_the_example_service_config_loads_and_keeps_the_mount_private(tmp_path: Path) -> None:
+    """systemd/config.example.toml, through the real loader: valid once its paths exist,
+    allow_other off (the README's advice for restricted data), its comments true."""
+    text = (Path(__file__).parents[1] / "systemd" / "config.example.toml").read_text()
+    example = tomllib.loads(text)
+    example["store"] = str(tmp_path / "store")
+    (tmp_path / "originals").mkdir()
+    example["versions"]["v1"]["source"] = str(tmp_path / "originals")
+    config = parse_config(example, base_dir=tmp_path)
+    assert not config.allow_other
+    assert re.search(r"^#\s*allow_other = true", text, re.MULTILINE)  # shown, not set
+    assert "when idle" not in text  # the warm runs at nice 19, not only when idle
+    assert "nice 19" in text
+
+
+def test_the_configuration_docs_list_every_key_with_the_dataclasses_default() -> None:
+    """docs/configuration.md's two tables against the defaults defined once in config.py:
+    every key, nothing else, each literal default equal to the dataclass's."""
+    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    tables: list[dict[str, str]] = []
+    for line in docs.splitlines():
+        if line.startswith("| key | default |"):
+            tables.append({})
+        match = re.fullmatch(r"\| `(\w+)` \| ([^|]+) \|.*", line)
+        if match and tables:
+            tables[-1][match[1]] = match[2].strip()
+    top, version = tables
+    assert set(top) | {"versions"} == set(config_module._TOP_KEYS)  # [versions.<name>]: below
+    assert set(version) == set(config_module._VERSION_KEYS)
+    defaults = {**config_module.Config(store=Path(), versions={}).as_dict()}
+    defaults.update({f"l2_{k}": v for k, v in config_module.L2Config(url="").as_dict().items()})
+    defaults["l2"] = config_module.Config(store=Path(), versions={}).l2
+    defaults["sizes"] = list(config_module.VersionConfig("v", Path()).sizes)
+    version_defaults = config_module.VersionConfig("v", Path()).as_dict()
+    # Defaults that are no literal: what the docs say instead, and what the dataclass holds.
+    spoken = {
+        "required": "",
+        "none": None,
+        "none (no limit)": None,
+        "AWS": None,
+        "boto3's default, else `us-east-1`": None,
+        "top-level `sizes`": [224],
+    }
+    for table, values in ((top, defaults), (version, version_defaults)):
+        for key, documented in table.items():
+            if key in ("store", "source"):
+                assert documented == "required", key
+                continue
+            if key == "decode_workers":
+                assert documented == "number of cores (at most 256)"
+                continue
+            if documented in spoken:
+                assert values[key] == spoken[documented], key
+                continue
+            literal = tomllib.loads(f"value = {documented.strip('`')}")["value"]
+            if isinstance(literal, str) and key.endswith("_bytes"):
+                literal = parse_byte_size(literal)
+            if key == "extensions":
+                literal = sorted(literal)
+            assert literal == values[key], (key, documented, values[key])

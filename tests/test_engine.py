@@ -18,8 +18,10 @@ import trio
 import trio.testing
 from PIL import Image
 
+from decodefs.admission import UserBusy
+from decodefs.daemon import flush_accesses_forever, watch_store_forever
 from decodefs.decode import DecodeSettings, decode_image, npy_bytes, npy_file_size
-from decodefs.engine import OriginalNotFound, OriginalUndecodable, UserBusy
+from decodefs.engine import OriginalNotFound, OriginalUndecodable
 from decodefs.protocol import TRAILER_SIZE
 from tests.conftest import DaemonFactory, Tmpfs, needs_root
 from tests.helpers import reference_npy, wait_for
@@ -397,7 +399,7 @@ async def test_one_other_user_may_have_only_so_many_requests_waiting_for_decodes
     # Each waiting request holds one of the daemon's request tasks; past its share, a
     # user's next cold open is answered EAGAIN at once, and nobody else is affected.
     d = daemons({"v1": originals})
-    d.engine.waiting_per_user = 2
+    d.engine.admission.per_user = 2
     hostile, other = 60001, 60002
     first, second, third, fourth = uuids_of(originals)[:4]
     blocker = await d.engine.decode_memory.acquire(d.engine.decode_memory.limit)
@@ -441,7 +443,7 @@ async def test_a_refill_the_store_now_takes_is_read_from_the_store(
     uuid = uuids_of(originals)[0]
     handle = await d.open("v1", SIZE, uuid)
     d.engine.store.capacity.max_bytes = 10 * ENTRY
-    d.engine._memory_cache.discard(handle.memory_key)
+    d.engine.memory_cache.discard(handle.memory_key)
     assert await d.read_all(handle) == reference_npy(original(originals, uuid), SIZE)
     assert d.entry_path("v1", SIZE, uuid).exists() and not handle.in_memory
     assert d.stats()["memory_refills"] == 1 and d.engine.memory.used == 0
@@ -722,7 +724,7 @@ async def test_the_store_watch_notices_a_removal_each_interval(
     await d.array("v1", SIZE, uuid)
     generation = d.store.generation
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(d.engine.watch_store_forever, 5.0)
+        nursery.start_soon(watch_store_forever, d.engine, 5.0)
         await trio.sleep(1)
         shutil.rmtree(d.store.root)
         await trio.sleep(3.9)  # the watch has not looked yet
@@ -764,7 +766,7 @@ async def test_hits_reach_the_catalog_at_the_next_flush(
     # Started after the reads: while a task waits for a worker thread, the mock
     # clock would jump straight to the flush.
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(d.engine.flush_accesses_forever, 30.0)
+        nursery.start_soon(flush_accesses_forever, d.engine, 30.0)
         await trio.sleep(29.9)
         assert last_access(d, uuid) == 1000.0  # not before the interval
         await wait_for(lambda: last_access(d, uuid) == 2000.0, what="the flush")
@@ -815,8 +817,8 @@ async def test_the_background_warm_decodes_configured_versions_only(
         overrides={"warmed": {"warm": True}},
     )
     uuids = uuids_of(originals)
-    caplog.set_level(logging.INFO, logger="decodefs.engine")
-    await d.engine.warm_in_background()
+    caplog.set_level(logging.INFO, logger="decodefs.background_warm")
+    await d.warm_in_background()
     done = [r.getMessage() for r in caplog.records if "background warm" in r.getMessage()]
     assert [m.split(" in ")[0] for m in done] == [
         f"background warm: warmed/32 done, {len(uuids)} decoded",
@@ -846,8 +848,8 @@ async def test_the_background_warm_stops_rather_than_evict(
     )
     first = uuids_of(originals)[-1]
     await d.array("v1", SIZE, first)  # a reader's entry
-    caplog.set_level(logging.INFO, logger="decodefs.engine")
-    await d.engine.warm_in_background()
+    caplog.set_level(logging.INFO, logger="decodefs.background_warm")
+    await d.warm_in_background()
     stats = d.stats()
     assert stats["store_entries"] == 3 and stats["evictions"] == 0
     # Every decode it ran was stored, or refused rather than evict: at most one
@@ -868,7 +870,7 @@ async def test_the_background_warm_skips_originals_that_just_failed_and_survives
     d = daemons({"v1": originals}, sizes=[SIZE], version_keys={"warm": True})
     with pytest.raises(OriginalUndecodable):
         await d.open("v1", SIZE, "broken")  # a reader met it first: cached
-    await d.engine.warm_in_background()  # meets the other itself, and goes on
+    await d.warm_in_background()  # meets the other itself, and goes on
     stats = d.stats()
     good = len(uuids_of(originals)) - 2
     assert stats["decode_errors"] == 2 and stats["decodes"] == good + 2

@@ -30,7 +30,8 @@ from decodefs.entry import EntryKey, encode_trailer
 from decodefs.l2 import L2Backend, L2Error, PosixL2, object_name, open_backend
 from decodefs.leases import Claim, claim_name, claims, release, renew, take
 from decodefs.metrics import render_prometheus
-from decodefs.source import scan_source
+from decodefs.source import SourceIndex, scan_source
+from decodefs.stats import snapshot
 from decodefs.store import Store
 from tests.helpers import reference_npy, wait_for
 from tests.servers import S3_ENV, SeaweedFS, seaweed  # noqa: F401 - a fixture
@@ -53,9 +54,10 @@ class Node:
     engine: Engine
     store: Store
     tier: L2Tier
+    engine_sources: dict[str, SourceIndex]
 
     async def read(self, uuid: str, size: int = SIZE) -> bytes:
-        index = self.engine.find("v1", uuid)
+        index = self.engine_sources["v1"].find(uuid)
         assert index is not None, uuid
         handle = await self.engine.open("v1", size, index)
         try:
@@ -64,7 +66,7 @@ class Node:
             self.engine.release(handle)
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        return snapshot(self.engine, self.engine_sources)
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Cluster:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(tier.run)
-                yield Node(engine, store, tier)
+                yield Node(engine, store, tier, sources)
                 nursery.cancel_scope.cancel()
         finally:
             engine.close()

@@ -422,7 +422,7 @@ def tree(tmp_path: Path) -> Iterator[tuple[Tree, Engine, Path]]:
     }
     engine = Engine(config, sources, store)
     try:
-        yield Tree(engine, ["stats.json"]), engine, source
+        yield Tree(config, sources, ["stats.json"]), engine, source
     finally:
         engine.close()
         store.close()
@@ -449,7 +449,7 @@ def listing(tree: Tree, node: Node, start: int = 0) -> list[tuple[int, str, Node
 
 
 def test_lookup_names_the_source_s_paths(tree: tuple[Tree, Engine, Path]) -> None:
-    t, engine, _ = tree
+    t, _, _ = tree
     size = walk(t, "m", "64")
     assert size is not None and size.kind == Kind.SIZE
     cat = walk(t, "m", "64", "cat")
@@ -458,7 +458,7 @@ def test_lookup_names_the_source_s_paths(tree: tuple[Tree, Engine, Path]) -> Non
         folders, _, name = key.rpartition("/")
         node = walk(t, "m", "64", *filter(None, folders.split("/")), f"{name}.npy")
         assert node is not None and node.kind == Kind.ENTRY, key
-        assert engine.uuid_at("m", node.number) == key
+        assert t.uuid(node) == key
         assert t.exists(node) and not t.is_dir(node)
         attributes = t.attributes(node)
         assert attributes.mode == stat.S_IFREG | 0o444 and attributes.size == npy_file_size(64)
@@ -536,10 +536,10 @@ def test_a_listing_resumes_at_any_offset(tree: tuple[Tree, Engine, Path]) -> Non
 
 
 def test_inodes_the_kernel_holds_stay_valid(tree: tuple[Tree, Engine, Path]) -> None:
-    t, engine, _ = tree
+    t, _, source = tree
     cat = walk(t, "m", "64", "cat")
     assert cat is not None and t.exists(cat)
-    mirror = engine.mirror("m")
+    mirror = scan_source("m", source, DEFAULT_EXTENSIONS, layout="mirror").mirror
     assert mirror is not None
     assert not t.exists(Node(Kind.FOLDER, cat.version, 64, len(mirror)))
     assert not t.exists(Node(Kind.FOLDER, cat.version, 64, 0))  # that one is the size dir

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from decodefs.config import parse_config
+from decodefs.protocol import STATS
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
     decodefs,
@@ -142,7 +143,7 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
     example["store"] = str(tmp_path / "store")
     example["versions"]["v1"]["source"] = str(photos_dir)
     config = parse_config(example, base_dir=tmp_path)
-    assert config.allow_other and config.mountpoint == Path("/mnt/decoded")
+    assert not config.allow_other and config.mountpoint == Path("/mnt/decoded")
     # A second install keeps the edited config and puts the example beside it.
     install()
     assert (root / "etc" / "decodefs" / "config.example.toml").exists()
@@ -255,6 +256,7 @@ def test_metrics_file_is_prometheus_text_agreeing_with_stats(
     for uuid_ in photos:
         mount.path("v1", "64", f"{uuid_}.npy").read_bytes()
     stats = mount.stats()
+    assert set(stats) == {stat.name for stat in STATS if not stat.l2}  # the schema, no more
     text = mount.path(".decodefs", "metrics").read_text()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -270,3 +272,8 @@ def test_metrics_file_is_prometheus_text_agreeing_with_stats(
     assert ("decodefs_memory_cache_bytes", ()) in samples
     assert ("decodefs_inflight_decodes", ()) in samples
     assert json.loads(mount.path(".decodefs", "stats.json").read_bytes())["decodes"] == len(photos)
+    every = decodefs("stats", "--all", str(mount.mountpoint))  # the same figures, for people
+    assert every.returncode == 0, every.stderr
+    assert [line.split()[0] for line in every.stdout.splitlines()] == [
+        stat.name for stat in STATS if not stat.l2
+    ]

@@ -1,0 +1,81 @@
+"""The intake of direct-hit reports: arrays read_array() read straight from the store.
+
+Readers send them to a unix datagram socket in the store (protocol.ACCESS_SOCKET);
+each valid line orders the store's LRU and counts in ``direct_hits``, and does
+nothing more. Any local user may send anything there, so only a line naming a
+configured version, an allowed size and a known original counts, and the
+accesses waiting for the catalog stay bounded. It knows nothing of FUSE or the
+engine's caching policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Final
+
+import trio
+
+from .config import Config
+from .entry import EntryKey
+from .metrics import LogThrottle, Metrics
+from .protocol import ACCESS_REPORT_MAX, parse_access_report
+from .source import SourceIndex
+from .store import Store
+
+__all__ = ["DirectHits"]
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING_ACCESSES: Final = 1_000_000  # ~200 MB at most between two flushes
+
+
+class DirectHits:
+    """Counts the valid lines of direct-hit reports into the store's LRU and ``metrics``."""
+
+    def __init__(
+        self, config: Config, sources: Mapping[str, SourceIndex], store: Store, metrics: Metrics
+    ) -> None:
+        self._sizes = range(config.min_size, config.max_size + 1)
+        self._sources = sources
+        self._store = store
+        self._metrics = metrics
+
+    def note(self, report: bytes) -> None:
+        """Record the accesses of one report (protocol.parse_access_report)."""
+        capacity = self._store.capacity
+        # Only stored arrays are read directly, so no honest reports name more keys.
+        limit = min(_MAX_PENDING_ACCESSES, max(1024, capacity.usage().entries))
+        for version, size, uuid in parse_access_report(report):
+            source = self._sources.get(version)
+            if source is None or size not in self._sizes or source.find(uuid) is None:
+                continue
+            if not capacity.record_access(EntryKey(version, size, uuid), limit):
+                return  # until the next flush: the LRU order of the rest can wait
+            self._metrics.direct_hits += 1
+
+    async def receive(self, path: str) -> None:
+        """Listen at ``path`` and note every report until cancelled (a daemon task)."""
+        with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # left by an earlier daemon
+                await sock.bind(path)
+                os.chmod(path, 0o666)  # any reader may report; reports only order the LRU
+            except OSError as exc:
+                log.warning("cannot listen for direct hits at %s: %s", path, exc)
+                return
+            throttle = LogThrottle(log)
+            try:
+                while True:
+                    try:
+                        self.note(await sock.recv(ACCESS_REPORT_MAX))
+                    except Exception as exc:  # a report orders the LRU: never worth the daemon
+                        throttle.log(logging.ERROR, "direct-hits", "direct-hit report: %r", exc)
+                        await trio.sleep(0.1)  # a socket that keeps failing must not spin
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)

@@ -1,0 +1,109 @@
+"""One stats schema (protocol.STATS): stats.json, the Prometheus text, `decodefs stats
+--all`, docs/operations.md's table and the counters behind them all name the same figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from decodefs.cli import format_all_stats, format_stats
+from decodefs.cluster import L2Metrics, L2Tier
+from decodefs.config import parse_config
+from decodefs.engine import Engine
+from decodefs.l2 import open_backend
+from decodefs.metrics import Metrics, render_prometheus
+from decodefs.protocol import STATS
+from decodefs.source import scan_source
+from decodefs.stats import snapshot
+from decodefs.store import Store
+
+NAMES = {stat.name for stat in STATS}
+PROMETHEUS_TYPES = {
+    "counter": "counter",
+    "counter by kind": "counter",
+    "gauge": "gauge",
+    "flag": "gauge",
+    "state": "gauge",
+    "per version": "gauge",
+    "text": "gauge",  # an info metric, in the text format: a gauge <name>_info of 1
+    "histogram": "histogram",
+}
+
+
+@pytest.fixture
+def full_snapshot(tmp_path: Path, photos_dir: Path) -> Iterator[dict[str, object]]:
+    """What the daemon of a node with an L2 tier reports, after a decode, an error and a
+    fetch: every figure there is."""
+    config = parse_config(
+        {
+            "store": str(tmp_path / "store"),
+            "l2": str(tmp_path / "l2"),
+            "max_store_bytes": "1G",
+            "versions": {"v1": {"source": str(photos_dir)}},
+        },
+        base_dir=tmp_path,
+    )
+    assert config.l2 is not None
+    store = Store(config.store, config.fingerprints(), lock_dir=str(tmp_path))
+    store.open()
+    sources = {n: scan_source(n, v.source, v.extensions) for n, v in config.versions.items()}
+    tier = L2Tier(open_backend(config.l2), config.l2, config.fingerprints())
+    engine = Engine(config, sources, store, l2=tier)
+    engine.metrics.errors["EIO"] += 1
+    engine.metrics.decode_seconds.observe(0.1)
+    tier.metrics.errors["timeout"] += 1
+    try:
+        yield snapshot(engine, sources, pid=os.getpid(), mountpoint="/mnt/decoded")
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_stats_json_holds_every_figure_of_the_schema_and_no_other(
+    full_snapshot: dict[str, object],
+) -> None:
+    assert set(full_snapshot) == NAMES
+    assert len(NAMES) == len(STATS)  # no figure defined twice
+
+
+def test_the_prometheus_text_has_one_family_per_figure_of_its_kind(
+    full_snapshot: dict[str, object],
+) -> None:
+    text = render_prometheus(full_snapshot).decode()
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert families == {
+        stat.prometheus + ("_info" if stat.kind == "text" else ""): PROMETHEUS_TYPES[stat.kind]
+        for stat in STATS
+    }
+
+
+def test_decodefs_stats_all_shows_every_figure_and_the_table_only_schema_names(
+    full_snapshot: dict[str, object],
+) -> None:
+    shown = [line.split()[0] for line in format_all_stats(full_snapshot).splitlines()]
+    assert shown == [stat.name for stat in STATS]
+    format_stats(full_snapshot)  # every figure the summary reads is a schema name (asserted)
+
+
+def test_the_operations_docs_table_names_every_figure_and_no_other() -> None:
+    docs = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
+    section = docs.split("## Status files", 1)[1].split("\n## ", 1)[0]
+    documented: list[str] = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            documented += re.findall(r"`([a-z0-9_]+)`", line.split(" | ")[0])
+    assert sorted(documented) == sorted(NAMES)
+
+
+def test_the_counters_behind_the_figures_are_named_as_the_schema() -> None:
+    kinds = {stat.name: stat.kind for stat in STATS}
+    engine = [f.name for f in dataclasses.fields(Metrics) if f.metadata.get("figure", True)]
+    l2 = [f"l2_{f.name}" for f in dataclasses.fields(L2Metrics)]
+    for name in engine + l2:
+        assert kinds.get(name) in ("counter", "gauge", "counter by kind", "histogram"), name
