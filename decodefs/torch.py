@@ -1,10 +1,12 @@
-"""PyTorch datasets over a decodefs mount, their live-decode twin, and a uint8 batch path.
+"""PyTorch datasets over a decodefs mount, their live-decode twin, and uint8 batch paths.
 
 The only module of decodefs that imports torch (the optional extra
 ``decodefs[torch]``); importing the rest of decodefs never does. Arrays come
 from ``read_array`` (a stored array is read straight from the store, without
 a FUSE request) or, for ``LiveDataset``, from ``decode_image`` with the
-version's own settings, so the two give the same pixels. Nothing here caches
+version's own settings, so the two give the same pixels; ``BatchLoader`` reads
+a MountDataset's arrays by threads into batch tensors (``read_array_into``),
+with no worker process. Nothing here caches
 arrays, talks to the daemon or knows the store's layout.
 
 Every dataset keeps its per-item state in numpy arrays of bytes rather than
@@ -15,8 +17,13 @@ page as they touch reference counts (``ImageFolder`` keeps torchvision's
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Sequence
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -25,7 +32,15 @@ import numpy.typing as npt
 
 try:
     import torch
-    from torch.utils.data import Dataset, default_collate, get_worker_info
+    from torch.utils.data import (
+        BatchSampler,
+        Dataset,
+        RandomSampler,
+        Sampler,
+        SequentialSampler,
+        default_collate,
+        get_worker_info,
+    )
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         "decodefs.torch needs PyTorch: pip install torch (or decodefs's torch extra: "
@@ -35,10 +50,10 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 from .config import Config, load_config
 from .decode import DecodeSettings, decode_image
 from .keys import missing_directory
-from .reader import read_array
+from .reader import flush_reports, read_array, read_array_into
 from .source import scan_source
 
-__all__ = ["ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
+__all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
 
 Array: TypeAlias = npt.NDArray[np.uint8]
 Targets: TypeAlias = Sequence[Any] | Callable[[str], Any] | None
@@ -86,6 +101,10 @@ class _UuidDataset(Dataset[tuple[Any, Any]]):
         if self.transform is not None:
             image = self.transform(image)
         return image, self._target(index, uuid)
+
+    def target(self, index: int) -> Any:
+        """Item ``index``'s target, without reading its array."""
+        return self._target(index, self.uuid(index))
 
     def _target(self, index: int, uuid: str) -> Any:
         if self.targets is None:
@@ -202,6 +221,157 @@ class LiveDataset(_UuidDataset):
         return decode_image(
             self.original(index), self.size, self.settings, max_pixels=self.max_pixels
         )
+
+
+class BatchLoader:
+    """Batches of a ``MountDataset``'s arrays, read by threads: no worker processes.
+
+    Iterating yields ``(images, targets)`` as a ``DataLoader`` over ``dataset``
+    with ``collate_fn=collate_uint8`` would, in the order ``sampler`` gives
+    (or ``shuffle``'s, or the dataset's): ``images`` a ``torch.uint8`` tensor
+    ``[N, size, size, 3]`` (HWC, RGB), ``targets`` the items' targets through
+    ``default_collate`` (a tensor of ints, a list of keys, ...). Every batch
+    has ``batch_size`` items but the last, which has fewer unless ``drop_last``.
+
+    ``threads`` threads read each batch straight into a tensor allocated for it
+    (pinned if ``pin_memory``): an array the store holds by one ``preadv`` of
+    its entry file into the tensor's row, checked and reported to the daemon as
+    ``read_array`` does; a miss, or an entry that fails its check, through the
+    mount (the daemon decodes it). The same bytes as ``MountDataset``. The
+    next ``prefetch`` batches are read while the current one is used. A read
+    that fails (a key the version lacks, a mount that is gone) raises its
+    error when its batch is due, and stops the epoch's threads; so does
+    leaving the loop (``break``, an exception, KeyboardInterrupt) once the
+    iterator is closed or collected.
+
+    Transforms stay with ``MountDataset`` in a ``DataLoader``: a dataset with a
+    ``transform`` is refused. The batches are meant to be moved to the device
+    and normalised there, ``images.to(device).permute(0, 3, 1, 2).float().div_(255)``.
+    ``set_epoch`` is passed to a sampler that has it (``DistributedSampler``).
+    """
+
+    def __init__(
+        self,
+        dataset: MountDataset,
+        *,
+        batch_size: int,
+        shuffle: bool = False,
+        sampler: Sampler[int] | Iterable[int] | None = None,
+        drop_last: bool = False,
+        threads: int | None = None,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(dataset, MountDataset):
+            raise TypeError(f"BatchLoader reads a MountDataset, not {type(dataset).__name__}")
+        if dataset.transform is not None:
+            raise ValueError(
+                "BatchLoader serves the arrays as stored: use the MountDataset with its "
+                "transform in a DataLoader, or transform each batch on the device"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size is a positive integer, not {batch_size!r}")
+        if sampler is not None and shuffle:
+            raise ValueError("BatchLoader takes a sampler or shuffle=True, not both")
+        threads = _default_threads() if threads is None else threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads is a positive integer, not {threads!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch is a number of batches (0 or more), not {prefetch!r}")
+        if pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "BatchLoader(pin_memory=True): no accelerator, so batches are not pinned",
+                stacklevel=2,
+            )
+            pin_memory = False
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.threads = threads
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        if sampler is None:
+            sampler = (
+                RandomSampler(dataset, generator=generator)
+                if shuffle
+                else SequentialSampler(dataset)
+            )
+        self.sampler = sampler
+        self._batches = BatchSampler(sampler, batch_size, drop_last)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass ``epoch`` to the sampler (a ``DistributedSampler`` shuffles by it)."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        # A pool per epoch: when the epoch ends, or its iterator is closed, no
+        # thread of it is left. The sampler is drawn from in this thread only.
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="decodefs-batchloader")
+        pending: deque[_Batch] = deque()
+        batches = iter(self._batches)
+        try:
+            while True:
+                while len(pending) <= self.prefetch:
+                    indices = next(batches, None)
+                    if indices is None:
+                        break
+                    pending.append(self._start(pool, stop, indices))
+                if not pending:
+                    return
+                yield pending.popleft().result()
+        finally:
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            flush_reports()  # the daemon's LRU order sees the epoch's hits now
+
+    def _start(self, pool: ThreadPoolExecutor, stop: threading.Event, indices: list[int]) -> _Batch:
+        size = self.dataset.size
+        images = torch.empty(
+            (len(indices), size, size, 3), dtype=torch.uint8, pin_memory=self.pin_memory
+        )
+        paths = [self.dataset.path(i) for i in indices]
+        targets = default_collate([self.dataset.target(i) for i in indices])
+        rows = images.numpy()
+        step = math.ceil(len(indices) / self.threads)
+        futures = [
+            pool.submit(_read_rows, paths, rows, start, min(start + step, len(paths)), stop)
+            for start in range(0, len(paths), step)
+        ]
+        return _Batch(images, targets, futures)
+
+
+class _Batch:
+    """A batch being read: its tensor, its targets, and the reads that fill it."""
+
+    def __init__(self, images: torch.Tensor, targets: Any, futures: list[Future[None]]) -> None:
+        self.images = images
+        self.targets = targets
+        self.futures = futures
+
+    def result(self) -> tuple[torch.Tensor, Any]:
+        for future in self.futures:
+            future.result()  # raises what a read raised
+        return self.images, self.targets
+
+
+def _read_rows(
+    paths: list[str], rows: Array, start: int, stop_at: int, stop: threading.Event
+) -> None:
+    for row in range(start, stop_at):
+        if stop.is_set():
+            return
+        read_array_into(paths[row], rows[row])
+
+
+def _default_threads() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def collate_uint8(
