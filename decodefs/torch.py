@@ -156,6 +156,24 @@ class MountDataset(_UuidDataset):
     def path(self, index: int) -> str:
         return os.path.join(self.directory, f"{self.uuid(index)}.npy")
 
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """``[self[i] for i in indices]``, as a DataLoader asks for a batch: without a
+        ``transform``, each array is read (``read_array_into``) straight into a row
+        of one uint8 tensor allocated for the batch (in a worker, in shared
+        memory), which ``collate_uint8`` then passes on as the batch, uncopied."""
+        if self.transform is not None:
+            return [self[i] for i in indices]
+        images = _batch_tensor((len(indices), self.size, self.size, 3))
+        rows = images.numpy()
+        items = []
+        for row, index in zip(rows, indices, strict=True):
+            if not -len(self) <= index < len(self):
+                raise IndexError(f"index {index} out of range for {len(self)} items")
+            uuid = self.uuid(index)
+            read_array_into(os.path.join(self.directory, f"{uuid}.npy"), row)
+            items.append((row, self._target(index, uuid)))
+        return _Rows(items, images)
+
     def _array(self, index: int, uuid: str) -> Array:
         return read_array(os.path.join(self.directory, f"{uuid}.npy"))
 
@@ -396,20 +414,43 @@ def collate_uint8(
     for image in images:
         if image.shape != shape:
             raise ValueError(f"images of shapes {shape} and {image.shape} in one batch")
-    batch_shape = (len(images), *shape)
-    if get_worker_info() is not None:
-        if pin_memory:
-            raise ValueError(
-                "collate_uint8(pin_memory=True) runs in a DataLoader worker: pass "
-                "pin_memory=True to the DataLoader instead, which pins in the training process"
-            )
-        # As default_collate does: the batch goes to the training process as shared memory.
-        storage = torch.UntypedStorage._new_shared(int(np.prod(batch_shape)))  # type: ignore[no-untyped-call]
-        out = torch.empty(0, dtype=torch.uint8).set_(storage).view(batch_shape)
-    else:
-        out = torch.empty(batch_shape, dtype=torch.uint8, pin_memory=pin_memory)
+    if get_worker_info() is not None and pin_memory:
+        raise ValueError(
+            "collate_uint8(pin_memory=True) runs in a DataLoader worker: pass "
+            "pin_memory=True to the DataLoader instead, which pins in the training process"
+        )
+    targets = default_collate([item[1] for item in batch])
+    if isinstance(batch, _Rows) and batch.intact() and not pin_memory:
+        return batch.images, targets  # read into one batch tensor already: no copy
+    out = _batch_tensor((len(images), *shape), pin_memory)
     np.stack(images, out=out.numpy())
-    return out, default_collate([item[1] for item in batch])
+    return out, targets
+
+
+def _batch_tensor(shape: tuple[int, ...], pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 tensor for a batch: in a DataLoader worker in shared
+    memory (as default_collate makes it), so it reaches the training process
+    without a copy; else pinned if asked."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape))  # type: ignore[no-untyped-call]
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+class _Rows(list[tuple[Any, Any]]):
+    """``MountDataset.__getitems__``'s items, whose arrays are the rows of ``images``
+    in order: unless something replaced an item, ``collate_uint8`` passes
+    ``images`` on as the batch."""
+
+    def __init__(self, items: list[tuple[Any, Any]], images: torch.Tensor) -> None:
+        super().__init__(items)
+        self.images = images
+        self._arrays = [item[0] for item in items]
+
+    def intact(self) -> bool:
+        return len(self) == len(self._arrays) and all(
+            item[0] is array for item, array in zip(self, self._arrays, strict=True)
+        )
 
 
 def _hwc_uint8(image: object) -> Array:
