@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import warnings
 from collections import deque
@@ -309,6 +310,7 @@ class BatchLoader:
         self.threads = threads
         self.prefetch = prefetch
         self.pin_memory = pin_memory
+        self._memory = _BatchMemory((batch_size, dataset.size, dataset.size, 3), prefetch + 3)
         if sampler is None:
             sampler = (
                 RandomSampler(dataset, generator=generator)
@@ -350,10 +352,11 @@ class BatchLoader:
             flush_reports()  # the daemon's LRU order sees the epoch's hits now
 
     def _start(self, pool: ThreadPoolExecutor, stop: threading.Event, indices: list[int]) -> _Batch:
-        size = self.dataset.size
-        images = torch.empty(
-            (len(indices), size, size, 3), dtype=torch.uint8, pin_memory=self.pin_memory
-        )
+        if self.pin_memory:  # torch's pinned allocator keeps and reuses pinned blocks itself
+            size = self.dataset.size
+            images = torch.empty((len(indices), size, size, 3), dtype=torch.uint8, pin_memory=True)
+        else:
+            images = self._memory.tensor(len(indices))
         paths = [self.dataset.path(i) for i in indices]
         targets = default_collate([self.dataset.target(i) for i in indices])
         rows = images.numpy()
@@ -363,6 +366,32 @@ class BatchLoader:
             for start in range(0, len(paths), step)
         ]
         return _Batch(images, targets, futures)
+
+
+class _BatchMemory:
+    """Batch tensors over memory that is used again once nothing else refers to it.
+
+    A fresh batch's pages cost a page fault each as the reads fill them (about
+    as much as the reads themselves): up to ``keep`` blocks of a full batch are
+    kept, and a block is handed out again only when this object holds its
+    only reference, so no tensor the caller kept (or a view of it) ever sees
+    its bytes change. A tensor made by ``torch.from_numpy`` refers to its block
+    for as long as it or any view of it lives.
+    """
+
+    def __init__(self, shape: tuple[int, ...], keep: int) -> None:
+        self._shape = shape
+        self._keep = keep
+        self._blocks: list[Array] = []
+
+    def tensor(self, rows: int) -> torch.Tensor:
+        for i in range(len(self._blocks)):
+            if sys.getrefcount(self._blocks[i]) == 2:  # the list's, and the argument's
+                return torch.from_numpy(self._blocks[i][:rows])
+        block = np.empty(self._shape, np.uint8)
+        if len(self._blocks) < self._keep:
+            self._blocks.append(block)
+        return torch.from_numpy(block[:rows])
 
 
 class _Batch:
