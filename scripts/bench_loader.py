@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -156,9 +155,9 @@ def _epoch_of(loader: Iterable[tuple[torch.Tensor, Any]]) -> Epoch:
 
 
 def _uptime() -> str:
-    return shutil.which("uptime") and subprocess.run(
-        ["uptime"], capture_output=True, text=True, check=False
-    ).stdout.strip() or str(os.getloadavg())
+    if shutil.which("uptime") is None:
+        return str(os.getloadavg())
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
 if __name__ == "__main__":
