@@ -4,21 +4,28 @@ One corpus of photo-like JPEGs at two sizes (--large of 4000x3000, --mid of
 1440x1080), the same uint8 [224, 224, 3] arrays (decodefs's decode: Pillow,
 the version's default settings), batch 64, 2 workers (processes for the
 DataLoaders, threads for FFCV and decodefs's BatchLoader), shuffled, in one
-run. Each contender first does its one-time step (decodefs: ``decodefs warm``
-of a fresh store; LitData, WebDataset, FFCV: their write step, decode
-included; live decode: none), then the epochs run interleaved, one round per
-epoch, every contender once a round in a rotating order. Epoch 1 brings the
-files into the page cache and hashes every array for the byte-for-byte check
+run. The contenders: live decode in DataLoader workers (LiveDataset);
+decodefs as an unmodified np.load dataset on the mount, MountDataset in a
+DataLoader, and BatchLoader; LitData (optimize, StreamingDataLoader) as its
+docs show it and with batch_decode=0; WebDataset (tar shards of .npy);
+FFCV (.beton, RGBImageField raw and JPEG).
+
+Each contender first does its one-time step (decodefs: ``decodefs warm`` of a
+fresh store; LitData, WebDataset, FFCV: their write step, decode included;
+live decode: none), then the epochs run interleaved, one round per epoch,
+every contender once a round in a rotating order. Epoch 1 brings the files
+into the page cache and hashes every array for the byte-for-byte check
 against the live decode's epoch 1; epochs 2+ are timed (their median is the
-rate). DataLoader workers are persistent; their PSS (from
-/proc/PID/smaps_rollup) is read in the middle of epoch 1 and after the last.
+rate) with every file in the page cache. DataLoader workers are persistent;
+their PSS (from /proc/PID/smaps_rollup) is read in the middle of epoch 1 and
+after the last round.
 
     flock /tmp/decodefs-heavy.lock .venv/bin/python scripts/bench_peers.py \\
         [--large 300] [--mid 1700] [--epochs 8] [--live-epochs 4] [--chart docs/peers.png]
 
-Needs the peers extra (``pip install -e '.[peers]' torch==2.13.0``); a peer that is
-not installed is left out, named. Corpora, stores, shards and results.json
-live under /tmp/decodefs-bench/peers-*.
+Needs the peers extra (``pip install -e '.[peers]' torch==2.13.0``; FFCV apart,
+see pyproject.toml); a peer that does not import is left out, named.
+Corpora, stores, shards and peers-results.json live under /tmp/decodefs-bench.
 """
 
 from __future__ import annotations
@@ -82,11 +89,16 @@ def main() -> None:
     try:
         bench.mount()
         contenders = make_contenders(bench, paths, work)
+        prepared: dict[str, Contender] = {}  # group -> the contender that did its step
         for c in contenders:
+            if c.group in prepared:  # the same store or chunks as another contender
+                c.one_time, c.shares = prepared[c.group].one_time, prepared[c.group].name
+                continue
             print(f"{c.name}: one-time step ...", flush=True)
             t = time.perf_counter()
             c.prepare()
-            c.one_time = time.perf_counter() - t if c.has_one_time else None
+            c.one_time = time.perf_counter() - t if c.group else None
+            prepared[c.group] = c
             print(f"  {c.one_time or 0:.1f} s", flush=True)
         run_rounds(contenders, args.epochs, args.live_epochs, len(paths))
         for c in contenders:
@@ -148,7 +160,7 @@ class Contender:
 
     name: str
     change: str  # what a user changes in their dataset code
-    has_one_time: bool = True
+    group: str = ""  # contenders of one group share one one-time step; "" for none
     threads: bool = False  # loads in threads of the training process: no worker processes
     epochs: list[float] = field(default_factory=list)  # seconds per epoch, epoch 1 first
     counts: list[int] = field(default_factory=list)  # arrays per epoch
@@ -157,6 +169,7 @@ class Contender:
     pss: int | None = None
     private: int | None = None
     one_time: float | None = None
+    shares: str | None = None  # the contender whose one-time step this one reads
     equal: str = "?"
     disk: int = 0
     resident: int = 0
@@ -190,6 +203,7 @@ class Contender:
         return {
             "name": self.name,
             "one_time_s": self.one_time,
+            "one_time_shared_with": self.shares,
             "epoch1_per_s": self.counts[0] / self.epochs[0] if self.epochs else None,
             "timed_per_s": timed,
             "median_per_s": statistics.median(timed) if timed else None,
@@ -209,7 +223,6 @@ class Live(Contender):
         super().__init__(
             "live decode (LiveDataset, DataLoader)",
             "none: the decode stays in __getitem__ (here decodefs.torch.LiveDataset)",
-            has_one_time=False,
         )
         self.dataset = LiveDataset(config, VERSION, SIZE, uuids, targets=range(len(uuids)))
 
@@ -237,19 +250,16 @@ class Decodefs(Contender):
     def __init__(
         self, name: str, change: str, bench: BenchMount, uuids: Sequence[str], threads: bool = False
     ) -> None:
-        super().__init__(name, change, threads=threads)
+        super().__init__(name, change, group="decodefs store", threads=threads)
         self.bench = bench
         self.uuids = uuids
 
     def prepare(self) -> None:
-        if self.bench.stats()["store_entries"] < len(self.uuids):
-            subprocess.run(
-                [*DECODEFS, "warm", self.bench.mountpoint, VERSION, str(SIZE)],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
-        else:  # a second decodefs contender: the store is full already
-            self.has_one_time = False
+        subprocess.run(
+            [*DECODEFS, "warm", self.bench.mountpoint, VERSION, str(SIZE)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
 
     def loader(self) -> Iterable[Any]:
         directory = str(self.bench.arrays(SIZE))
@@ -292,7 +302,7 @@ class LitData(Contender):
                 if tuned
                 else ""
             ),
-            has_one_time=not tuned,
+            group="litdata chunks",
         )
         self.litdata = module
         self.paths = paths
@@ -300,8 +310,6 @@ class LitData(Contender):
         self.batch_decode = batch_decode
 
     def prepare(self) -> None:
-        if not self.has_one_time:
-            return  # the other LitData contender's optimize made the chunks
         self.litdata.optimize(
             fn=functools.partial(litdata_item, self.paths),
             inputs=list(range(len(self.paths))),
@@ -338,6 +346,7 @@ class WebDataset(Contender):
             "a write step into tar shards (ShardWriter) that holds the decode; "
             "a WebDataset pipeline (shard shuffle, shuffle(1000) buffer, decode, "
             "to_tuple, batched) for the dataset; no len() or random access",
+            group="webdataset shards",
         )
         self.wds = module
         self.paths = paths
@@ -381,6 +390,7 @@ class FFCV(Contender):
             "a write step (DatasetWriter from an indexed dataset, here LiveDataset); "
             "its Loader with numba pipelines in place of the DataLoader"
             + ("; JPEG mode re-encodes every array (lossy)" if jpeg else ""),
+            group=f"ffcv {mode}",
             threads=True,
         )
         self.ffcv = modules
@@ -636,6 +646,8 @@ def render(results: dict[str, Any]) -> str:
     ]
     for r in rows:
         one_time = "-" if r["one_time_s"] is None else f"{r['one_time_s']:.1f}"
+        if r["one_time_shared_with"]:
+            one_time = f"({one_time}: the same step)"
         timed = r["timed_per_s"]
         pss = (
             "none (threads)"
@@ -673,8 +685,14 @@ def chart(results: dict[str, Any], path: Path) -> None:
     rate.set_xlabel("epochs 2+, arrays/s (median; log scale)")
     for y, r in enumerate(rows):
         rate.text(r["median_per_s"], y, f" {r['median_per_s']:,.0f}", va="center", fontsize=8)
-    once.barh(names, [r["one_time_s"] or 0 for r in rows], color="tab:orange")
-    once.set_xlabel("one-time step before the first fast epoch (s)")
+    once.barh(
+        names,
+        [r["one_time_s"] or 0 for r in rows],
+        color=["white" if r["one_time_shared_with"] else "tab:orange" for r in rows],
+        edgecolor="tab:orange",
+        hatch=["//" if r["one_time_shared_with"] else "" for r in rows],
+    )
+    once.set_xlabel("one-time step before the first fast epoch (s; hatched: shared)")
     figure.suptitle(
         f"{results['corpus']['large']} x 12 MP + {results['corpus']['mid']} x 1.6 MP JPEGs "
         "-> uint8 224, batch 64, 2 workers, page cache warm",
