@@ -56,7 +56,10 @@ from benchlib import DECODEFS, VERSION, WORK, BenchMount
 from torch.utils.data import DataLoader, Dataset
 
 from decodefs import read_array
-from decodefs.decode import DecodeSettings, decode_image
+from decodefs.decode import DecodeSettings, decode_image, npy_file_size
+from decodefs.entry import EntryKey
+from decodefs.protocol import TRAILER_SIZE
+from decodefs.reader import read_array_into
 from decodefs.sample import make_sample_corpus
 from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8
 
@@ -104,6 +107,7 @@ def main() -> None:
         for c in contenders:
             c.read_pss()
         check_bytes(contenders, bench, paths)
+        costs = breakdown(bench, [p.stem for p in paths], work)
         for c in contenders:
             c.disk = disk_bytes(c.files())
             c.resident = page_cache_bytes(c.files())
@@ -119,6 +123,7 @@ def main() -> None:
         "torch": torch.__version__,
         "versions": peer_versions(),
         "contenders": [c.result() for c in contenders],
+        "breakdown_us": costs,
     }
     (WORK / "peers-results.json").write_text(json.dumps(results, indent=1))
     print(render(results))
@@ -579,6 +584,66 @@ def memory(pid: int) -> tuple[int, int] | None:
     return fields["Pss"], fields["Private_Clean"] + fields["Private_Dirty"]
 
 
+# -- where a stored array's time goes -----------------------------------------------------
+
+
+def breakdown(bench: BenchMount, uuids: Sequence[str], work: Path) -> dict[str, float]:
+    """Microseconds per array in one thread, every file in the page cache, in a shuffled
+    order: what BatchLoader does for a hit, its parts, and FFCV raw's floor (a copy out
+    of one mapped file)."""
+    order = np.random.default_rng(0).permutation(len(uuids))
+    paths = [str(bench.arrays(SIZE) / f"{uuids[i]}.npy") for i in order]
+    entries = [str(bench.store / EntryKey(VERSION, SIZE, uuids[i]).relpath) for i in order]
+    keys = [EntryKey(VERSION, SIZE, uuids[i]) for i in order]
+    row = np.empty((SIZE, SIZE, 3), dtype=np.uint8)
+    header = bytearray(npy_file_size(SIZE) - row.nbytes)
+    trailer = bytearray(TRAILER_SIZE)
+    flat = work / "flat.u8"  # every array back to back, as in one .beton of raw pixels
+    with open(flat, "wb") as f:
+        for entry in entries:
+            with open(entry, "rb") as e:
+                f.write(e.read()[len(header) : len(header) + row.nbytes])
+    mapped = np.memmap(flat, dtype=np.uint8, mode="r", shape=(len(uuids), SIZE, SIZE, 3))
+
+    def preadv(entry: str) -> None:
+        fd = os.open(entry, os.O_RDONLY)
+        try:
+            os.preadv(fd, [header, row.data, trailer], 0)
+        finally:
+            os.close(fd)
+
+    def checksum(i: int) -> None:
+        hasher = keys[i].hasher()
+        hasher.update(header)
+        hasher.update(row.data)
+
+    def stat(path: str) -> None:
+        os.lstat(path)
+
+    def copy(i: int) -> None:
+        row[...] = mapped[i]
+
+    parts: dict[str, tuple[Callable[[Any], None], Sequence[Any]]] = {
+        "read_array_into (BatchLoader's read of a hit)": (
+            lambda p: read_array_into(p, row),
+            paths,
+        ),
+        "os.lstat of the path on the mount": (stat, paths),
+        "open + preadv + close of the entry file": (preadv, entries),
+        "the entry's checksum (xxh3-64, key-seeded)": (checksum, range(len(uuids))),
+        "a copy out of one mapped file (FFCV raw)": (copy, range(len(uuids))),
+    }
+    costs = {}
+    for name, (fn, items) in parts.items():
+        for _ in range(2):  # the first pass warms the caches; the second is timed
+            start = time.perf_counter()
+            for item in items:
+                fn(item)
+            costs[name] = (time.perf_counter() - start) / len(items) * 1e6
+    flat.unlink()
+    return costs
+
+
 # -- the byte-for-byte check, bytes on disk -----------------------------------------------
 
 
@@ -669,6 +734,12 @@ def render(results: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
         "page cache after the run (MiB of each contender's files): "
         + ", ".join(f"{r['name']} {mib(r['page_cache_bytes'])}" for r in rows),
+    ]
+    lines += [
+        "",
+        "| one thread, per stored array | us |",
+        "| --- | ---: |",
+        *(f"| {name} | {us:.0f} |" for name, us in results["breakdown_us"].items()),
     ]
     return "\n".join(lines)
 
