@@ -78,7 +78,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8, help="rounds (epoch 1 included)")
     parser.add_argument("--live-epochs", type=int, default=4, help="live decode's epochs")
     parser.add_argument("--chart", type=Path, help="write a PNG chart here (needs matplotlib)")
+    parser.add_argument(
+        "--from-results", type=Path, help="only render a run's results JSON (table, --chart)"
+    )
     args = parser.parse_args()
+    if args.from_results:
+        results = json.loads(args.from_results.read_text())
+        print(render(results))
+        if args.chart:
+            chart(results, args.chart)
+        return
     if min(args.epochs, args.live_epochs) < 4:
         parser.error("--epochs and --live-epochs need 4 or more: epoch 1, then 3 timed")
     started = time.time()
@@ -750,9 +759,12 @@ def chart(results: dict[str, Any], path: Path) -> None:
     plt = importlib.import_module("matplotlib.pyplot")
     rows = results["contenders"][::-1]
     names = [r["name"] for r in rows]
-    figure, (rate, once) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.2), sharey=True)
+    figure, (rate, once) = plt.subplots(
+        1, 2, figsize=(10, 0.45 * len(rows) + 1.2), sharey=True, width_ratios=(3, 2)
+    )
     rate.barh(names, [r["median_per_s"] for r in rows], color="tab:blue")
     rate.set_xscale("log")
+    rate.set_xlim(right=max(r["median_per_s"] for r in rows) * 5)  # room for the labels
     rate.set_xlabel("epochs 2+, arrays/s (median; log scale)")
     for y, r in enumerate(rows):
         rate.text(r["median_per_s"], y, f" {r['median_per_s']:,.0f}", va="center", fontsize=8)
@@ -763,7 +775,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
         edgecolor="tab:orange",
         hatch=["//" if r["one_time_shared_with"] else "" for r in rows],
     )
-    once.set_xlabel("one-time step before the first fast epoch (s; hatched: shared)")
+    once.set_xlabel("one-time step (s)\nhatched: the same step as above")
     figure.suptitle(
         f"{results['corpus']['large']} x 12 MP + {results['corpus']['mid']} x 1.6 MP JPEGs "
         "-> uint8 224, batch 64, 2 workers, page cache warm",
