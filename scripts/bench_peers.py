@@ -35,6 +35,7 @@ import contextlib
 import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -82,6 +83,8 @@ def main() -> None:
         "--from-results", type=Path, help="only render a run's results JSON (table, --chart)"
     )
     args = parser.parse_args()
+    if args.chart and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--chart needs matplotlib: pip install -e '.[peers]' torch==2.13.0")
     if args.from_results:
         results = json.loads(args.from_results.read_text())
         print(render(results))
