@@ -47,7 +47,7 @@ from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
 
-__all__ = ["flush_reports", "read_array", "read_array_into"]
+__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into"]
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,7 @@ def read_array_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) ->
     array's shape is not ``out``'s.
     """
     path = os.fspath(path)
-    if not (out.dtype == np.uint8 and out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("read_array_into needs a writable, C-contiguous uint8 array")
+    _check_out(out)
     found = _locate(path)
     if found is not None:
         mount, key = found
@@ -135,6 +134,29 @@ def read_array_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) ->
     array = _load_any(path)
     _check_shape(out, array.shape, path)
     out[...] = array
+
+
+def read_stored_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -> bool:
+    """``read_array_into``'s hit alone: True if ``path``'s array was read from the
+    store into ``out`` (checked and reported); False if it is no hit (a miss, an
+    entry that failed its check, a file of no store this process may read), and
+    nothing else was done: ``read_array_into`` reads it then, through the mount."""
+    path = os.fspath(path)
+    _check_out(out)
+    found = _locate(path)
+    if found is None:
+        return False
+    mount, key = found
+    _check_shape(out, (key.size, key.size, 3), path)
+    if not _read_stored(mount, key, out):
+        return False
+    _reporter.report(mount, key)
+    return True
+
+
+def _check_out(out: npt.NDArray[np.uint8]) -> None:
+    if not (out.dtype == np.uint8 and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("reading into an array needs a writable, C-contiguous uint8 one")
 
 
 def flush_reports() -> None:

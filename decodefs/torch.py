@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 from .config import Config, load_config
 from .decode import DecodeSettings, decode_image
 from .keys import missing_directory
-from .reader import flush_reports, read_array, read_array_into
+from .reader import flush_reports, read_array, read_array_into, read_stored_into
 from .source import scan_source
 
 __all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
@@ -252,12 +252,16 @@ class BatchLoader:
     ``default_collate`` (a tensor of ints, a list of keys, ...). Every batch
     has ``batch_size`` items but the last, which has fewer unless ``drop_last``.
 
-    ``threads`` threads read each batch straight into a tensor allocated for it
-    (pinned if ``pin_memory``): an array the store holds by one ``preadv`` of
-    its entry file into the tensor's row, checked and reported to the daemon as
-    ``read_array`` does; a miss, or an entry that fails its check, through the
-    mount (the daemon decodes it). The same bytes as ``MountDataset``. The
-    next ``prefetch`` batches are read while the current one is used. A read
+    Threads read each batch straight into a tensor for it (pinned if
+    ``pin_memory``; unpinned memory is used again once nothing refers to it):
+    an array the store holds by one ``preadv`` of its entry file into the
+    tensor's row, checked and reported to the daemon as ``read_array`` does;
+    a miss, or an entry that fails its check, through the mount (the daemon
+    decodes it). The same bytes as ``MountDataset``. One thread at a time
+    reads a batch's hits (more only contend for the GIL); each miss goes to
+    another of the ``threads`` (default: the CPUs, at least 2), so misses are
+    decoded in parallel. The next ``prefetch`` batches are read while the
+    current one is used. A read
     that fails (a key the version lacks, a mount that is gone) raises its
     error when its batch is due, and stops the epoch's threads; so does
     leaving the loop (``break``, an exception, KeyboardInterrupt) once the
@@ -330,10 +334,9 @@ class BatchLoader:
             set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
-        # A pool per epoch: when the epoch ends, or its iterator is closed, no
+        # Threads per epoch: when the epoch ends, or its iterator is closed, no
         # thread of it is left. The sampler is drawn from in this thread only.
-        stop = threading.Event()
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="decodefs-batchloader")
+        reads = _Reads(self.threads)
         pending: deque[_Batch] = deque()
         batches = iter(self._batches)
         try:
@@ -342,16 +345,15 @@ class BatchLoader:
                     indices = next(batches, None)
                     if indices is None:
                         break
-                    pending.append(self._start(pool, stop, indices))
+                    pending.append(self._start(reads, indices))
                 if not pending:
                     return
                 yield pending.popleft().result()
         finally:
-            stop.set()
-            pool.shutdown(wait=True, cancel_futures=True)
+            reads.close()
             flush_reports()  # the daemon's LRU order sees the epoch's hits now
 
-    def _start(self, pool: ThreadPoolExecutor, stop: threading.Event, indices: list[int]) -> _Batch:
+    def _start(self, reads: _Reads, indices: list[int]) -> _Batch:
         if self.pin_memory:  # torch's pinned allocator keeps and reuses pinned blocks itself
             size = self.dataset.size
             images = torch.empty((len(indices), size, size, 3), dtype=torch.uint8, pin_memory=True)
@@ -359,13 +361,45 @@ class BatchLoader:
             images = self._memory.tensor(len(indices))
         paths = [self.dataset.path(i) for i in indices]
         targets = default_collate([self.dataset.target(i) for i in indices])
-        rows = images.numpy()
-        step = math.ceil(len(indices) / self.threads)
-        futures = [
-            pool.submit(_read_rows, paths, rows, start, min(start + step, len(paths)), stop)
-            for start in range(0, len(paths), step)
-        ]
-        return _Batch(images, targets, futures)
+        return _Batch(images, targets, reads.submit(paths, images.numpy()))
+
+
+class _Reads:
+    """One epoch's reading threads.
+
+    A batch's hits are read by one thread, in order, one batch at a time (under
+    ``_hits``): a hit is mostly Python and short system calls, and threads that
+    read hits side by side only hand the GIL back and forth (on 2 cores, two
+    such threads read a third less than one: scripts/bench_loader.py). Each
+    miss is handed to a thread of its own, so the daemon decodes a batch's
+    misses in parallel while hits go on.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="decodefs-batchloader")
+        self._stop = threading.Event()
+        self._hits = threading.Lock()
+
+    def submit(self, paths: list[str], rows: Array) -> Future[list[Future[None]]]:
+        return self._pool.submit(self._read, paths, rows)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read(self, paths: list[str], rows: Array) -> list[Future[None]]:
+        misses = []
+        with self._hits:
+            for path, row in zip(paths, rows, strict=True):
+                if self._stop.is_set():
+                    break
+                if not read_stored_into(path, row):
+                    misses.append(self._pool.submit(self._read_miss, path, row))
+        return misses
+
+    def _read_miss(self, path: str, row: Array) -> None:
+        if not self._stop.is_set():
+            read_array_into(path, row)
 
 
 class _BatchMemory:
@@ -397,28 +431,21 @@ class _BatchMemory:
 class _Batch:
     """A batch being read: its tensor, its targets, and the reads that fill it."""
 
-    def __init__(self, images: torch.Tensor, targets: Any, futures: list[Future[None]]) -> None:
+    def __init__(
+        self, images: torch.Tensor, targets: Any, reads: Future[list[Future[None]]]
+    ) -> None:
         self.images = images
         self.targets = targets
-        self.futures = futures
+        self.reads = reads
 
     def result(self) -> tuple[torch.Tensor, Any]:
-        for future in self.futures:
-            future.result()  # raises what a read raised
+        for miss in self.reads.result():  # raises what a read raised
+            miss.result()
         return self.images, self.targets
 
 
-def _read_rows(
-    paths: list[str], rows: Array, start: int, stop_at: int, stop: threading.Event
-) -> None:
-    for row in range(start, stop_at):
-        if stop.is_set():
-            return
-        read_array_into(paths[row], rows[row])
-
-
 def _default_threads() -> int:
-    return len(os.sched_getaffinity(0))
+    return max(2, len(os.sched_getaffinity(0)))
 
 
 def collate_uint8(

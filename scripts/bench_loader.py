@@ -17,6 +17,10 @@ epochs of every array in batches of --batch:
 Reported: arrays/s of epochs 2+ (the median over rounds), and each as a ratio to
 ``mount``. Every contender's batches are checked once against read_array's arrays.
 
+Then cold first epochs (--cold originals, a fresh store for each contender, so
+every read is a miss the daemon decodes): ``mount`` and BatchLoader with each
+thread count, to show how misses scale with threads.
+
     flock /tmp/decodefs-heavy.lock .venv/bin/python scripts/bench_loader.py \\
         [--count 2000] [--size 224] [--batch 64] [--workers 2] [--threads 1 2 4 8]
 """
@@ -30,6 +34,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,6 +73,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--epochs", type=int, default=3, help="per contender and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cold", type=int, default=300, help="originals of the cold epochs")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -87,6 +93,46 @@ def main() -> None:
         run(bench, keys, args)
     finally:
         bench.remove()  # the store is outside the run directory: kept for the next run
+    cold(originals, args)
+
+
+def cold(originals: Path, args: argparse.Namespace) -> None:
+    """A first epoch over a fresh store, per contender: every array a miss."""
+    names = sorted(originals.rglob("*.jpg"))[: args.cold]
+    subset = WORK / f"loader-cold-{args.cold}"
+    if not subset.exists():
+        subset.mkdir()
+        for path in names:
+            (subset / path.name).hardlink_to(path)  # a symlink out of the source is no original
+    rates = {}
+    for name in ["mount", *(f"threads-{n}" for n in args.threads)]:
+        bench = BenchMount(subset, [args.size])  # its store in its own run directory
+        try:
+            bench.mount()
+            keys = list_keys(bench.mountpoint, VERSION, args.size)
+            dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
+            loader: Iterable[tuple[torch.Tensor, Any]]
+            if name == "mount":
+                loader = DataLoader(
+                    dataset,
+                    batch_size=args.batch,
+                    num_workers=args.workers,
+                    collate_fn=collate_uint8,
+                )
+            else:
+                threads = int(name.removeprefix("threads-"))
+                loader = BatchLoader(dataset, batch_size=args.batch, threads=threads)
+            started = time.perf_counter()
+            arrays = _epoch_of(loader)()
+            rates[name] = arrays / (time.perf_counter() - started)
+            assert bench.stats()["decodes"] == len(keys)
+        finally:
+            bench.remove()
+    print(f"\ncold first epoch, {args.cold} arrays (every one decoded by the daemon)\n")
+    print(f"| {'contender':<12} | {'arrays/s':>9} | {'x mount':>7} |")
+    print(f"| {'-' * 12} | {'-' * 9}: | {'-' * 7}: |")
+    for name, rate in rates.items():
+        print(f"| {name:<12} | {rate:>9,.0f} | {rate / rates['mount']:>6.2f}x |")
 
 
 def run(bench: BenchMount, keys: list[str], args: argparse.Namespace) -> None:
