@@ -21,11 +21,15 @@ and every file name gives back its key (``EntryKey.from_store_path``).
 from __future__ import annotations
 
 import os
-from typing import Final, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import xxhash
 
 from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = [
     "STALE",
@@ -34,6 +38,7 @@ __all__ = [
     "check_entry",
     "check_entry_bytes",
     "check_entry_file",
+    "check_entry_pieces",
     "encode_trailer",
 ]
 
@@ -128,6 +133,25 @@ def check_entry(key: EntryKey, data: bytes | bytearray | memoryview, digest: byt
     problem = _check_trailer(trailer, length, digest)
     if problem is None and key.checksum(memoryview(data)[:length]) != _checksum_of(trailer):
         problem = _CHECKSUM_MISMATCH
+    return problem
+
+
+def check_entry_pieces(
+    key: EntryKey, payload: Sequence[Buffer], trailer: bytes | bytearray, digest: bytes
+) -> str | None:
+    """``check_entry`` for an entry file read in pieces: its payload as consecutive
+    buffers (a .npy header in one, the array in another: ``read_array_into``
+    reads a payload straight into a caller's array), then its trailer."""
+    if len(trailer) != TRAILER_SIZE:
+        return f"a trailer of {len(trailer)} bytes"
+    trailer = bytes(trailer)
+    problem = _check_trailer(trailer, sum(memoryview(p).nbytes for p in payload), digest)
+    if problem is None:
+        hasher = key.hasher()
+        for piece in payload:
+            hasher.update(piece)
+        if hasher.intdigest() != _checksum_of(trailer):
+            problem = _CHECKSUM_MISMATCH
     return problem
 
 

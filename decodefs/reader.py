@@ -8,6 +8,8 @@ the bytes read are one whole entry or the read falls back. Anything else (a
 miss, a bad entry, a store this user may not read) reads through the mount,
 unbuffered, so Python's open() sends no isatty() ioctl. Hits are reported to
 the daemon in batches over a datagram socket, so its LRU order sees them.
+``read_array_into`` reads the same array into a caller's memory (a batch
+tensor's row): a hit is one ``preadv`` of the entry file, checked in pieces.
 
 The path is looked up through the mount as given (the kernel answers from
 its caches), so a name the daemon does not serve fails as ``open`` would, and
@@ -40,12 +42,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .decode import npy_file_size, npy_header, npy_layout_problem
-from .entry import STALE, EntryKey, check_entry
+from .entry import STALE, EntryKey, check_entry_pieces
 from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
 
-__all__ = ["read_array"]
+__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,79 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     any other filesystem is read with ``np.load``.
     """
     path = os.fspath(path)
+    found = _locate(path)
+    if found is None:
+        return _load_any(path)
+    mount, key = found
+    out = np.empty((key.size, key.size, 3), np.uint8)
+    if _read_stored(mount, key, out):
+        _reporter.report(mount, key)
+        return out
+    array = _read_through_mount(path, key, out)
+    return array if array is not None else _load_any(path)
+
+
+def read_array_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -> None:
+    """``read_array(path)`` written into ``out``, a writable, C-contiguous uint8
+    array of the file's shape (a row of a batch tensor, say), with no array of
+    its own: a hit is read from the store file into ``out``'s memory by one
+    ``preadv`` (the .npy header and the trailer into small buffers), checked as
+    ``read_array`` checks it, and reported as a hit. Raises ValueError if the
+    array's shape is not ``out``'s.
+    """
+    path = os.fspath(path)
+    _check_out(out)
+    found = _locate(path)
+    if found is not None:
+        mount, key = found
+        _check_shape(out, (key.size, key.size, 3), path)
+        if _read_stored(mount, key, out):
+            _reporter.report(mount, key)
+            return
+        if _read_through_mount(path, key, out) is not None:
+            return
+    array = _load_any(path)
+    _check_shape(out, array.shape, path)
+    out[...] = array
+
+
+def read_stored_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -> bool:
+    """``read_array_into``'s hit alone: True if ``path``'s array was read from the
+    store into ``out`` (checked and reported); False if it is no hit (a miss, an
+    entry that failed its check, a file of no store this process may read), and
+    nothing else was done: ``read_array_into`` reads it then, through the mount."""
+    path = os.fspath(path)
+    _check_out(out)
+    found = _locate(path)
+    if found is None:
+        return False
+    mount, key = found
+    _check_shape(out, (key.size, key.size, 3), path)
+    if not _read_stored(mount, key, out):
+        return False
+    _reporter.report(mount, key)
+    return True
+
+
+def _check_out(out: npt.NDArray[np.uint8]) -> None:
+    if not (out.dtype == np.uint8 and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("reading into an array needs a writable, C-contiguous uint8 one")
+
+
+def flush_reports() -> None:
+    """Send the direct hits not yet reported to their daemons now (they go in
+    batches, at the latest with the next hit a second later, or at exit)."""
+    _reporter.flush()
+
+
+def _check_shape(out: npt.NDArray[np.uint8], shape: tuple[int, ...], path: str) -> None:
+    if out.shape != shape:
+        raise ValueError(f"{path} holds an array of shape {shape}, not {out.shape}")
+
+
+def _locate(path: str) -> tuple[_Mount, EntryKey] | None:
+    """The mount whose store may hold ``path``'s array, and its key; None if the
+    file is no array of a mount whose store this process may read."""
     st = os.lstat(path)
     name = os.path.basename(path)
     if stat.S_ISLNK(st.st_mode):
@@ -107,14 +182,10 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     if mount is not None and not _current(mount, st.st_dev):
         # Another mount since: the kernel reuses a device number after an unmount.
         mount = _mount_of(st.st_dev, again=True)
-    key = _key_of(mount, st, name, path) if isinstance(mount, _Mount) else None
-    if not isinstance(mount, _Mount) or key is None:
-        return _load_any(path)
-    array = _read_stored(mount, key)
-    if array is not None:
-        _reporter.report(mount, key)
-        return array
-    return _read_through_mount(path, key, verify_again=_last_problem.get(key) is not None)
+    if not isinstance(mount, _Mount):
+        return None
+    key = _key_of(mount, st, name, path)
+    return None if key is None else (mount, key)
 
 
 # -- which mount and key a file is -------------------------------------------------
@@ -246,46 +317,53 @@ def _mirror_key(
 # -- reading ------------------------------------------------------------------------
 
 
-def _read_stored(mount: _Mount, key: EntryKey) -> npt.NDArray[np.uint8] | None:
+def _read_stored(mount: _Mount, key: EntryKey, out: npt.NDArray[np.uint8]) -> bool:
+    """Whether ``key``'s entry was read from the store into ``out`` and may be served."""
     digest = mount.digests.get(key.version)
     if digest is None:
-        return None
+        return False
     path = os.path.join(mount.store, key.relpath)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None  # a miss, or a store this user may not read
+        return False  # a miss, or a store this user may not read
     try:
-        buffer, problem = _read_entry(fd, key, digest, mount.owner)
+        problem = _read_entry(fd, key, digest, mount.owner, out)
     finally:
         os.close(fd)
     if problem is not None:
         _note_problem(key, problem)
         if problem == STALE:  # the daemon may have restarted with other settings
             _forget_mounts()
-        return None
+        return False
     _last_problem.pop(key, None)
-    return _array(buffer, key.size)
+    return True
 
 
-def _read_entry(fd: int, key: EntryKey, digest: bytes, owner: int) -> tuple[bytearray, str | None]:
-    """The entry file open at ``fd``, and why it must not be served (None: it may)."""
-    length = npy_file_size(key.size) + TRAILER_SIZE
+def _read_entry(
+    fd: int, key: EntryKey, digest: bytes, owner: int, out: npt.NDArray[np.uint8]
+) -> str | None:
+    """Read the entry file open at ``fd``, its array into ``out``; why it must not
+    be served (None: it may, and ``out`` holds its array)."""
+    header = npy_header(key.size)
+    length = len(header) + out.nbytes + TRAILER_SIZE
     try:
         st = os.fstat(fd)
         if not (stat.S_ISREG(st.st_mode) and _owned_alone(st, owner)):
-            return bytearray(), "not a file of the daemon's alone"
-        if st.st_size != length:  # checked before allocating: the file decides nothing
-            return bytearray(), f"length {st.st_size}"
-        buffer = bytearray(length)
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            got = f.readinto(buffer)
+            return "not a file of the daemon's alone"
+        if st.st_size != length:
+            return f"length {st.st_size}"
+        head = bytearray(len(header))
+        array = out.data.cast("B")  # the caller's memory, as bytes
+        trailer = bytearray(TRAILER_SIZE)
+        got = os.preadv(fd, [head, array, trailer], 0)
     except OSError as exc:
-        return bytearray(), str(exc)
+        return str(exc)
     if got != length:
-        return buffer, f"length {got}"
-    length = len(buffer) - TRAILER_SIZE
-    return buffer, check_entry(key, buffer, digest) or npy_layout_problem(buffer, length, key.size)
+        return f"length {got}"
+    return check_entry_pieces(key, [head, array], trailer, digest) or npy_layout_problem(
+        head, length - TRAILER_SIZE, key.size
+    )
 
 
 def _note_problem(key: EntryKey, problem: str) -> None:
@@ -295,24 +373,22 @@ def _note_problem(key: EntryKey, problem: str) -> None:
         _last_problem[key] = problem
 
 
-def _read_through_mount(path: str, key: EntryKey, verify_again: bool) -> npt.NDArray[np.uint8]:
+def _read_through_mount(
+    path: str, key: EntryKey, out: npt.NDArray[np.uint8]
+) -> npt.NDArray[np.uint8] | None:
+    """``out`` holding the array read through the mount (the daemon decodes a
+    miss); None if the file is not the .npy layout of ``key``'s array."""
     # O_SYNC asks the daemon to check its stored entry again before serving it:
     # this process just found that entry bad.
-    flags = os.O_RDONLY | (os.O_SYNC if verify_again else 0)
+    flags = os.O_RDONLY | (os.O_SYNC if _last_problem.get(key) is not None else 0)
     fd = os.open(path, flags)
     with open(fd, "rb", buffering=0) as f:
         data = f.read()
     _last_problem.pop(key, None)
-    if npy_layout_problem(data, len(data), key.size) is None:
-        return _array(bytearray(data), key.size)
-    return _load_any(path)
-
-
-def _array(buffer: bytearray, size: int) -> npt.NDArray[np.uint8]:
-    offset = len(npy_header(size))
-    return np.frombuffer(buffer, dtype=np.uint8, count=size * size * 3, offset=offset).reshape(
-        size, size, 3
-    )
+    if npy_layout_problem(data, len(data), key.size) is not None:
+        return None
+    out.reshape(-1)[:] = np.frombuffer(data, np.uint8, offset=len(npy_header(key.size)))
+    return out
 
 
 def _load_any(path: str) -> npt.NDArray[np.uint8]:

@@ -1,10 +1,12 @@
-"""PyTorch datasets over a decodefs mount, their live-decode twin, and a uint8 batch path.
+"""PyTorch datasets over a decodefs mount, their live-decode twin, and uint8 batch paths.
 
 The only module of decodefs that imports torch (the optional extra
 ``decodefs[torch]``); importing the rest of decodefs never does. Arrays come
 from ``read_array`` (a stored array is read straight from the store, without
 a FUSE request) or, for ``LiveDataset``, from ``decode_image`` with the
-version's own settings, so the two give the same pixels. Nothing here caches
+version's own settings, so the two give the same pixels; ``BatchLoader`` reads
+a MountDataset's arrays by threads into batch tensors (``read_array_into``),
+with no worker process. Nothing here caches
 arrays, talks to the daemon or knows the store's layout.
 
 Every dataset keeps its per-item state in numpy arrays of bytes rather than
@@ -15,8 +17,14 @@ page as they touch reference counts (``ImageFolder`` keeps torchvision's
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Sequence
+import sys
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -25,7 +33,15 @@ import numpy.typing as npt
 
 try:
     import torch
-    from torch.utils.data import Dataset, default_collate, get_worker_info
+    from torch.utils.data import (
+        BatchSampler,
+        Dataset,
+        RandomSampler,
+        Sampler,
+        SequentialSampler,
+        default_collate,
+        get_worker_info,
+    )
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         "decodefs.torch needs PyTorch: pip install torch (or decodefs's torch extra: "
@@ -35,10 +51,10 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 from .config import Config, load_config
 from .decode import DecodeSettings, decode_image
 from .keys import missing_directory
-from .reader import read_array
+from .reader import flush_reports, read_array, read_array_into, read_stored_into
 from .source import scan_source
 
-__all__ = ["ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
+__all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
 
 Array: TypeAlias = npt.NDArray[np.uint8]
 Targets: TypeAlias = Sequence[Any] | Callable[[str], Any] | None
@@ -86,6 +102,10 @@ class _UuidDataset(Dataset[tuple[Any, Any]]):
         if self.transform is not None:
             image = self.transform(image)
         return image, self._target(index, uuid)
+
+    def target(self, index: int) -> Any:
+        """Item ``index``'s target, without reading its array."""
+        return self._target(index, self.uuid(index))
 
     def _target(self, index: int, uuid: str) -> Any:
         if self.targets is None:
@@ -136,6 +156,24 @@ class MountDataset(_UuidDataset):
 
     def path(self, index: int) -> str:
         return os.path.join(self.directory, f"{self.uuid(index)}.npy")
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """``[self[i] for i in indices]``, as a DataLoader asks for a batch: without a
+        ``transform``, each array is read (``read_array_into``) straight into a row
+        of one uint8 tensor allocated for the batch (in a worker, in shared
+        memory), which ``collate_uint8`` then passes on as the batch, uncopied."""
+        if self.transform is not None:
+            return [self[i] for i in indices]
+        images = _batch_tensor((len(indices), self.size, self.size, 3))
+        rows = images.numpy()
+        items = []
+        for row, index in zip(rows, indices, strict=True):
+            if not -len(self) <= index < len(self):
+                raise IndexError(f"index {index} out of range for {len(self)} items")
+            uuid = self.uuid(index)
+            read_array_into(os.path.join(self.directory, f"{uuid}.npy"), row)
+            items.append((row, self._target(index, uuid)))
+        return _Rows(items, images)
 
     def _array(self, index: int, uuid: str) -> Array:
         return read_array(os.path.join(self.directory, f"{uuid}.npy"))
@@ -204,6 +242,212 @@ class LiveDataset(_UuidDataset):
         )
 
 
+class BatchLoader:
+    """Batches of a ``MountDataset``'s arrays, read by threads: no worker processes.
+
+    Iterating yields ``(images, targets)`` as a ``DataLoader`` over ``dataset``
+    with ``collate_fn=collate_uint8`` would, in the order ``sampler`` gives
+    (or ``shuffle``'s, or the dataset's): ``images`` a ``torch.uint8`` tensor
+    ``[N, size, size, 3]`` (HWC, RGB), ``targets`` the items' targets through
+    ``default_collate`` (a tensor of ints, a list of keys, ...). Every batch
+    has ``batch_size`` items but the last, which has fewer unless ``drop_last``.
+
+    Threads read each batch straight into a tensor for it (pinned if
+    ``pin_memory``; unpinned memory is used again once nothing refers to it):
+    an array the store holds by one ``preadv`` of its entry file into the
+    tensor's row, checked and reported to the daemon as ``read_array`` does;
+    a miss, or an entry that fails its check, through the mount (the daemon
+    decodes it). The same bytes as ``MountDataset``. One thread at a time
+    reads a batch's hits (more only contend for the GIL); each miss goes to
+    another of the ``threads`` (default: the CPUs, at least 2), so misses are
+    decoded in parallel. The next ``prefetch`` batches are read while the
+    current one is used. A read
+    that fails (a key the version lacks, a mount that is gone) raises its
+    error when its batch is due, and stops the epoch's threads; so does
+    leaving the loop (``break``, an exception, KeyboardInterrupt) once the
+    iterator is closed or collected.
+
+    Transforms stay with ``MountDataset`` in a ``DataLoader``: a dataset with a
+    ``transform`` is refused. The batches are meant to be moved to the device
+    and normalised there, ``images.to(device).permute(0, 3, 1, 2).float().div_(255)``.
+    ``set_epoch`` is passed to a sampler that has it (``DistributedSampler``).
+    """
+
+    def __init__(
+        self,
+        dataset: MountDataset,
+        *,
+        batch_size: int,
+        shuffle: bool = False,
+        sampler: Sampler[int] | Iterable[int] | None = None,
+        drop_last: bool = False,
+        threads: int | None = None,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(dataset, MountDataset):
+            raise TypeError(f"BatchLoader reads a MountDataset, not {type(dataset).__name__}")
+        if dataset.transform is not None:
+            raise ValueError(
+                "BatchLoader serves the arrays as stored: use the MountDataset with its "
+                "transform in a DataLoader, or transform each batch on the device"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size is a positive integer, not {batch_size!r}")
+        if sampler is not None and shuffle:
+            raise ValueError("BatchLoader takes a sampler or shuffle=True, not both")
+        threads = _default_threads() if threads is None else threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads is a positive integer, not {threads!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch is a number of batches (0 or more), not {prefetch!r}")
+        if pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "BatchLoader(pin_memory=True): no accelerator, so batches are not pinned",
+                stacklevel=2,
+            )
+            pin_memory = False
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.threads = threads
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self._memory = _BatchMemory((batch_size, dataset.size, dataset.size, 3), prefetch + 3)
+        if sampler is None:
+            sampler = (
+                RandomSampler(dataset, generator=generator)
+                if shuffle
+                else SequentialSampler(dataset)
+            )
+        self.sampler = sampler
+        self._batches = BatchSampler(sampler, batch_size, drop_last)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass ``epoch`` to the sampler (a ``DistributedSampler`` shuffles by it)."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        # Threads per epoch: when the epoch ends, or its iterator is closed, no
+        # thread of it is left. The sampler is drawn from in this thread only.
+        reads = _Reads(self.threads)
+        pending: deque[_Batch] = deque()
+        batches = iter(self._batches)
+        try:
+            while True:
+                while len(pending) <= self.prefetch:
+                    indices = next(batches, None)
+                    if indices is None:
+                        break
+                    pending.append(self._start(reads, indices))
+                if not pending:
+                    return
+                yield pending.popleft().result()
+        finally:
+            reads.close()
+            flush_reports()  # the daemon's LRU order sees the epoch's hits now
+
+    def _start(self, reads: _Reads, indices: list[int]) -> _Batch:
+        if self.pin_memory:  # torch's pinned allocator keeps and reuses pinned blocks itself
+            size = self.dataset.size
+            images = torch.empty((len(indices), size, size, 3), dtype=torch.uint8, pin_memory=True)
+        else:
+            images = self._memory.tensor(len(indices))
+        paths = [self.dataset.path(i) for i in indices]
+        targets = default_collate([self.dataset.target(i) for i in indices])
+        return _Batch(images, targets, reads.submit(paths, images.numpy()))
+
+
+class _Reads:
+    """One epoch's reading threads.
+
+    A batch's hits are read by one thread, in order, one batch at a time (under
+    ``_hits``): a hit is mostly Python and short system calls, and threads that
+    read hits side by side only hand the GIL back and forth (on 2 cores, two
+    such threads read a third less than one: scripts/bench_loader.py). Each
+    miss is handed to a thread of its own, so the daemon decodes a batch's
+    misses in parallel while hits go on.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="decodefs-batchloader")
+        self._stop = threading.Event()
+        self._hits = threading.Lock()
+
+    def submit(self, paths: list[str], rows: Array) -> Future[list[Future[None]]]:
+        return self._pool.submit(self._read, paths, rows)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read(self, paths: list[str], rows: Array) -> list[Future[None]]:
+        misses = []
+        with self._hits:
+            for path, row in zip(paths, rows, strict=True):
+                if self._stop.is_set():
+                    break
+                if not read_stored_into(path, row):
+                    misses.append(self._pool.submit(self._read_miss, path, row))
+        return misses
+
+    def _read_miss(self, path: str, row: Array) -> None:
+        if not self._stop.is_set():
+            read_array_into(path, row)
+
+
+class _BatchMemory:
+    """Batch tensors over memory that is used again once nothing else refers to it.
+
+    A fresh batch's pages cost a page fault each as the reads fill them (about
+    as much as the reads themselves): up to ``keep`` blocks of a full batch are
+    kept, and a block is handed out again only when this object holds its
+    only reference, so no tensor the caller kept (or a view of it) ever sees
+    its bytes change. A tensor made by ``torch.from_numpy`` refers to its block
+    for as long as it or any view of it lives.
+    """
+
+    def __init__(self, shape: tuple[int, ...], keep: int) -> None:
+        self._shape = shape
+        self._keep = keep
+        self._blocks: list[Array] = []
+
+    def tensor(self, rows: int) -> torch.Tensor:
+        for i in range(len(self._blocks)):
+            if sys.getrefcount(self._blocks[i]) == 2:  # the list's, and the argument's
+                return torch.from_numpy(self._blocks[i][:rows])
+        block = np.empty(self._shape, np.uint8)
+        if len(self._blocks) < self._keep:
+            self._blocks.append(block)
+        return torch.from_numpy(block[:rows])
+
+
+class _Batch:
+    """A batch being read: its tensor, its targets, and the reads that fill it."""
+
+    def __init__(
+        self, images: torch.Tensor, targets: Any, reads: Future[list[Future[None]]]
+    ) -> None:
+        self.images = images
+        self.targets = targets
+        self.reads = reads
+
+    def result(self) -> tuple[torch.Tensor, Any]:
+        for miss in self.reads.result():  # raises what a read raised
+            miss.result()
+        return self.images, self.targets
+
+
+def _default_threads() -> int:
+    return max(2, len(os.sched_getaffinity(0)))
+
+
 def collate_uint8(
     batch: Sequence[tuple[Any, Any]], *, pin_memory: bool = False
 ) -> tuple[torch.Tensor, Any]:
@@ -226,20 +470,43 @@ def collate_uint8(
     for image in images:
         if image.shape != shape:
             raise ValueError(f"images of shapes {shape} and {image.shape} in one batch")
-    batch_shape = (len(images), *shape)
-    if get_worker_info() is not None:
-        if pin_memory:
-            raise ValueError(
-                "collate_uint8(pin_memory=True) runs in a DataLoader worker: pass "
-                "pin_memory=True to the DataLoader instead, which pins in the training process"
-            )
-        # As default_collate does: the batch goes to the training process as shared memory.
-        storage = torch.UntypedStorage._new_shared(int(np.prod(batch_shape)))  # type: ignore[no-untyped-call]
-        out = torch.empty(0, dtype=torch.uint8).set_(storage).view(batch_shape)
-    else:
-        out = torch.empty(batch_shape, dtype=torch.uint8, pin_memory=pin_memory)
+    if get_worker_info() is not None and pin_memory:
+        raise ValueError(
+            "collate_uint8(pin_memory=True) runs in a DataLoader worker: pass "
+            "pin_memory=True to the DataLoader instead, which pins in the training process"
+        )
+    targets = default_collate([item[1] for item in batch])
+    if isinstance(batch, _Rows) and batch.intact() and not pin_memory:
+        return batch.images, targets  # read into one batch tensor already: no copy
+    out = _batch_tensor((len(images), *shape), pin_memory)
     np.stack(images, out=out.numpy())
-    return out, default_collate([item[1] for item in batch])
+    return out, targets
+
+
+def _batch_tensor(shape: tuple[int, ...], pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 tensor for a batch: in a DataLoader worker in shared
+    memory (as default_collate makes it), so it reaches the training process
+    without a copy; else pinned if asked."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape))  # type: ignore[no-untyped-call]
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+class _Rows(list[tuple[Any, Any]]):
+    """``MountDataset.__getitems__``'s items, whose arrays are the rows of ``images``
+    in order: unless something replaced an item, ``collate_uint8`` passes
+    ``images`` on as the batch."""
+
+    def __init__(self, items: list[tuple[Any, Any]], images: torch.Tensor) -> None:
+        super().__init__(items)
+        self.images = images
+        self._arrays = [item[0] for item in items]
+
+    def intact(self) -> bool:
+        return len(self) == len(self._arrays) and all(
+            item[0] is array for item, array in zip(self, self._arrays, strict=True)
+        )
 
 
 def _hwc_uint8(image: object) -> Array:

@@ -1,0 +1,365 @@
+"""BatchLoader and MountDataset's batch reads on real mounts: bytes, order, faults, stopping.
+
+The loader's batches are compared with a DataLoader's over the same MountDataset
+in the same sampler order, and with the live decode; its faults are real (an
+entry file unlinked or damaged in the store, a capacity that evicts, a daemon
+restarted, killed or unmounted between two batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
+
+from decodefs import class_labels, list_keys, read_array
+from decodefs.decode import npy_header
+from decodefs.entry import EntryKey
+from decodefs.protocol import TRAILER_SIZE
+from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8
+from tests.conftest import MountFactory
+from tests.helpers import Mount, decodefs, wait_until
+
+SIZE = 40
+THREAD_PREFIX = "decodefs-batchloader"
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def batches(loader: Iterable[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+    return [(images.clone(), targets) for images, targets in loader]
+
+
+def assert_same_batches(
+    got: list[tuple[torch.Tensor, Any]], want: list[tuple[torch.Tensor, Any]]
+) -> None:
+    assert [len(images) for images, _ in got] == [len(images) for images, _ in want]
+    for (images, targets), (want_images, want_targets) in zip(got, want, strict=True):
+        assert images.dtype == torch.uint8 and images.shape[1:] == (SIZE, SIZE, 3)
+        assert torch.equal(images, want_images)
+        if isinstance(want_targets, torch.Tensor):
+            assert torch.equal(targets, want_targets)
+        else:
+            assert targets == want_targets
+
+
+def store_of(mount: Mount) -> Path:
+    return mount.config.parent / "store"
+
+
+def entry_file(mount: Mount, key: str) -> Path:
+    return store_of(mount) / EntryKey("v1", SIZE, key).relpath
+
+
+def restart(mount: Mount) -> None:
+    result = decodefs("umount", mount.mountpoint)
+    assert result.returncode == 0, result.stderr
+    assert mount.process is not None and mount.process.wait(timeout=30) == 0
+    mount.start()
+
+
+def mirror_source(root: Path, photos: dict[str, Path]) -> Path:
+    """A folder dataset whose file names repeat across class folders."""
+    names = sorted(photos)
+    for i, uuid in enumerate(names):
+        folder = ["cat", "dog", "dog/puppies"][i % 3]
+        path = root / folder / f"{i // 3:04d}{photos[uuid].suffix}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(photos[uuid].read_bytes())
+    return root
+
+
+@pytest.mark.parametrize("layout", ["uuid", "mirror"])
+def test_batches_are_mount_datasets_in_the_samplers_order_with_misses_among_hits(
+    mounts: MountFactory,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    tmp_path: Path,
+    layout: str,
+) -> None:
+    if layout == "mirror":
+        source = mirror_source(tmp_path / "classes", photos)
+        mount = mounts({"v1": source}, version_layout="mirror")
+        keys = list_keys(mount.mountpoint, "v1")
+        _, targets = class_labels(keys)
+    else:
+        mount = mounts({"v1": photos_dir})
+        keys = sorted(photos)
+        targets = list(range(100, 100 + len(keys)))
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys, targets=targets)
+    order = [int(i) for i in np.random.default_rng(5).permutation(len(keys))]
+    stored = order[::2]  # hits at even places of the order: each batch of 4 has misses inside
+    for index in stored:
+        read_array(dataset.path(index))
+    assert mount.stats()["store_entries"] == len(stored)
+
+    loader = BatchLoader(dataset, batch_size=4, sampler=order, threads=2)
+    assert len(loader) == 3  # 11 arrays: 4, 4 and a last batch of 3
+    got = batches(loader)
+    assert not loader_threads()  # the epoch's threads ended with it
+    stats = mount.stats()
+    assert stats["misses"] == stats["decodes"] == len(keys)  # each miss decoded once, by the mount
+    wait_until(lambda: mount.stats()["direct_hits"] == len(stored), 10, "the epoch's reports")
+
+    want = batches(DataLoader(dataset, batch_size=4, sampler=order, collate_fn=collate_uint8))
+    assert_same_batches(got, want)
+    live = LiveDataset(mount.config, "v1", SIZE, keys, targets=targets)
+    for position, index in enumerate(order):  # and the live decode's pixels, in that order
+        images, _ = got[position // 4]
+        assert np.array_equal(images[position % 4].numpy(), live[index][0]), keys[index]
+
+    dropped = BatchLoader(dataset, batch_size=4, sampler=order, drop_last=True, threads=3)
+    assert len(dropped) == 2
+    assert_same_batches(batches(dropped), want[:2])
+
+
+def test_shuffle_a_distributed_sampler_and_what_the_loader_refuses(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)[:10]
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    seen: list[str] = []
+    for rank in range(2):
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=2, rank=rank, shuffle=True, seed=3
+        )
+        loader = BatchLoader(dataset, batch_size=2, sampler=sampler, threads=2)
+        loader.set_epoch(7)  # passed on: the order is the sampler's for epoch 7
+        assert len(loader) == 3
+        got = [key for _, batch_keys in loader for key in batch_keys]
+        reference: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=2, rank=rank, shuffle=True, seed=3
+        )
+        reference.set_epoch(7)
+        assert got == [keys[i] for i in reference]
+        seen += got
+    assert sorted(seen) == keys  # the two ranks cover the set once
+
+    shuffled = BatchLoader(
+        dataset, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
+    order = [key for _, batch_keys in shuffled for key in batch_keys]
+    assert sorted(order) == keys and order != keys
+    plain = [key for _, batch_keys in BatchLoader(dataset, batch_size=3) for key in batch_keys]
+    assert plain == keys  # no sampler, no shuffle: the dataset's order
+
+    pinning = torch.accelerator.is_available()
+    with contextlib.nullcontext() if pinning else pytest.warns(UserWarning, match="no accelerator"):
+        pinned = BatchLoader(dataset, batch_size=4, pin_memory=True)
+    images, _ = next(iter(pinned))
+    assert images.is_pinned() == pinning
+    assert np.array_equal(images[0].numpy(), read_array(dataset.path(0)))
+
+    with pytest.raises(ValueError, match="serves the arrays as stored"):
+        BatchLoader(
+            MountDataset(mount.mountpoint, "v1", SIZE, keys, transform=torch.from_numpy),
+            batch_size=2,
+        )
+    with pytest.raises(ValueError, match="batch_size is a positive integer"):
+        BatchLoader(dataset, batch_size=0)
+    with pytest.raises(ValueError, match="threads is a positive integer"):
+        BatchLoader(dataset, batch_size=2, threads=0)
+    with pytest.raises(ValueError, match="a sampler or shuffle=True, not both"):
+        BatchLoader(dataset, batch_size=2, sampler=[0, 1], shuffle=True)
+    with pytest.raises(TypeError, match="reads a MountDataset, not list"):
+        BatchLoader([1, 2], batch_size=2)  # type: ignore[arg-type]
+
+
+def test_an_entry_evicted_or_damaged_mid_epoch_is_read_through_the_mount(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    want = batches(BatchLoader(dataset, batch_size=4))  # stores every array
+    assert mount.stats()["decodes"] == len(keys)
+
+    loader = BatchLoader(dataset, batch_size=4, prefetch=0, threads=2)  # reads a batch when due
+    epoch = iter(loader)
+    got = [next(epoch)]
+    entry_file(mount, keys[5]).unlink()  # evicted while the epoch runs: batch 2 misses it
+    damaged = entry_file(mount, keys[9])  # and batch 3's entry fails its checksum
+    data = bytearray(damaged.read_bytes())
+    data[200] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    got += [(images.clone(), targets) for images, targets in epoch]
+    assert_same_batches(got, want)
+    stats = mount.stats()
+    assert stats["misses"] == len(keys) + 1  # the evicted one, decoded again by the mount
+    assert stats["corrupt_entries"] == 1  # the daemon checked the damaged one again (O_SYNC)
+
+    # A store that holds 4 arrays: every epoch evicts as it goes, and stays right.
+    entry = len(npy_header(SIZE)) + SIZE * SIZE * 3 + TRAILER_SIZE
+    small = mounts(
+        {"v1": photos_dir},
+        name="small",
+        store=store_of(mount).parent / "small-store",
+        max_store_bytes=4 * entry,
+    )
+    small_dataset = MountDataset(small.mountpoint, "v1", SIZE, keys)
+    for _ in range(2):
+        assert_same_batches(batches(BatchLoader(small_dataset, batch_size=4)), want)
+    assert small.stats()["evictions"] >= len(keys)
+
+
+def test_a_daemon_restarted_between_epochs(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    loader = BatchLoader(MountDataset(mount.mountpoint, "v1", SIZE, keys), batch_size=4)
+    first = batches(loader)
+    restart(mount)
+    second = batches(loader)
+    assert_same_batches(second, first)
+    wait_until(lambda: mount.stats()["direct_hits"] == len(keys), 10, "the epoch's reports")
+    stats = mount.stats()  # the new daemon's: every array read straight from the store
+    assert stats["hits"] == stats["misses"] == stats["decodes"] == 0
+
+
+@pytest.mark.parametrize("how", ["killed", "unmounted"])
+def test_a_mount_that_vanishes_mid_epoch_raises_and_stops_the_threads(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], how: str
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    loader = BatchLoader(
+        MountDataset(mount.mountpoint, "v1", SIZE, keys), batch_size=4, prefetch=0, threads=2
+    )
+    epoch = iter(loader)
+    next(epoch)  # cold: read through the mount
+    if how == "killed":
+        mount.kill9()
+        expected: type[OSError] = OSError
+    else:
+        result = decodefs("umount", mount.mountpoint)
+        assert result.returncode == 0, result.stderr
+        expected = FileNotFoundError
+    with pytest.raises(expected) as raised:
+        next(epoch)
+    if how == "killed":
+        assert raised.value.errno == errno.ENOTCONN
+    assert str(mount.mountpoint) in str(raised.value)  # names the path it could not read
+    assert not loader_threads()
+    with pytest.raises(StopIteration):
+        next(epoch)  # the epoch is over
+
+
+class _InterruptingSampler:
+    """Gives ``count`` indices, then raises KeyboardInterrupt as Ctrl-C would."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(self.count)
+        raise KeyboardInterrupt
+
+    def __len__(self) -> int:
+        return self.count + 1
+
+
+def test_keyboard_interrupt_stops_the_threads(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    interrupted = BatchLoader(dataset, batch_size=2, sampler=_InterruptingSampler(7), threads=3)
+    seen = 0
+    with pytest.raises(KeyboardInterrupt):  # inside the loader, while batches are being read
+        for images, _ in interrupted:
+            seen += len(images)
+            assert loader_threads()
+    assert seen < 7 and not loader_threads()
+
+    loader = BatchLoader(dataset, batch_size=2, threads=3)
+    with pytest.raises(KeyboardInterrupt):  # in the training loop, batches in flight
+        for _ in loader:
+            raise KeyboardInterrupt
+    assert not loader_threads()
+    for _ in loader:  # a break, then the iterator collected
+        break
+    wait_until(lambda: not loader_threads(), 10, "the threads of an abandoned epoch to end")
+    assert sum(len(images) for images, _ in loader) == len(keys)  # and it reads again
+
+
+# -- MountDataset's batch reads in a DataLoader -------------------------------------------
+
+
+def test_a_dataloader_batch_is_read_into_one_tensor_and_passed_on_uncopied(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys, targets=list(range(len(keys))))
+    items = dataset.__getitems__([3, -1, 0])
+    for (array, target), index in zip(items, [3, len(keys) - 1, 0], strict=True):
+        assert np.array_equal(array, dataset[index][0]) and target == index
+        assert array.flags.writeable and array.flags.c_contiguous
+    images, targets = collate_uint8(items)
+    assert images.data_ptr() == items[0][0].ctypes.data  # the rows read into: no copy
+    assert torch.equal(targets, torch.tensor([3, len(keys) - 1, 0]))
+    assert torch.equal(default_collate(items)[0], images)  # default_collate copies, same bytes
+    items[1] = (items[1][0].copy(), items[1][1])  # a collate_fn may replace an item: copied
+    copied, _ = collate_uint8(items)
+    assert copied.data_ptr() != images.data_ptr() and torch.equal(copied, images)
+    with pytest.raises(IndexError):
+        dataset.__getitems__([0, len(keys)])
+    transformed = MountDataset(mount.mountpoint, "v1", SIZE, keys, transform=torch.from_numpy)
+    assert isinstance(transformed.__getitems__([0])[0][0], torch.Tensor)  # item by item
+
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=collate_uint8)
+    for (images, targets), (want, want_targets) in zip(
+        loader, BatchLoader(dataset, batch_size=4), strict=True
+    ):
+        assert images.is_shared()  # read in the worker into shared memory
+        assert torch.equal(images, want) and torch.equal(targets, want_targets)
+
+
+def test_batch_memory_is_used_again_only_once_nothing_refers_to_it(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    loader = BatchLoader(dataset, batch_size=2, prefetch=1, threads=2)
+    kept = [(images, images.permute(0, 3, 1, 2), images.numpy()) for images, _ in loader]
+    copies = [images.clone() for images, _, _ in kept]
+    for _ in range(2):
+        for _ in loader:  # epochs that drop their batches at once: memory used again
+            pass
+    for (images, view, array), copy in zip(kept, copies, strict=True):
+        assert torch.equal(images, copy)  # what the caller kept was never overwritten
+        assert torch.equal(view, copy.permute(0, 3, 1, 2)) and np.array_equal(array, copy)
+    pointers = set()
+    for images, _ in loader:
+        pointers.add(images.data_ptr())
+        del images
+    assert len(pointers) <= 1 + 1 + 1  # one batch used, one read ahead, one being filled
+    assert len({images.data_ptr() for images, _, _ in kept}) == len(kept)
+
+
+def test_threads_do_not_outlive_a_failed_read(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = [*sorted(photos)[:5], "no-such-key", *sorted(photos)[5:]]
+    loader = BatchLoader(MountDataset(mount.mountpoint, "v1", SIZE, keys), batch_size=4)
+    with pytest.raises(FileNotFoundError, match=r"no-such-key\.npy"):
+        for _ in loader:
+            pass
+    assert not loader_threads()
+    assert os.path.ismount(mount.mountpoint)
