@@ -52,7 +52,6 @@ from .decode import (
     image_dimensions,
     npy_bytes,
     npy_file_size,
-    npy_layout_problem,
 )
 from .entry import EntryKey
 from .memory import HeldArray, MemoryBudget, MemoryCache
@@ -61,7 +60,7 @@ from .pools import Job, LowPriorityPool
 from .protocol import parse_access_report
 from .serving import EntryReads, Pages
 from .source import MirrorFolders, OriginalMissing, SourceIndex
-from .store import CorruptEntry, Store, StoreReadError, StoreWriteError, VerifiedEntry
+from .store import CorruptEntry, Store, StoreReadError, StoreUsage, StoreWriteError, VerifiedEntry
 from .threads import run_in_thread
 
 __all__ = [
@@ -298,7 +297,7 @@ class Engine:
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:  # check it now, at this open, whatever was believed of it
             self._not_stored(key, index)
-        self.store.capacity.pin(key)
+        self.store.pin(key)
         try:
             return await self._open_pinned(
                 key,
@@ -308,7 +307,7 @@ class Engine:
                 uid=None if uid == self._owner else uid,
             )
         except BaseException:
-            self.store.capacity.unpin(key)
+            self.store.unpin(key)
             raise
 
     def open_verified(self, version: str, size: int, index: int, uid: int | None) -> Handle | None:
@@ -328,10 +327,10 @@ class Engine:
             if stored is None or not stored.bits[index >> 3] & bit:
                 return None
         key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
-        capacity = self.store.capacity
-        capacity.pin_hit(key)
-        if capacity.evicted or self.store.generation != self._store_generation:
-            capacity.unpin(key)  # evictions the bits do not know of: the whole way notes them
+        store = self.store
+        store.pin_hit(key)
+        if store.evicted or store.generation != self._store_generation:
+            store.unpin(key)  # evictions the bits do not know of: the whole way notes them
             return None
         if unverified:
             handle = Handle(key, index, npy_file_size(size), False, True, None)
@@ -374,7 +373,7 @@ class Engine:
         return size in self.config.versions[version].sizes
 
     def release(self, handle: Handle) -> None:
-        self.store.capacity.unpin(handle.key)
+        self.store.unpin(handle.key)
         if handle.pages is not Pages.NOT_OURS:
             # Served (or never to be read through this open): the mount's page cache
             # holds what readers need, so the entry file's copy goes (serving.py).
@@ -388,14 +387,14 @@ class Engine:
         known original; anything else is ignored, and the pending accesses
         stay bounded. A report orders the LRU and nothing more.
         """
-        capacity = self.store.capacity
+        store = self.store
         # Only stored arrays are read directly, so no honest reports name more keys.
-        limit = min(_MAX_PENDING_ACCESSES, max(1024, capacity.usage().entries))
+        limit = min(_MAX_PENDING_ACCESSES, max(1024, store.usage().entries))
         for version, size, uuid in parse_access_report(report):
             source = self._sources.get(version)
             if source is None or not self.size_allowed(size) or source.find(uuid) is None:
                 continue
-            if not capacity.record_access(EntryKey(version, size, uuid), limit):
+            if not store.record_access(EntryKey(version, size, uuid), limit):
                 return  # until the next flush: the LRU order of the rest can wait
             self.metrics.direct_hits += 1
 
@@ -418,7 +417,7 @@ class Engine:
         while True:
             await trio.sleep(interval)
             try:
-                await self._in_thread(self._write_limiter, self.store.capacity.flush_accesses)
+                await self._in_thread(self._write_limiter, self.store.flush_accesses)
             except Exception as exc:  # LRU order is not worth stopping the daemon for
                 self._throttle.log(
                     logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
@@ -475,6 +474,10 @@ class Engine:
                     self.metrics.background_decodes - before,
                     time.monotonic() - started,
                 )
+
+    def store_usage(self) -> StoreUsage:
+        """The store's entries and bytes (statfs of the mount)."""
+        return self.store.usage()
 
     def stats(self) -> dict[str, object]:
         m = self.metrics
@@ -549,11 +552,11 @@ class Engine:
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
             self.metrics.hits += reading
-            self.store.capacity.record_access(key)
+            self.store.record_access(key)
             return handle
         if purpose is not Purpose.BACKGROUND and self._stored_map(key.version, key.size)[index]:
             # Believed stored: the open needs no disk; a READ verifies it first.
-            self.store.capacity.record_access(key)
+            self.store.record_access(key)
             handle.unverified, handle.reader = True, reading
             return handle
         if self._memory_cache.touch(handle.memory_key):
@@ -570,7 +573,7 @@ class Engine:
             self.metrics.misses += 1
         else:
             self.metrics.hits += 1
-            self.store.capacity.record_access(key)
+            self.store.record_access(key)
         if outcome.held is not None:
             # Kept where memory can be reclaimed, not by this handle (see the docstring).
             self._memory_cache.put(handle.memory_key, outcome.held)
@@ -675,7 +678,7 @@ class Engine:
     def _forget_evicted(self) -> None:
         self._notice_store_generation()
         # The store appends evicted keys from its threads; only we read them.
-        evicted = self.store.capacity.evicted
+        evicted = self.store.evicted
         while evicted:
             key = evicted.popleft()
             source = self._sources.get(key.version)  # None: a version no longer configured
@@ -804,10 +807,6 @@ class Engine:
             return exc.reason
         if checked is None:
             return ""
-        problem = npy_layout_problem(checked.head, checked.length, key.size)
-        if problem is not None:
-            self.store.remove(key)
-            return problem
         return checked
 
     async def _decode(
@@ -907,23 +906,23 @@ class Engine:
         uuids = self._sources[version].uuids
         verified, stored = self._verified_map(version, size), self._stored_map(version, size)
         nbytes = npy_file_size(size)
-        capacity = self.store.capacity
+        store = self.store
         for index in todo:  # shared by the workers: each index is taken once
             if self._warm_stopped:
                 return
             key = EntryKey(version, size, uuids[index])
             if verified[index] or stored[index] or key in self._flights or key in self._failures:
                 continue
-            if await self._in_thread(self._read_limiter, capacity.would_evict, nbytes):
+            if await self._in_thread(self._read_limiter, store.would_evict, nbytes):
                 self._warm_stopped = True  # the others finish what they started, then stop
                 return
             if key in self._flights:  # a reader got there meanwhile
                 continue
-            capacity.pin(key)
+            store.pin(key)
             try:
                 flight = await self._fly(key, index, Purpose.BACKGROUND)
             finally:
-                capacity.unpin(key)
+                store.unpin(key)
             outcome = flight.outcome
             if outcome is not None and outcome.pages is not Pages.NOT_OURS:
                 self.reads.release(key, outcome.pages)  # nobody reads it through the mount now

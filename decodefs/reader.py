@@ -39,8 +39,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from .decode import npy_file_size, npy_header, npy_layout_problem
-from .entry import STALE, EntryKey, check_entry
+from .decode import npy_file_size, npy_header
+from .entry import STALE, EntryKey, check_entry, layout_problem
 from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
@@ -284,8 +284,8 @@ def _read_entry(fd: int, key: EntryKey, digest: bytes, owner: int) -> tuple[byte
         return bytearray(), str(exc)
     if got != length:
         return buffer, f"length {got}"
-    length = len(buffer) - TRAILER_SIZE
-    return buffer, check_entry(key, buffer, digest) or npy_layout_problem(buffer, length, key.size)
+    checked = check_entry(key, buffer, digest)
+    return buffer, None if checked.ok else checked.reason
 
 
 def _note_problem(key: EntryKey, problem: str) -> None:
@@ -303,7 +303,7 @@ def _read_through_mount(path: str, key: EntryKey, verify_again: bool) -> npt.NDA
     with open(fd, "rb", buffering=0) as f:
         data = f.read()
     _last_problem.pop(key, None)
-    if npy_layout_problem(data, len(data), key.size) is None:
+    if layout_problem(key, data, len(data)) is None:
         return _array(bytearray(data), key.size)
     return _load_any(path)
 
