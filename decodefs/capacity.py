@@ -138,11 +138,28 @@ class Capacity:
         """Fill the catalog attached, which is new (``attach(filled=False)``), from
         ``scan`` (every entry file, with its stat) in a thread; ``durable``: mark
         it filled, so the next start needs no scan. ``where``: the store, for the log."""
+
+        def fill() -> None:
+            started = time.monotonic()
+            try:
+                if not self._fill_rows((key, st.st_size, st.st_mtime) for key, st in scan()):
+                    return
+                self._finish_fill(exists, durable=durable)
+            except (sqlite3.Error, OSError) as exc:
+                log.error("cannot fill the catalog of %s: %s; usage is undercounted", where, exc)
+                self._filled = True
+            finally:
+                self._fill_done.set()
+            log.info(
+                "store %s holds %d entries, %.1f MiB (catalog filled from disk in %.1f s)",
+                where,
+                self._entries,
+                self._bytes / 2**20,
+                time.monotonic() - started,
+            )
+
         self._fill_done.clear()
-        self._fill_thread = threading.Thread(
-            target=self._fill, args=(scan, exists, durable, where), name="store-catalog-fill",
-            daemon=True,
-        )  # fmt: skip
+        self._fill_thread = threading.Thread(target=fill, name="store-catalog-fill", daemon=True)
         self._fill_thread.start()
 
     def wait_filled(self, timeout: float) -> None:
@@ -154,32 +171,6 @@ class Capacity:
         self._closing.set()
         if self._fill_thread is not None:
             self._fill_thread.join()
-
-    def _fill(
-        self,
-        scan: Callable[[], Iterable[tuple[EntryKey, os.stat_result]]],
-        exists: Callable[[EntryKey], bool],
-        durable: bool,
-        where: str,
-    ) -> None:
-        started = time.monotonic()
-        try:
-            rows = ((key, st.st_size, st.st_mtime) for key, st in scan())
-            if not self._fill_rows(rows):
-                return
-            self._finish_fill(exists, durable=durable)
-        except (sqlite3.Error, OSError) as exc:
-            log.error("cannot fill the catalog of %s: %s; usage is undercounted", where, exc)
-            self._filled = True
-        finally:
-            self._fill_done.set()
-        log.info(
-            "store %s holds %d entries, %.1f MiB (catalog filled from disk in %.1f s)",
-            where,
-            self._entries,
-            self._bytes / 2**20,
-            time.monotonic() - started,
-        )
 
     def _fill_rows(self, rows: Iterable[tuple[EntryKey, int, float]]) -> bool:
         """Add rows a scan of the store found; True if the scan ran to its end."""

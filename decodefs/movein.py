@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from .entry import EntryKey, check_entry, encode_trailer
 from .protocol import TRAILER_SIZE
+from .storeroot import read_all
 
 if TYPE_CHECKING:
     from .store import Store
@@ -62,7 +63,7 @@ def move_in(
         if problem is not None:
             raise CannotMove(problem)
         nbytes = payload_length + TRAILER_SIZE
-        data = _read_all(fd, st.st_size)
+        data = read_all(fd, st.st_size)
         trailer: bytes | None = None
         if len(data) == payload_length:
             trailer = encode_trailer(key, data, digest)
@@ -115,16 +116,3 @@ def _same_file(st: os.stat_result, directory: int, name: str) -> bool:
     except OSError:
         return False
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
-
-
-def _read_all(fd: int, length: int) -> bytes:
-    """Up to ``length`` bytes of ``fd`` (fewer if it is shorter)."""
-    pieces = []
-    offset = 0
-    while offset < length:
-        piece = os.pread(fd, length - offset, offset)
-        if not piece:
-            break
-        pieces.append(piece)
-        offset += len(piece)
-    return b"".join(pieces)

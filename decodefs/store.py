@@ -43,7 +43,15 @@ from .markers import Fingerprint, check_fingerprint, start_trash_cleanup
 from .movein import CannotMove
 from .protocol import ACCESS_SOCKET, TRAILER_SIZE
 from .storeroot import READ as _READ
-from .storeroot import StoreError, StoreInUse, StoreRoot, lock_store, set_file_mode, set_mode
+from .storeroot import (
+    StoreError,
+    StoreInUse,
+    StoreRoot,
+    lock_store,
+    read_all,
+    set_file_mode,
+    set_mode,
+)
 from .trusted import DIRECTORY_FLAGS as _DIR
 
 if TYPE_CHECKING:
@@ -602,19 +610,6 @@ class Store:
             os.unlink(key.relpath, dir_fd=fd)
 
 
-def _read_all(fd: int, length: int, start: int = 0) -> bytes:
-    """Up to ``length`` bytes of ``fd`` from ``start`` (fewer if it is shorter)."""
-    pieces = []
-    offset = 0
-    while offset < length:
-        piece = os.pread(fd, length - offset, start + offset)
-        if not piece:
-            break
-        pieces.append(piece)
-        offset += len(piece)
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
 def _read_noting_residency(fd: int, offset: int, length: int) -> tuple[bytes, bool]:
     """Up to ``length`` bytes of ``fd`` from ``offset``, and whether this read brought
     any of them in from the disk (not all were resident; where the kernel cannot
@@ -622,13 +617,13 @@ def _read_noting_residency(fd: int, offset: int, length: int) -> tuple[bytes, bo
     cannot tell (tmpfs) brings nothing in."""
     known = pagecache.resident(fd, offset, length)
     if known is not None:
-        return _read_all(fd, length, offset), not known
+        return read_all(fd, length, offset), not known
     try:
         resident = pagecache.read_resident(fd, offset, length)
     except OSError as exc:
         if not pagecache.nowait_unsupported(exc):
             raise
-        return _read_all(fd, length, offset), False
+        return read_all(fd, length, offset), False
     if resident is not None:
         return bytes(resident), False
-    return _read_all(fd, length, offset), True
+    return read_all(fd, length, offset), True

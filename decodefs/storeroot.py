@@ -40,6 +40,7 @@ __all__ = [
     "StoreInUse",
     "StoreRoot",
     "lock_store",
+    "read_all",
     "read_small",
     "set_file_mode",
     "set_mode",
@@ -444,6 +445,19 @@ def read_small(root: int, relpath: str) -> bytes:
     fd = os.open(relpath, READ, dir_fd=root)
     with open(fd, "rb") as f:
         return f.read(1 << 20)
+
+
+def read_all(fd: int, length: int, start: int = 0) -> bytes:
+    """Up to ``length`` bytes of ``fd`` from ``start`` (fewer if it is shorter)."""
+    pieces = []
+    offset = 0
+    while offset < length:
+        piece = os.pread(fd, length - offset, start + offset)
+        if not piece:
+            break
+        pieces.append(piece)
+        offset += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def write_json_at(directory: int, name: str, value: object, mode: int) -> None:
