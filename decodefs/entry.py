@@ -144,12 +144,11 @@ class Verdict(enum.Enum):
 
 
 class EntryCheck(NamedTuple):
-    """One entry file's check: its verdict, why (empty if OK), and what it holds."""
+    """One entry file's check: its verdict, why (empty if OK), and its payload's length."""
 
     verdict: Verdict
     reason: str
-    head: bytes  # the payload's first bytes (up to HEADER_BOUND: its .npy header)
-    length: int  # the payload's length
+    length: int
 
     @property
     def ok(self) -> bool:
@@ -164,18 +163,19 @@ def check_entry(
     ``size``: the file's size when it was read whole (``data`` is shorter if it
     shrank meanwhile)."""
     if size is not None and len(data) < size:
-        return _corrupt(data, size, f"truncated to {len(data)} bytes while being read")
+        reason = f"truncated to {len(data)} bytes while being read"
+        return EntryCheck(Verdict.CORRUPT, reason, max(0, size - TRAILER_SIZE))
     if len(data) < TRAILER_SIZE:
-        return EntryCheck(Verdict.CORRUPT, f"truncated to {len(data)} bytes", b"", 0)
+        return EntryCheck(Verdict.CORRUPT, f"truncated to {len(data)} bytes", 0)
     length = len(data) - TRAILER_SIZE
-    head = bytes(memoryview(data)[: min(length, HEADER_BOUND)])
     fields = TRAILER.unpack(bytes(data[length:]))
     bad = _check_trailer(fields, length, digest)
     if bad is not None:
-        return EntryCheck(*bad, head, length)
-    if key.checksum(memoryview(data)[:length]) != fields[4]:
-        return EntryCheck(Verdict.CORRUPT, _CHECKSUM_MISMATCH, head, length)
-    return _checked_layout(key, head, length)
+        return EntryCheck(*bad, length)
+    payload = memoryview(data)[:length]
+    if key.checksum(payload) != fields[4]:
+        return EntryCheck(Verdict.CORRUPT, _CHECKSUM_MISMATCH, length)
+    return _checked_layout(key, payload, length)
 
 
 def check_entry_file(fd: int, key: EntryKey, digest: bytes) -> EntryCheck:
@@ -184,7 +184,7 @@ def check_entry_file(fd: int, key: EntryKey, digest: bytes) -> EntryCheck:
     Raises OSError."""
     size = os.fstat(fd).st_size
     if size < TRAILER_SIZE:
-        return EntryCheck(Verdict.CORRUPT, f"truncated to {size} bytes", b"", 0)
+        return EntryCheck(Verdict.CORRUPT, f"truncated to {size} bytes", 0)
     if size <= _PIECE:  # one read, so one trip to the disk, not one per piece
         return check_entry(key, os.pread(fd, size, 0), digest, size)
     length = size - TRAILER_SIZE
@@ -192,18 +192,18 @@ def check_entry_file(fd: int, key: EntryKey, digest: bytes) -> EntryCheck:
     head = os.pread(fd, min(length, HEADER_BOUND), 0)
     bad = _check_trailer(fields, length, digest)
     if bad is not None:
-        return EntryCheck(*bad, head, length)
+        return EntryCheck(*bad, length)
     hasher = key.hasher()
     offset = 0
     while offset < length:
         piece = os.pread(fd, min(_PIECE, length - offset), offset)
         if not piece:
             reason = f"truncated to {offset} bytes while being read"
-            return EntryCheck(Verdict.CORRUPT, reason, head, length)
+            return EntryCheck(Verdict.CORRUPT, reason, length)
         hasher.update(piece)
         offset += len(piece)
     if hasher.intdigest() != fields[4]:
-        return EntryCheck(Verdict.CORRUPT, _CHECKSUM_MISMATCH, head, length)
+        return EntryCheck(Verdict.CORRUPT, _CHECKSUM_MISMATCH, length)
     return _checked_layout(key, head, length)
 
 
@@ -213,18 +213,12 @@ def layout_problem(key: EntryKey, head: bytes | bytearray | memoryview, length: 
     return npy_layout_problem(head, length, key.size)
 
 
-def _checked_layout(key: EntryKey, head: bytes, length: int) -> EntryCheck:
+def _checked_layout(key: EntryKey, head: bytes | memoryview, length: int) -> EntryCheck:
+    """The verdict on an intact payload: OK if it is the .npy of ``key``'s array."""
     problem = npy_layout_problem(head, length, key.size)
     if problem is not None:
-        return EntryCheck(Verdict.CORRUPT, problem, head, length)
-    return EntryCheck(Verdict.OK, "", head, length)
-
-
-def _corrupt(data: bytes | bytearray | memoryview, size: int, reason: str) -> EntryCheck:
-    length = max(0, size - TRAILER_SIZE)
-    return EntryCheck(
-        Verdict.CORRUPT, reason, bytes(memoryview(data)[: min(length, HEADER_BOUND)]), length
-    )
+        return EntryCheck(Verdict.CORRUPT, problem, length)
+    return EntryCheck(Verdict.OK, "", length)
 
 
 def _check_trailer(

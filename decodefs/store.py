@@ -110,7 +110,6 @@ class CorruptEntry(Exception):
 class VerifiedEntry(NamedTuple):
     """What ``Store.verify`` found: an entry that passed every check."""
 
-    head: bytes  # the payload's first bytes (up to HEADER_BOUND: its .npy header)
     length: int  # the payload's length
     brought_in: bool  # pages the check read in from the disk are left in the page cache
     payload: memoryview | None = None  # the payload, if asked for and read whole
@@ -240,8 +239,7 @@ class Store:
 
     def verify(self, key: EntryKey, *, with_payload: bool = False) -> VerifiedEntry | None:
         """Check ``key``'s entry (entry.check_entry: trailer, fingerprint, length,
-        checksum, .npy layout): its payload's first bytes and length; None if
-        there is none.
+        checksum, .npy layout): its payload's length; None if there is none.
 
         An entry of up to 1 MiB is read whole, in one read (one trip to the disk);
         with ``with_payload`` its payload comes back too, for the caller to serve
@@ -286,7 +284,7 @@ class Store:
         if not checked.ok:
             self.remove(key)
             raise CorruptEntry(key, checked.reason, checked.verdict)
-        return VerifiedEntry(checked.head, checked.length, brought_in, payload, dropped)
+        return VerifiedEntry(checked.length, brought_in, payload, dropped)
 
     def read_range(self, key: EntryKey, offset: int, length: int) -> bytes:
         """Bytes of an entry verified earlier; raises OSError if it is gone or unreadable.
