@@ -66,7 +66,15 @@ MUTANTS = [
         "decodefs/entry.py",
         "if hasher.intdigest() != fields[4]:",
         "if False:",
-        ("tests/test_store.py", "tests/test_engine.py"),
+        ("tests/test_entry.py", "tests/test_store.py", "tests/test_engine.py"),
+    ),
+    Mutant(
+        "checksum-not-compared-whole",
+        "the trailer's checksum is never compared for an entry read whole (up to 1 MiB)",
+        "decodefs/entry.py",
+        "if key.checksum(payload) != fields[4]:",
+        "if False:",
+        ("tests/test_entry.py", "tests/test_store.py"),
     ),
     Mutant(
         "pinned-entry-evictable",
@@ -117,7 +125,7 @@ MUTANTS = [
         "decodefs/entry.py",
         "piece = os.pread(fd, min(_PIECE, length - offset), offset)",
         "piece = os.pread(fd, min(_PIECE, length + offset), offset)",
-        ("tests/test_engine.py",),
+        ("tests/test_entry.py", "tests/test_engine.py"),
     ),
     Mutant(
         "queued-decodes-never-counted-down",
@@ -165,7 +173,7 @@ MUTANTS = [
         "decodefs/entry.py",
         "problem = npy_layout_problem(head, length, key.size)",
         "problem = None",
-        ("tests/test_engine.py",),
+        ("tests/test_entry.py", "tests/test_engine.py"),
     ),
     Mutant(
         "fingerprint-change-keeps-entries",
