@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from decodefs.config import parse_config
 from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
 from decodefs.entry import EntryKey
 from decodefs.protocol import TRAILER_SIZE
@@ -645,3 +646,25 @@ def test_a_file_moved_in_is_named_as_a_write_names_it(store: Store, tmp_path: Pa
         assert path_of(store, key).name == key.file_name
         assert read(store, key) == payload(i)
     assert store.usage().entries == 3
+
+
+def test_a_store_from_a_config_has_its_limits_policy_and_fingerprints(tmp_path: Path) -> None:
+    originals = tmp_path / "originals"
+    originals.mkdir()
+    raw = {
+        "store": "store",
+        "allow_other": True,
+        "max_store_bytes": 10 * entry_bytes(),
+        "min_free_fraction": 0.01,
+        "versions": {
+            "u": {"source": "originals"},
+            "m": {"source": "originals", "layout": "mirror", "resample": "nearest"},
+        },
+    }
+    config = parse_config(raw, base_dir=tmp_path)
+    s = Store.from_config(config, lock_dir=str(tmp_path / "locks"))
+    assert s.root == str(tmp_path / "store") and s.file_mode == 0o644 and s.dir_mode == 0o755
+    assert (s.capacity.max_bytes, s.capacity.min_free_fraction) == (10 * entry_bytes(), 0.01)
+    # The fingerprints the daemon checks entries against: the layout is part of them.
+    assert s.digests() == {name: v.fingerprint().hex for name, v in config.versions.items()}
+    assert s.digest("m") != s.digest("u") == config.versions["u"].fingerprint().digest
