@@ -117,8 +117,9 @@ class VerifiedEntry(NamedTuple):
 
 
 class Store:
-    """Entries on flash. Methods block (call them off the event loop) and are thread-safe,
-    but the pins (event loop only, see capacity.py).
+    """Entries on flash. Methods block (call them off the event loop) and are thread-safe;
+    the pins and ``read_cached`` never wait, and pins are the event loop's alone
+    (capacity.py).
 
     Concurrency: callers guarantee at most one write or removal per key at a
     time (the engine's single flight). Capacity (capacity.py) has its own
