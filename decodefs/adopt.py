@@ -39,15 +39,8 @@ import PIL
 from tqdm import tqdm
 
 from .config import Config
-from .decode import (
-    DecodeError,
-    decode_image,
-    decoder_fingerprint,
-    npy_bytes,
-    npy_file_size,
-    npy_layout_problem,
-)
-from .entry import EntryKey, check_entry
+from .decode import DecodeError, decode_image, npy_bytes, npy_file_size
+from .entry import EntryKey, check_entry, layout_problem
 from .protocol import TRAILER_SIZE
 from .source import OriginalMissing, SourceIndex, scan_source
 from .store import CannotMove, Store, StoreInUse, StoreWriteError, lock_store
@@ -145,13 +138,7 @@ def adopt(
     if not directory.is_dir():
         raise AdoptError(f"{directory} is not a directory (the cache's <version>/<size>/)")
     _refuse_if_in_use(config.store)
-    store = Store(
-        config.store,
-        config.fingerprints(),
-        max_bytes=config.max_store_bytes,
-        min_free_fraction=config.min_free_fraction,
-        shared=config.allow_other,
-    )
+    store = Store.from_config(config)
     store.open()
     try:
         if not store.writable:
@@ -189,7 +176,7 @@ class _Adoption:
         self.settings = config.versions[version].decode
         self.max_pixels = config.max_pixels
         self.workers = config.decode_workers
-        self.digest = decoder_fingerprint(self.settings).digest
+        self.digest = store.digest(version)  # what the store's entries of it carry
         self.store = store
         self.index = index
         self.report = AdoptReport()
@@ -419,10 +406,10 @@ def _payload(shard: int, name: str, key: EntryKey, digest: bytes) -> tuple[bytes
             return b"", "a symlink (not followed)"
         return b"", f"unreadable: {exc.strerror}"
     if len(data) == length + TRAILER_SIZE:
-        if check_entry(key, data, digest) is not None:
+        if not check_entry(key, data, digest).ok:  # its .npy layout included
             return b"", "bytes after the array"
-        data = data[:length]
-    if npy_layout_problem(data, len(data), key.size) is not None:
+        return data[:length], None
+    if layout_problem(key, data, len(data)) is not None:
         return b"", f"not the .npy of a ({key.size}, {key.size}, 3) uint8 array"
     return data, None
 

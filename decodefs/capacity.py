@@ -1,12 +1,15 @@
-"""The store's capacity: usage counters, limits, reservations, pins and LRU eviction.
+"""The store's capacity: usage counters, the catalog fill, limits, reservations, pins and
+LRU eviction.
 
 Usage comes from the catalog (catalog.py), so it is known at start without a
-scan. Past ``max_bytes`` (or below ``min_free_fraction`` of the filesystem
-free), least-recently-used entries are evicted before a new one is written,
-except pinned ones: a caller pins a key while it relies on its file. Writers
-reserve their room first, so concurrent writers never each find the same
-free space. This module knows the catalog and entry keys; it does no I/O of
-its own beyond the callables the store hands it (statvfs, unlink).
+scan; a new catalog on an existing store is filled from a scan of its entry
+files in a background thread while the daemon already serves. Past
+``max_bytes`` (or below ``min_free_fraction`` of the filesystem free),
+least-recently-used entries are evicted before a new one is written, except
+pinned ones: a caller pins a key while it relies on its file. Writers reserve
+their room first, so concurrent writers never each find the same free space.
+This module knows the catalog and entry keys; it does no I/O of its own beyond
+the callables the store hands it (statvfs, unlink, the scan).
 
 Concurrency: every method may be called from any thread, but ``pin``,
 ``pin_hit`` and ``unpin``, which only the event loop calls: pins change on
@@ -78,6 +81,10 @@ class Capacity:
         self._reservations: dict[EntryKey, int] = {}
         self._filled = True
         self._removed_while_filling: set[EntryKey] = set()
+        self._fill_done = threading.Event()  # no fill scan is running
+        self._fill_done.set()
+        self._fill_thread: threading.Thread | None = None
+        self._closing = threading.Event()
         self._pins: dict[EntryKey, int] = {}
         self._accesses: dict[EntryKey, float] = {}
         self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
@@ -110,20 +117,69 @@ class Capacity:
             self._accesses.clear()
         return catalog
 
-    def recount(self) -> None:
-        """Take the totals from the catalog again (a version was discarded)."""
+    def discard_version(self, version: str) -> None:
+        """Drop every row of ``version`` (its arrays went to the trash); OSError on failure."""
         with self._count_lock:
-            if self._catalog is not None:
-                self._entries, self._bytes = self._catalog.totals()
+            catalog = self._catalog
+            if catalog is not None:
+                _catalog_call(catalog.remove_version, version)
+                self._entries, self._bytes = _catalog_call(catalog.totals)
 
-    def fill(self, rows: Iterable[tuple[EntryKey, int, float]], closing: threading.Event) -> bool:
+    # -- the fill from disk -------------------------------------------------------------
+
+    def fill_in_background(
+        self,
+        scan: Callable[[], Iterable[tuple[EntryKey, os.stat_result]]],
+        exists: Callable[[EntryKey], bool],
+        *,
+        durable: bool,
+        where: str,
+    ) -> None:
+        """Fill the catalog attached, which is new (``attach(filled=False)``), from
+        ``scan`` (every entry file, with its stat) in a thread; ``durable``: mark
+        it filled, so the next start needs no scan. ``where``: the store, for the log."""
+
+        def fill() -> None:
+            started = time.monotonic()
+            try:
+                if not self._fill_rows((key, st.st_size, st.st_mtime) for key, st in scan()):
+                    return
+                self._finish_fill(exists, durable=durable)
+            except (sqlite3.Error, OSError) as exc:
+                log.error("cannot fill the catalog of %s: %s; usage is undercounted", where, exc)
+                self._filled = True
+            finally:
+                self._fill_done.set()
+            log.info(
+                "store %s holds %d entries, %.1f MiB (catalog filled from disk in %.1f s)",
+                where,
+                self._entries,
+                self._bytes / 2**20,
+                time.monotonic() - started,
+            )
+
+        self._fill_done.clear()
+        self._fill_thread = threading.Thread(target=fill, name="store-catalog-fill", daemon=True)
+        self._fill_thread.start()
+
+    def wait_filled(self, timeout: float) -> None:
+        """Block until no fill scan is running, or ``timeout`` seconds (tests, tools)."""
+        self._fill_done.wait(timeout)
+
+    def stop_filling(self) -> None:
+        """End a fill scan (the next start fills the catalog again) and wait for it."""
+        self._closing.set()
+        if self._fill_thread is not None:
+            self._fill_thread.join()
+
+    def _fill_rows(self, rows: Iterable[tuple[EntryKey, int, float]]) -> bool:
         """Add rows a scan of the store found; True if the scan ran to its end."""
         catalog = self._catalog
         if catalog is None:
             return False
         batch: list[tuple[str, int, str, int, float]] = []
         for key, nbytes, mtime in rows:
-            if closing.is_set():
+            if self._closing.is_set():
                 return False  # the next start fills it again
             batch.append((key.version, key.size, key.uuid, nbytes, mtime))
             if len(batch) >= _FILL_BATCH:
@@ -132,7 +188,7 @@ class Capacity:
         catalog.fill(batch)
         return True
 
-    def finish_fill(self, exists: Callable[[EntryKey], bool], *, durable: bool) -> None:
+    def _finish_fill(self, exists: Callable[[EntryKey], bool], *, durable: bool) -> None:
         """The scan has ended: usage is exact from now on."""
         with self._count_lock:
             catalog = self._catalog
@@ -149,9 +205,6 @@ class Capacity:
             # Writes and evictions went on meanwhile; the catalog is the truth.
             self._entries, self._bytes = catalog.totals()
             self._filled = True
-
-    def give_up_fill(self) -> None:
-        self._filled = True
 
     def stored_uuids(self, version: str, size: int) -> set[str]:
         catalog = self._catalog

@@ -2,8 +2,8 @@
 nodes from decoding the same array at once, and every decode is published to L2.
 
 ``L2Tier.obtain`` gives the engine an array's .npy bytes: an L2 object that
-passed the same checks as a local entry (entry.check_entry and the .npy
-layout), else a decode by the engine's own ``decode``, which is then queued
+passed the one check of a local entry (entry.check_entry, which reads the
+trailer and the .npy layout), else a decode by the engine's own ``decode``, which is then queued
 for publishing. A corrupt object is never served: it is counted, deleted and
 replaced by the next decode's publish (a conditional create, like any other).
 
@@ -46,12 +46,12 @@ import trio
 from . import leases
 from .breaker import CircuitBreaker, State
 from .config import L2Config
-from .decode import Fingerprint, npy_file_size, npy_layout_problem
-from .entry import EntryKey, check_entry, encode_trailer
+from .decode import Fingerprint, npy_file_size
+from .entry import EntryKey, Verdict, check_entry, encode_trailer
 from .l2 import L2Backend, L2Error, object_name
 from .leases import Claim
 from .metrics import Histogram, LogThrottle, figures
-from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+from .protocol import TRAILER_SIZE
 
 __all__ = [
     "L2_SECONDS_BUCKETS",
@@ -143,16 +143,10 @@ def verify_object(
     key: EntryKey, data: bytes | memoryview, digest: bytes
 ) -> tuple[str | None, bool]:
     """Why the L2 object ``data`` must not be served for ``key`` (None if it may), and
-    whether it is another decodefs format's (left alone, not replaced). The checks
-    are the local store's: the entry trailer, then the .npy layout."""
-    if len(data) >= TRAILER_SIZE:
-        magic, fmt, *_ = TRAILER.unpack(bytes(data[-TRAILER_SIZE:]))
-        if magic == TRAILER_MAGIC and fmt != STORE_FORMAT:
-            return f"store format {fmt}, expected {STORE_FORMAT}", True
-    problem = check_entry(key, data, digest)
-    if problem is None:
-        problem = npy_layout_problem(data[:4096], len(data) - TRAILER_SIZE, key.size)
-    return problem, False
+    whether it is another decodefs format's (left alone, not replaced). The check
+    is the local store's (entry.check_entry)."""
+    checked = check_entry(key, data, digest)
+    return (None if checked.ok else checked.reason), checked.verdict is Verdict.FOREIGN
 
 
 class L2Tier:

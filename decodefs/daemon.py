@@ -282,13 +282,7 @@ def _serve_mount(
     quiet_pillow_warnings()
     _raise_open_file_limit()
     _return_large_allocations()
-    store = Store(
-        config.store,
-        config.fingerprints(),
-        max_bytes=config.max_store_bytes,
-        min_free_fraction=config.min_free_fraction,
-        shared=config.allow_other,
-    )
+    store = Store.from_config(config)
     store.open()
     try:
         notifier.notify(f"STATUS=indexing originals for {mountpoint}")

@@ -46,14 +46,14 @@ class DirectHits:
 
     def note(self, report: bytes) -> None:
         """Record the accesses of one report (protocol.parse_access_report)."""
-        capacity = self._store.capacity
+        store = self._store
         # Only stored arrays are read directly, so no honest reports name more keys.
-        limit = min(_MAX_PENDING_ACCESSES, max(1024, capacity.usage().entries))
+        limit = min(_MAX_PENDING_ACCESSES, max(1024, store.usage().entries))
         for version, size, uuid in parse_access_report(report):
             source = self._sources.get(version)
             if source is None or size not in self._sizes or source.find(uuid) is None:
                 continue
-            if not capacity.record_access(EntryKey(version, size, uuid), limit):
+            if not store.record_access(EntryKey(version, size, uuid), limit):
                 return  # until the next flush: the LRU order of the rest can wait
             self._metrics.direct_hits += 1
 

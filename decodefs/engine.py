@@ -54,7 +54,6 @@ from .decode import (
     image_dimensions,
     npy_bytes,
     npy_file_size,
-    npy_layout_problem,
 )
 from .entry import EntryKey
 from .memory import HeldArray, MemoryBudget, MemoryCache
@@ -62,7 +61,7 @@ from .metrics import LogThrottle, Metrics
 from .pools import Job, LowPriorityPool
 from .serving import EntryReads, Pages
 from .source import OriginalMissing, SourceIndex
-from .store import CorruptEntry, Store, StoreReadError, StoreWriteError, VerifiedEntry
+from .store import CorruptEntry, Store, StoreReadError, StoreUsage, StoreWriteError, VerifiedEntry
 from .threads import run_in_thread
 
 __all__ = ["Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
@@ -237,7 +236,7 @@ class Engine:
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:  # check it now, at this open, whatever was believed of it
             self._not_stored(key, index)
-        self.store.capacity.pin(key)
+        self.store.pin(key)
         try:
             return await self._open_pinned(
                 key,
@@ -247,7 +246,7 @@ class Engine:
                 uid=None if uid == self._owner else uid,
             )
         except BaseException:
-            self.store.capacity.unpin(key)
+            self.store.unpin(key)
             raise
 
     def open_verified(self, version: str, size: int, index: int, uid: int | None) -> Handle | None:
@@ -267,10 +266,10 @@ class Engine:
             if stored is None or not stored.bits[index >> 3] & bit:
                 return None
         key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
-        capacity = self.store.capacity
-        capacity.pin_hit(key)
-        if capacity.evicted or self.store.generation != self._store_generation:
-            capacity.unpin(key)  # evictions the bits do not know of: the whole way notes them
+        store = self.store
+        store.pin_hit(key)
+        if store.evicted or store.generation != self._store_generation:
+            store.unpin(key)  # evictions the bits do not know of: the whole way notes them
             return None
         if unverified:
             handle = Handle(key, index, npy_file_size(size), False, True, None)
@@ -313,7 +312,7 @@ class Engine:
         return size in self.config.versions[version].sizes
 
     def release(self, handle: Handle) -> None:
-        self.store.capacity.unpin(handle.key)
+        self.store.unpin(handle.key)
         if handle.pages is not Pages.NOT_OURS:
             # Served (or never to be read through this open): the mount's page cache
             # holds what readers need, so the entry file's copy goes (serving.py).
@@ -337,11 +336,15 @@ class Engine:
         """Write hits' access times to the catalog, for LRU eviction (the daemon calls this
         now and then); a failure is logged, never raised: LRU order is not worth more."""
         try:
-            await self._in_thread(self._write_limiter, self.store.capacity.flush_accesses)
+            await self._in_thread(self._write_limiter, self.store.flush_accesses)
         except Exception as exc:
             self._throttle.log(
                 logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
             )
+
+    def store_usage(self) -> StoreUsage:
+        """The store's entries and bytes (statfs of the mount)."""
+        return self.store.usage()
 
     async def check_store(self) -> None:
         """Notice a store removed at runtime, and use it again once it is made again (the
@@ -364,16 +367,16 @@ class Engine:
             or key in self._failures
         ):
             return True
-        capacity = self.store.capacity
-        if await self._in_thread(self._read_limiter, capacity.would_evict, npy_file_size(size)):
+        store = self.store
+        if await self._in_thread(self._read_limiter, store.would_evict, npy_file_size(size)):
             return False
         if key in self._flights:  # a reader got there meanwhile
             return True
-        capacity.pin(key)
+        store.pin(key)
         try:
             flight = await self._fly(key, index, Purpose.BACKGROUND)
         finally:
-            capacity.unpin(key)
+            store.unpin(key)
         outcome = flight.outcome
         if outcome is not None and outcome.pages is not Pages.NOT_OURS:
             self.reads.release(key, outcome.pages)  # nobody reads it through the mount now
@@ -401,11 +404,11 @@ class Engine:
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
             self.metrics.hits += reading
-            self.store.capacity.record_access(key)
+            self.store.record_access(key)
             return handle
         if purpose is not Purpose.BACKGROUND and self._stored_map(key.version, key.size)[index]:
             # Believed stored: the open needs no disk; a READ verifies it first.
-            self.store.capacity.record_access(key)
+            self.store.record_access(key)
             handle.unverified, handle.reader = True, reading
             return handle
         if self.memory_cache.touch(handle.memory_key):
@@ -422,7 +425,7 @@ class Engine:
             self.metrics.misses += 1
         else:
             self.metrics.hits += 1
-            self.store.capacity.record_access(key)
+            self.store.record_access(key)
         if outcome.held is not None:
             # Kept where memory can be reclaimed, not by this handle (see the docstring).
             self.memory_cache.put(handle.memory_key, outcome.held)
@@ -502,7 +505,7 @@ class Engine:
     def _forget_evicted(self) -> None:
         self._notice_store_generation()
         # The store appends evicted keys from its threads; only we read them.
-        evicted = self.store.capacity.evicted
+        evicted = self.store.evicted
         while evicted:
             key = evicted.popleft()
             source = self._sources.get(key.version)  # None: a version no longer configured
@@ -631,10 +634,6 @@ class Engine:
             return exc.reason
         if checked is None:
             return ""
-        problem = npy_layout_problem(checked.head, checked.length, key.size)
-        if problem is not None:
-            self.store.remove(key)
-            return problem
         return checked
 
     async def _decode(

@@ -1,13 +1,16 @@
-"""The store's entry file format: a key's path, its integrity trailer, and the check.
+"""The store's entry file format: a key's path, its integrity trailer, and the one check.
 
-An entry file is an opaque payload (the exact .npy bytes) followed by the
-trailer of protocol.py: magic, format, decoder fingerprint, payload length and
-an xxh3-64 checksum seeded with the entry's key, so every entry proves its own
-integrity on any filesystem, a file moved to another key's path fails, and
-``np.load`` reads the file as it is (numpy ignores bytes after the array).
-The daemon's store, ``decodefs verify`` and ``read_array`` all check entries
-here. This module reads only through a descriptor it is given, and knows
-nothing of images.
+An entry file is a payload (the exact .npy bytes of the key's array) followed
+by the trailer of protocol.py: magic, format, decoder fingerprint, payload
+length and an xxh3-64 checksum seeded with the entry's key, so every entry
+proves its own integrity on any filesystem, a file moved to another key's path
+fails, and ``np.load`` reads the file as it is (numpy ignores bytes after the
+array). Every reader of entries and L2 objects (the store, ``decodefs verify``,
+``adopt``, ``read_array``, the cluster tier) checks them here, and nowhere
+else: ``check_entry`` (bytes in hand) and ``check_entry_file`` (a descriptor)
+give one ``EntryCheck`` whose verdict is ok, corrupt, foreign or stale. This
+module reads only through a descriptor it is given, and knows nothing of
+images beyond the .npy layout.
 
 Where an entry lives: ``<version>/<size>/<shard>/<file name>``. A key without
 ``/`` (a uuid) has shard ``uuid[:2]`` and file name ``<uuid>.npy``. A key with
@@ -20,32 +23,40 @@ and every file name gives back its key (``EntryKey.from_store_path``).
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 import xxhash
 
+from .decode import npy_layout_problem
 from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+from .trusted import DIRECTORY_FLAGS as _DIR
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "HEADER_BOUND",
     "STALE",
+    "EntryCheck",
     "EntryKey",
-    "FileCheck",
+    "Verdict",
     "check_entry",
-    "check_entry_bytes",
     "check_entry_file",
     "check_entry_pieces",
     "encode_trailer",
+    "iter_entries",
+    "layout_problem",
 ]
 
-STALE: Final = "decoded with other settings or libraries"
+HEADER_BOUND: Final = 4096  # the most bytes a .npy header of ours takes
+STALE: Final = "decoded with other settings or libraries"  # the reason of a stale entry
 _CHECKSUM_MISMATCH: Final = "checksum mismatch (damaged, or another entry's file)"
-_HEAD: Final = 4096  # enough for any .npy header of ours
 _PIECE: Final = 1 << 20
+
 _PATH_SHARD: Final = "%"  # starts the shard of a key with "/": never a uuid's shard
 
 
@@ -124,93 +135,189 @@ def encode_trailer(key: EntryKey, payload: bytes | memoryview, digest: bytes) ->
     return TRAILER.pack(TRAILER_MAGIC, STORE_FORMAT, digest, len(payload), key.checksum(payload))
 
 
-def check_entry(key: EntryKey, data: bytes | bytearray | memoryview, digest: bytes) -> str | None:
-    """Why the entry file ``data`` must not be served for ``key``, or None if it may."""
+# -- the check ----------------------------------------------------------------------
+
+
+class Verdict(enum.Enum):
+    """What a check found; only an OK entry may be served."""
+
+    OK = "ok"
+    CORRUPT = "corrupt"  # truncated, damaged, not decodefs's, another key's, not the .npy
+    FOREIGN = "foreign"  # an entry of another decodefs store format (left alone in L2)
+    STALE = "stale"  # decoded with other settings or libraries (another fingerprint)
+
+
+class EntryCheck(NamedTuple):
+    """One entry file's check: its verdict, why (empty if OK), and its payload's length."""
+
+    verdict: Verdict
+    reason: str
+    length: int
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict is Verdict.OK
+
+
+def check_entry(
+    key: EntryKey, data: bytes | bytearray | memoryview, digest: bytes, size: int | None = None
+) -> EntryCheck:
+    """Whether the entry file ``data`` (whole) may be served for ``key``: its trailer,
+    fingerprint ``digest``, length, checksum and the .npy layout of ``key.size``.
+    ``size``: the file's size when it was read whole (``data`` is shorter if it
+    shrank meanwhile)."""
+    if size is not None and len(data) < size:
+        reason = f"truncated to {len(data)} bytes while being read"
+        return EntryCheck(Verdict.CORRUPT, reason, max(0, size - TRAILER_SIZE))
     if len(data) < TRAILER_SIZE:
-        return f"truncated to {len(data)} bytes"
+        return EntryCheck(Verdict.CORRUPT, f"truncated to {len(data)} bytes", 0)
     length = len(data) - TRAILER_SIZE
-    trailer = bytes(data[length:])
-    problem = _check_trailer(trailer, length, digest)
-    if problem is None and key.checksum(memoryview(data)[:length]) != _checksum_of(trailer):
-        problem = _CHECKSUM_MISMATCH
-    return problem
+    fields = TRAILER.unpack(bytes(data[length:]))
+    bad = _check_trailer(fields, length, digest)
+    if bad is not None:
+        return EntryCheck(*bad, length)
+    payload = memoryview(data)[:length]
+    if key.checksum(payload) != fields[4]:
+        return EntryCheck(Verdict.CORRUPT, _CHECKSUM_MISMATCH, length)
+    return _checked_layout(key, payload, length)
 
 
 def check_entry_pieces(
     key: EntryKey, payload: Sequence[Buffer], trailer: bytes | bytearray, digest: bytes
-) -> str | None:
+) -> EntryCheck:
     """``check_entry`` for an entry file read in pieces: its payload as consecutive
-    buffers (a .npy header in one, the array in another: ``read_array_into``
-    reads a payload straight into a caller's array), then its trailer."""
+    buffers (its .npy header first, then the array: ``read_array_into`` reads a
+    payload straight into a caller's array), then its trailer."""
+    length = sum(memoryview(p).nbytes for p in payload)
     if len(trailer) != TRAILER_SIZE:
-        return f"a trailer of {len(trailer)} bytes"
-    trailer = bytes(trailer)
-    problem = _check_trailer(trailer, sum(memoryview(p).nbytes for p in payload), digest)
-    if problem is None:
-        hasher = key.hasher()
-        for piece in payload:
-            hasher.update(piece)
-        if hasher.intdigest() != _checksum_of(trailer):
-            problem = _CHECKSUM_MISMATCH
-    return problem
+        return EntryCheck(Verdict.CORRUPT, f"a trailer of {len(trailer)} bytes", length)
+    fields = TRAILER.unpack(bytes(trailer))
+    bad = _check_trailer(fields, length, digest)
+    if bad is not None:
+        return EntryCheck(*bad, length)
+    hasher = key.hasher()
+    for piece in payload:
+        hasher.update(piece)
+    if hasher.intdigest() != fields[4]:
+        return EntryCheck(Verdict.CORRUPT, _CHECKSUM_MISMATCH, length)
+    return _checked_layout(key, memoryview(payload[0]) if payload else b"", length)
 
 
-class FileCheck(NamedTuple):
-    head: bytes  # the payload's first bytes (up to 4 KiB: its .npy header)
-    length: int  # the payload's length
-    problem: str | None  # why the file must not be served, or None
-
-
-def check_entry_file(fd: int, key: EntryKey, digest: bytes) -> FileCheck:
+def check_entry_file(fd: int, key: EntryKey, digest: bytes) -> EntryCheck:
     """``check_entry`` for the entry file open at ``fd``: whole in one read if it is
     at most one piece (1 MiB), else in pieces so that at most one is in memory.
     Raises OSError."""
     size = os.fstat(fd).st_size
     if size < TRAILER_SIZE:
-        return FileCheck(b"", 0, f"truncated to {size} bytes")
-    length = size - TRAILER_SIZE
+        return EntryCheck(Verdict.CORRUPT, f"truncated to {size} bytes", 0)
     if size <= _PIECE:  # one read, so one trip to the disk, not one per piece
-        return check_entry_bytes(key, os.pread(fd, size, 0), digest, size)
-    trailer = os.pread(fd, TRAILER_SIZE, length)
-    head = os.pread(fd, min(length, _HEAD), 0)
-    problem = _check_trailer(trailer, length, digest)
-    if problem is not None:
-        return FileCheck(head, length, problem)
+        return check_entry(key, os.pread(fd, size, 0), digest, size)
+    length = size - TRAILER_SIZE
+    fields = TRAILER.unpack(os.pread(fd, TRAILER_SIZE, length))
+    head = os.pread(fd, min(length, HEADER_BOUND), 0)
+    bad = _check_trailer(fields, length, digest)
+    if bad is not None:
+        return EntryCheck(*bad, length)
     hasher = key.hasher()
     offset = 0
     while offset < length:
         piece = os.pread(fd, min(_PIECE, length - offset), offset)
         if not piece:
-            return FileCheck(head, length, f"truncated to {offset} bytes while being read")
+            reason = f"truncated to {offset} bytes while being read"
+            return EntryCheck(Verdict.CORRUPT, reason, length)
         hasher.update(piece)
         offset += len(piece)
-    if hasher.intdigest() != _checksum_of(trailer):
-        return FileCheck(head, length, _CHECKSUM_MISMATCH)
-    return FileCheck(head, length, None)
+    if hasher.intdigest() != fields[4]:
+        return EntryCheck(Verdict.CORRUPT, _CHECKSUM_MISMATCH, length)
+    return _checked_layout(key, head, length)
 
 
-def check_entry_bytes(key: EntryKey, data: bytes, digest: bytes, size: int) -> FileCheck:
-    """``check_entry_file`` for an entry file of ``size`` bytes read whole into
-    ``data`` (shorter if it shrank while being read)."""
-    length = size - TRAILER_SIZE
-    if len(data) < size:
-        return FileCheck(data[:_HEAD], length, f"truncated to {len(data)} bytes while being read")
-    return FileCheck(data[: min(length, _HEAD)], length, check_entry(key, data, digest))
+def layout_problem(key: EntryKey, head: bytes | bytearray | memoryview, length: int) -> str | None:
+    """Why a payload of ``length`` bytes starting with ``head`` (up to HEADER_BOUND
+    bytes, or all of it) is not the .npy file of ``key``'s array, or None."""
+    return npy_layout_problem(head, length, key.size)
 
 
-def _check_trailer(trailer: bytes, length: int, digest: bytes) -> str | None:
-    magic, fmt, recorded, recorded_length, _ = TRAILER.unpack(trailer)
+def _checked_layout(key: EntryKey, head: bytes | memoryview, length: int) -> EntryCheck:
+    """The verdict on an intact payload: OK if it is the .npy of ``key``'s array."""
+    problem = npy_layout_problem(head, length, key.size)
+    if problem is not None:
+        return EntryCheck(Verdict.CORRUPT, problem, length)
+    return EntryCheck(Verdict.OK, "", length)
+
+
+def _check_trailer(
+    fields: tuple[bytes, int, bytes, int, int], length: int, digest: bytes
+) -> tuple[Verdict, str] | None:
+    magic, fmt, recorded, recorded_length, _ = fields
     if magic != TRAILER_MAGIC:
-        return "no integrity trailer (truncated or not written by decodefs)"
+        return Verdict.CORRUPT, "no integrity trailer (truncated or not written by decodefs)"
     if fmt != STORE_FORMAT:
-        return f"store format {fmt}, expected {STORE_FORMAT}"
+        return Verdict.FOREIGN, f"store format {fmt}, expected {STORE_FORMAT}"
     if recorded != digest:
-        return STALE
+        return Verdict.STALE, STALE
     if recorded_length != length:
-        return f"length {length}, trailer says {recorded_length}"
+        return Verdict.CORRUPT, f"length {length}, trailer says {recorded_length}"
     return None
 
 
-def _checksum_of(trailer: bytes) -> int:
-    checksum: int = TRAILER.unpack(trailer)[4]
-    return checksum
+# -- walking a store's entries ----------------------------------------------------------
+
+
+def iter_entries(
+    root: int, versions: Mapping[str, object]
+) -> Iterator[tuple[EntryKey, os.stat_result]]:
+    """Every entry file in the store open at ``root`` for ``versions``, with its stat;
+    no symlink is followed."""
+    for version in versions:
+        for size_name, size_fd in _subdirs(root, version):
+            try:
+                if not size_name.isdigit():
+                    continue
+                for shard, shard_fd in _subdirs(size_fd, None):
+                    try:
+                        found = list(_entry_files(shard_fd))
+                    finally:
+                        os.close(shard_fd)
+                    for name, st in found:
+                        key = EntryKey.from_store_path(version, int(size_name), shard, name)
+                        if key is not None:
+                            yield key, st
+            finally:
+                os.close(size_fd)
+
+
+def _entry_files(directory: int) -> Iterator[tuple[str, os.stat_result]]:
+    """(name, stat) of each regular ``*.npy`` file in ``directory``; one removed
+    while being listed is skipped."""
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.name.endswith(".npy") and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        yield entry.name, entry.stat(follow_symlinks=False)
+    except OSError:
+        return
+
+
+def _subdirs(parent: int, name: str | None) -> Iterator[tuple[str, int]]:
+    """(name, descriptor) of each directory in ``parent``/``name`` not starting with '.';
+    the caller closes each descriptor."""
+    try:
+        fd = os.open(name, _DIR, dir_fd=parent) if name is not None else os.dup(parent)
+    except OSError:
+        return
+    try:
+        with os.scandir(fd) as it:
+            names = [
+                e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            ]
+        for child in names:
+            try:
+                yield child, os.open(child, _DIR, dir_fd=fd)
+            except OSError:
+                continue
+    except OSError:
+        return
+    finally:
+        os.close(fd)

@@ -41,8 +41,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from .decode import npy_file_size, npy_header, npy_layout_problem
-from .entry import STALE, EntryKey, check_entry_pieces
+from .decode import npy_file_size, npy_header
+from .entry import STALE, EntryKey, check_entry_pieces, layout_problem
 from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
@@ -361,9 +361,8 @@ def _read_entry(
         return str(exc)
     if got != length:
         return f"length {got}"
-    return check_entry_pieces(key, [head, array], trailer, digest) or npy_layout_problem(
-        head, length - TRAILER_SIZE, key.size
-    )
+    checked = check_entry_pieces(key, [head, array], trailer, digest)
+    return None if checked.ok else checked.reason
 
 
 def _note_problem(key: EntryKey, problem: str) -> None:
@@ -385,7 +384,7 @@ def _read_through_mount(
     with open(fd, "rb", buffering=0) as f:
         data = f.read()
     _last_problem.pop(key, None)
-    if npy_layout_problem(data, len(data), key.size) is not None:
+    if layout_problem(key, data, len(data)) is not None:
         return None
     out.reshape(-1)[:] = np.frombuffer(data, np.uint8, offset=len(npy_header(key.size)))
     return out

@@ -464,8 +464,11 @@ def _save_cache(
     if index.mirror is not None:
         value["folders"] = index.mirror.paths
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = os.open(tmp, flags, 0o600)  # the daemon's alone, whatever the umask
+        with open(fd, "w", encoding="utf-8") as f:
+            os.fchmod(fd, 0o600)
             json.dump(value, f)  # ensure_ascii: non-UTF-8 names survive as \udcXX escapes
         os.replace(tmp, path)
     except OSError as exc:

@@ -8,7 +8,6 @@ decode settings change: it reports such entries as stale, entry by entry.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -18,9 +17,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .catalog import Catalog
-from .decode import npy_layout_problem
-from .entry import STALE, EntryKey, check_entry_file
-from .store import CATALOG_FILE, StoreInUse, iter_entries, lock_store
+from .entry import STALE, EntryKey, check_entry_file, iter_entries
+from .markers import recorded_digest
+from .store import CATALOG_FILE, StoreInUse, lock_store
 
 __all__ = ["StoreBusy", "VerifyReport", "recorded_digests", "verify_store"]
 
@@ -50,19 +49,15 @@ class StoreBusy(Exception):
 def recorded_digests(root: Path) -> dict[str, bytes]:
     """version -> fingerprint digest, from the store's own .fingerprint.json markers."""
     digests = {}
-    with _opened(root) as fd, os.scandir(fd) as it:
-        versions = [
-            e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
-        ]
-    for version in sorted(versions):
-        try:
-            with _opened(root / version) as fd:
-                marker = os.open(".fingerprint.json", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
-                with open(marker, "rb") as f:
-                    recorded = json.loads(f.read(1 << 20))
-            digests[version] = bytes.fromhex(recorded["digest"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    with _opened(root) as fd:
+        with os.scandir(fd) as it:
+            versions = [
+                e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            ]
+        for version in sorted(versions):
+            digest = recorded_digest(fd, version)
+            if digest is not None:
+                digests[version] = digest
     return digests
 
 
@@ -103,7 +98,7 @@ def _problem(root: int, key: EntryKey, digest: bytes) -> str | None:
             os.close(fd)
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    return checked.problem or npy_layout_problem(checked.head, checked.length, key.size)
+    return None if checked.ok else checked.reason
 
 
 def _catalog(root: Path) -> Catalog | None:

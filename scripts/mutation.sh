@@ -23,7 +23,8 @@ fi
 if [ "$#" -gt 0 ]; then
     modules=("$@")
 else
-    modules=(decodefs/engine.py decodefs/store.py decodefs/capacity.py decodefs/entry.py
+    modules=(decodefs/engine.py decodefs/store.py decodefs/storeroot.py decodefs/markers.py
+             decodefs/movein.py decodefs/capacity.py decodefs/entry.py
              decodefs/memory.py decodefs/source.py decodefs/tree.py)
 fi
 # The in-process tests: real stores, sources and decodes, no mount.

@@ -113,15 +113,8 @@ def start(
     config = parse_config(raw, base_dir=base)
     quiet_pillow_warnings()
     (base / "locks").mkdir(exist_ok=True)
-    st = Store(
-        config.store,
-        config.fingerprints(),
-        max_bytes=config.max_store_bytes,
-        min_free_fraction=config.min_free_fraction,
-        shared=config.allow_other,
-        lock_dir=str(base / "locks"),  # not the machine's /run/decodefs
-        clock=store_clock,
-    )
+    # Not the machine's /run/decodefs for the lock.
+    st = Store.from_config(config, lock_dir=str(base / "locks"), clock=store_clock)
     st.open()
     try:
         index_cache = st.cache_dir("index")

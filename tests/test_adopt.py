@@ -219,7 +219,7 @@ def test_adopt_leaves_the_other_versions_of_the_store_alone(
     with config_path.open("a") as config_file:
         config_file.write(f'[versions.folders]\nsource = "{photos_dir}"\nlayout = "mirror"\n')
     config = load_config(config_path)
-    store = Store(config.store, config.fingerprints())  # as the daemon opens it
+    store = Store.from_config(config)  # as the daemon opens it
     store.open()
     store.close()
     kept = tmp_path / "store" / "folders" / "kept"

@@ -102,7 +102,7 @@ class Cluster:
         config = parse_config(self._raw(base, **keys), base_dir=base)
         assert config.l2 is not None
         fingerprints = config.fingerprints()
-        store = Store(config.store, fingerprints, lock_dir=str(base))
+        store = Store.from_config(config, lock_dir=str(base))
         store.open()
         tier = L2Tier(open_backend(config.l2), config.l2, fingerprints, wall=wall)
         sources = {n: scan_source(n, v.source, v.extensions) for n, v in config.versions.items()}

@@ -17,10 +17,10 @@ import trio
 from decodefs.config import DEFAULT_EXTENSIONS, ConfigError, load_config, parse_config
 from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_file_size
 from decodefs.engine import Engine
-from decodefs.entry import EntryKey
+from decodefs.entry import EntryKey, iter_entries
 from decodefs.protocol import StoreStatus
 from decodefs.source import SourceError, SourceIndex, scan_source
-from decodefs.store import CorruptEntry, Store, iter_entries
+from decodefs.store import CorruptEntry, Store
 from decodefs.tree import ROOT, Kind, Node, Tree
 from decodefs.warm import read_uuid_list
 from tests.helpers import SKIMAGE_DATA, reference_npy

@@ -78,7 +78,7 @@ def test_a_store_made_again_that_cannot_be_used_is_logged_once_not_every_check(
     shutil.rmtree(root)
     root.mkdir(mode=0o700)
     (root / ".decodefs-store").write_text("{not json")
-    with caplog.at_level(logging.DEBUG, logger="decodefs.store"):
+    with caplog.at_level(logging.DEBUG, logger="decodefs.storeroot"):
         for _ in range(4):
             store.check()
     unusable = [

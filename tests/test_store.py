@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from decodefs.config import parse_config
 from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
 from decodefs.entry import EntryKey
 from decodefs.protocol import TRAILER_SIZE
+from decodefs.source import scan_source
 from decodefs.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError
 from tests.conftest import Tmpfs, fail_read_only, needs_root
 
@@ -477,27 +479,50 @@ def test_a_symlink_of_roots_in_the_path_is_followed(tmp_path: Path) -> None:
 def test_the_stores_modes_follow_who_may_read_the_mount(
     tmp_path: Path, shared: bool, dirs: int, files: int
 ) -> None:
-    os.umask(0o077 if shared else 0o022)  # whatever the umask says
+    originals = tmp_path / "originals"
+    originals.mkdir()
+    (originals / "a.jpg").write_bytes(b"not decoded by a scan")
+    root = tmp_path / "store"
+    os.umask(0o000 if shared else 0o022)  # whatever the umask says
     try:
-        s = Store(tmp_path / "store", {"v1": V1}, shared=shared)
+        s = Store(root, {"v1": V1}, shared=shared)
         s.open()
+        s.wait_for_usage()
         s.write(KEY, payload())
         index = s.cache_dir("index")  # the daemon's alone, whatever the policy
+        scan_source("v1", originals, {".jpg"}, cache_dir=index)
+        # Every file in the store while it is open (the catalog's WAL and SHM too).
+        modes = {p.relative_to(root): stat.S_IMODE(p.lstat().st_mode) for p in _files(root)}
         s.close()
     finally:
         os.umask(0o022)
     assert index is not None and stat.S_IMODE(os.stat(index).st_mode) == 0o700
-    root = tmp_path / "store"
     entry = root / KEY.relpath
     for directory in (root, root / "v1", entry.parent.parent, entry.parent):
         assert stat.S_IMODE(directory.stat().st_mode) == dirs, directory
-    assert stat.S_IMODE(entry.stat().st_mode) == files
+    assert {".decodefs-store", "v1/.fingerprint.json", KEY.relpath, ".index/v1.json"} <= {
+        str(p) for p in modes
+    }
+    assert {".catalog.sqlite3", ".catalog.sqlite3-wal", ".catalog.sqlite3-shm"} <= {
+        str(p) for p in modes
+    }
+    for path, mode in modes.items():  # the index cache is the daemon's alone
+        assert mode == (0o600 if path.parts[0] == ".index" else files), path
 
     # The policy changes with the config: the store follows at the next start.
     again = Store(root, {"v1": V1}, shared=not shared)
     again.open()
     again.close()
     assert stat.S_IMODE(root.stat().st_mode) == (0o755 if not shared else 0o700)
+    for name in (".decodefs-store", "v1/.fingerprint.json", ".catalog.sqlite3"):
+        assert stat.S_IMODE((root / name).stat().st_mode) == (0o644 if not shared else 0o600)
+
+
+def _files(root: Path) -> Iterator[Path]:
+    """Every file under ``root`` that is no directory (nothing is followed)."""
+    for path in root.rglob("*"):
+        if not path.is_dir() or path.is_symlink():
+            yield path
 
 
 def test_the_one_daemon_lock_survives_the_stores_contents_being_removed(tmp_path: Path) -> None:
@@ -602,3 +627,44 @@ def test_a_store_read_only_or_full_at_start_is_written_once_it_can_be(tmpfs: Tmp
     assert read(full, EntryKey("v1", 16, "third")) == payload(3)
     assert full.wait_for_usage().entries == 2
     full.close()
+
+
+def test_a_file_moved_in_is_named_as_a_write_names_it(store: Store, tmp_path: Path) -> None:
+    """A mirror version's key with "/" is stored under its escaped name, not its key."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    for i, uuid in enumerate(["cat/0001", "100%/x", "abcdef"]):
+        key = EntryKey("v1", 16, uuid)
+        (cache / "array.npy").write_bytes(payload(i))
+        (cache / "array.npy").chmod(0o600)
+        fd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            store.move_in(key, fd, "array.npy", len(payload(i)))
+        finally:
+            os.close(fd)
+        assert not (cache / "array.npy").exists()
+        assert path_of(store, key).name == key.file_name
+        assert read(store, key) == payload(i)
+    assert store.usage().entries == 3
+
+
+def test_a_store_from_a_config_has_its_limits_policy_and_fingerprints(tmp_path: Path) -> None:
+    originals = tmp_path / "originals"
+    originals.mkdir()
+    raw = {
+        "store": "store",
+        "allow_other": True,
+        "max_store_bytes": 10 * entry_bytes(),
+        "min_free_fraction": 0.01,
+        "versions": {
+            "u": {"source": "originals"},
+            "m": {"source": "originals", "layout": "mirror", "resample": "nearest"},
+        },
+    }
+    config = parse_config(raw, base_dir=tmp_path)
+    s = Store.from_config(config, lock_dir=str(tmp_path / "locks"))
+    assert s.root == str(tmp_path / "store") and s.file_mode == 0o644 and s.dir_mode == 0o755
+    assert (s.capacity.max_bytes, s.capacity.min_free_fraction) == (10 * entry_bytes(), 0.01)
+    # The fingerprints the daemon checks entries against: the layout is part of them.
+    assert s.digests() == {name: v.fingerprint().hex for name, v in config.versions.items()}
+    assert s.digest("m") != s.digest("u") == config.versions["u"].fingerprint().digest
