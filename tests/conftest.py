@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,17 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("DECODEFS_HYPOTHESIS_PROFILE", "default"))
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+# Every test that needs root says so with this prefix, so that a run not as root ends
+# with one line counting them (pytest_terminal_summary below) instead of passing quietly.
+NEEDS_ROOT = "needs root"
+RUN_AS_ROOT = "run them as root: sudo bash scripts/test.sh"
+
+
+def needs_root_because(why: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(os.geteuid() != 0, reason=f"{NEEDS_ROOT}: {why}")
+
+
+needs_root = needs_root_because("mounts a tmpfs or an ext4, or acts as another user")
 LARGE_COUNT = 6
 
 
@@ -274,3 +285,24 @@ def notify_listener(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
         yield sock, path
     finally:
         sock.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line at the end of a run not as root: how many tests were skipped for it, and why."""
+    line = root_skips_line(terminalreporter.stats.get("skipped", []))
+    if line:
+        terminalreporter.write_line(line, yellow=True, bold=True)
+
+
+def root_skips_line(skipped: list[pytest.TestReport]) -> str | None:
+    whys: Counter[str] = Counter()
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if f"{NEEDS_ROOT}: " in reason:
+            whys[reason.split(f"{NEEDS_ROOT}: ", 1)[1]] += 1
+    if not whys:
+        return None
+    count = sum(whys.values())
+    because = "; ".join(f"{why} ({n})" for why, n in sorted(whys.items()))
+    return f"decodefs: {count} tests skipped for needing root ({because}); {RUN_AS_ROOT}"

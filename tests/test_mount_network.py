@@ -17,15 +17,17 @@ from typing import Any
 import pytest
 
 from decodefs.sample import make_sample_corpus
-from tests.conftest import MountFactory
+from tests.conftest import MountFactory, needs_root_because
 from tests.helpers import Mount, reference_npy, write_config
 from tests.netns import Network, network, readers
 from tests.servers import S3_ENV, SeaweedFS, dask_running, seaweedfs_running, wait_for
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("nsenter")),
-    reason="network namespaces need root, ip and nsenter",
-)
+pytestmark = [
+    needs_root_because("network namespaces"),
+    pytest.mark.skipif(
+        not (shutil.which("ip") and shutil.which("nsenter")), reason="needs ip and nsenter"
+    ),
+]
 
 SIZE = 64
 LEASE = 0.5  # seconds: shorter than a node's misses queue for its one decode slot

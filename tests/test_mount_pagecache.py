@@ -23,7 +23,7 @@ from decodefs.daemon import READAHEAD_KB
 from decodefs.decode import npy_file_size
 from decodefs.entry import EntryKey
 from decodefs.pagecache import drop, read_resident
-from tests.conftest import MountFactory
+from tests.conftest import MountFactory, needs_root_because
 from tests.helpers import is_live_mount, reference_npy, wait_until
 
 SIZE = 224
@@ -81,7 +81,7 @@ def stored_then_cold(
     return entries
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="only root may raise a mount's readahead")
+@needs_root_because("only root may raise a mount's readahead")
 def test_a_plain_read_leaves_one_copy_the_mount_files(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path, on_disk: None
 ) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from decodefs.config import DEFAULT_EXTENSIONS
 from decodefs.source import OriginalMissing, SourceError, scan_source
+from tests.conftest import needs_root_because
 
 
 def touch(path: Path, data: bytes = b"x") -> Path:
@@ -283,7 +284,7 @@ def test_a_cache_that_this_code_could_not_have_written_is_ignored(
     assert list(index.uuids) == ["a", "b"] and list(index.relpaths) == ["a.jpg", "b.jpg"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@needs_root_because("giving a file to another user")
 def test_a_cache_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
     root = tmp_path / "src"
     touch(root / "a.jpg")
