@@ -105,8 +105,7 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
         return _load_any(path)
     mount, key = found
     out = np.empty((key.size, key.size, 3), np.uint8)
-    if _read_stored(mount, key, out):
-        _reporter.report(mount, key)
+    if _stored_into(mount, key, path, out):
         return out
     array = _read_through_mount(path, key, out)
     return array if array is not None else _load_any(path)
@@ -125,9 +124,7 @@ def read_array_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) ->
     found = _locate(path)
     if found is not None:
         mount, key = found
-        _check_shape(out, (key.size, key.size, 3), path)
-        if _read_stored(mount, key, out):
-            _reporter.report(mount, key)
+        if _stored_into(mount, key, path, out):
             return
         if _read_through_mount(path, key, out) is not None:
             return
@@ -146,7 +143,12 @@ def read_stored_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -
     found = _locate(path)
     if found is None:
         return False
-    mount, key = found
+    return _stored_into(*found, path, out)
+
+
+def _stored_into(mount: _Mount, key: EntryKey, path: str, out: npt.NDArray[np.uint8]) -> bool:
+    """Whether ``key``'s stored entry was read into ``out`` (of its array's shape, else
+    ValueError), checked, and reported as a direct hit."""
     _check_shape(out, (key.size, key.size, 3), path)
     if not _read_stored(mount, key, out):
         return False

@@ -155,7 +155,10 @@ class MountDataset(_UuidDataset):
             raise FileNotFoundError(missing_directory(os.fspath(mountpoint), version, size))
 
     def path(self, index: int) -> str:
-        return os.path.join(self.directory, f"{self.uuid(index)}.npy")
+        return self._path(self.uuid(index))
+
+    def _path(self, uuid: str) -> str:
+        return os.path.join(self.directory, f"{uuid}.npy")
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, as a DataLoader asks for a batch: without a
@@ -171,12 +174,12 @@ class MountDataset(_UuidDataset):
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} out of range for {len(self)} items")
             uuid = self.uuid(index)
-            read_array_into(os.path.join(self.directory, f"{uuid}.npy"), row)
+            read_array_into(self._path(uuid), row)
             items.append((row, self._target(index, uuid)))
         return _Rows(items, images)
 
     def _array(self, index: int, uuid: str) -> Array:
-        return read_array(os.path.join(self.directory, f"{uuid}.npy"))
+        return read_array(self._path(uuid))
 
 
 class LiveDataset(_UuidDataset):
