@@ -303,14 +303,14 @@ def unmount_quietly(mountpoint: Path) -> None:
 
 
 def decodefs(
-    *args: str | Path, env: dict[str, str] | None = None
+    *args: str | Path | int, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """Run the decodefs command as a user would, capturing its output."""
     return subprocess.run(
         [sys.executable, "-m", "decodefs", *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
     )
 
@@ -340,12 +340,15 @@ def abort_fuse_connection(mountpoint: Path) -> None:
 NOBODY = 65534  # another local user, with no rights of its own
 
 
-def as_nobody(*command: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
+def as_nobody(
+    *command: str | Path, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess[bytes]:
     """Run ``command`` as another, unprivileged local user (needs root)."""
     return subprocess.run(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *map(str, command)],
         capture_output=True,
         timeout=timeout,
+        cwd=cwd,
     )
 
 
