@@ -1,4 +1,4 @@
-"""The short version of scripts/reliability.py (--quick): each part's invariants, on real mounts.
+"""The short version of scripts/reliability (--quick): each part's invariants, on real mounts.
 
 The script mounts its own daemons through the CLI and checks every invariant itself (each
 part's "problems"); these tests run it once and assert the figures a maintainer quotes.
@@ -20,14 +20,15 @@ from tests.conftest import needs_root
 # The script mounts a dozen daemons in turn: minutes under load, not the usual 120 s.
 pytestmark = [needs_root, pytest.mark.timeout(900)]
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reliability.py"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("reliability") / "report.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+        [sys.executable, "-m", "scripts.reliability", "--quick", "--json", str(out)],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=900,
