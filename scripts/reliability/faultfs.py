@@ -17,7 +17,6 @@ import json
 import os
 import stat
 import sys
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -54,21 +53,20 @@ class FaultFS(pyfuse3.Operations):
         self._control = control
         self._paths: dict[int, str] = {pyfuse3.ROOT_INODE: backing}
         self._files: dict[int, str] = {}  # fh (the backing descriptor) -> path
-        self._mode: tuple[str, ...] = ()
-        self._checked = 0.0
         self.injected: collections.Counter[str] = collections.Counter()
 
     def _fault(self, operation: str, path: str) -> None:
-        now = time.monotonic()
-        if now - self._checked > 0.02:
-            self._checked = now
-            try:
-                self._mode = tuple(Path(self._control).read_text().strip().split(","))
-            except OSError:
-                self._mode = ()
-            Path(self._control + ".counts").write_text(json.dumps(self.injected))
-        if operation in self._mode and path.endswith(".npy"):
+        """Fail this call with EIO if the control file says so now (read at every call on
+        an entry, so that a fault starts with the first call after it is written)."""
+        if not path.endswith(".npy"):
+            return
+        try:
+            mode = Path(self._control).read_text().strip().split(",")
+        except OSError:
+            mode = []
+        if operation in mode:
             self.injected[operation] += 1
+            Path(self._control + ".counts").write_text(json.dumps(self.injected))
             raise pyfuse3.FUSEError(errno.EIO)
 
     def _attributes(self, path: str) -> pyfuse3.EntryAttributes:

@@ -383,10 +383,7 @@ class Sampler:
     def settled(self, within_kib: int = 1024) -> int:
         """The RSS once the last SETTLED samples since ``mark`` lie within ``within_kib`` of
         each other (the daemon stopped giving memory back); 0 until then."""
-        recent = [rss for tick, rss in list(self._recent) if tick >= self._mark]
-        if len(recent) < SETTLED or max(recent) - min(recent) > within_kib:
-            return 0
-        return recent[-1]
+        return steady([rss for tick, rss in list(self._recent) if tick >= self._mark], within_kib)
 
     def _run(self) -> None:
         tick = 0
@@ -406,6 +403,15 @@ class Sampler:
             tick += 1
             self.samples = tick
             self._stop.wait(0.02)  # the sampling interval (pacing, not synchronisation)
+
+
+def steady(samples: Sequence[int], within_kib: int, count: int = SETTLED) -> int:
+    """The last of ``samples`` if the last ``count`` of them lie within ``within_kib`` of
+    each other; 0 if they do not, or if there are fewer."""
+    recent = samples[-count:]
+    if len(recent) < count or max(recent) - min(recent) > within_kib:
+        return 0
+    return recent[-1]
 
 
 # -- commands and processes -----------------------------------------------------------
