@@ -42,7 +42,7 @@ NOT_RUN = {
     "scripts/test.sh is the test suite itself": "CI runs it; the demo runs below",
     "the test suite and mutation runs themselves": "CI runs scripts/test.sh",
     "a benchmark": "minutes long, run by hand; its figures are in the document",
-    "the reproducer of a fixed defect": "scripts/reliability.py runs it (root, minutes)",
+    "the reproducer of a fixed defect": "python -m scripts.reliability runs it (root, minutes)",
     "needs a Dask scheduler and an L2": "tests/test_mount_cluster.py runs both on loopback",
 }
 _FENCE = re.compile(r"^```(.*)$")

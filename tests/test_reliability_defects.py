@@ -1,4 +1,5 @@
-"""Defects scripts/reliability.py found, each kept as the case that showed it.
+"""Defects the reliability harness (python -m scripts.reliability) found, each kept as the
+case that showed it.
 
 See docs/reliability.md for the runs that found them.
 """
