@@ -7,9 +7,11 @@ from __future__ import annotations
 import collections
 import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 import pytest
@@ -32,7 +34,7 @@ from scripts.reliability.fuzz import (
     mount_outcome,
     mutate,
 )
-from scripts.reliability.harness import REPO, Part, steady
+from scripts.reliability.harness import REPO, Part, gone, steady, task_states
 from tests.conftest import needs_root
 from tests.helpers import errno_of, is_mounted, unmount_quietly, wait_until
 
@@ -104,6 +106,33 @@ def test_a_part_fails_on_a_failed_check_or_a_wait_that_times_out() -> None:
     assert "a negative number" in part.problems[1] and "last saw False" in part.problems[1]
     assert len(part.problems) == 2
     assert "Problems:" in part.markdown() and "- zero is not ok" in part.markdown()
+
+
+# A process whose first thread has exited (exit(2) of that thread only: SYS_exit on x86_64)
+# while another still runs, as a flooder's threads go on waiting in the kernel after kill -9.
+_LEADER_EXITS: Final = """
+import ctypes, threading, time
+threading.Thread(target=time.sleep, args=(60,)).start()
+print("ready", flush=True)
+ctypes.CDLL(None).syscall(60, 0)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="SYS_exit is 60 on x86_64 only")
+def test_a_process_is_gone_only_once_every_thread_is() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LEADER_EXITS], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        wait_until(lambda: "Z" in task_states(process.pid), 30, "the first thread's exit")
+        assert not gone(process.pid)  # a zombie leader, its other thread still running
+        process.kill()
+        wait_until(lambda: gone(process.pid), 30, "every thread gone after SIGKILL")
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert gone(process.pid) and task_states(process.pid) == []
 
 
 # -- the fuzz ---------------------------------------------------------------------------

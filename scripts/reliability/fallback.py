@@ -18,12 +18,22 @@ from pathlib import Path
 from typing import Final
 
 from decodefs import npy_file_size
+from decodefs.admission import WAITING_PER_USER
 from decodefs.fs import MAX_REQUEST_TASKS
 from tests.helpers import NOBODY, wait_until
 
 from .checks import errno_name
-from .harness import DEFAULT_MEMORY_CACHE, MIB, REPO, VERSION, Harness, Part, Sizes, gone
-from .harness import process_state as state_of
+from .harness import (
+    DEFAULT_MEMORY_CACHE,
+    MIB,
+    REPO,
+    VERSION,
+    Harness,
+    Part,
+    Sizes,
+    gone,
+    task_states,
+)
 
 FLOOD_THREADS: Final = MAX_REQUEST_TASKS + 100  # more than the daemon's request tasks
 # Root's reads of a stored array and of stats.json while the flood is on.
@@ -167,6 +177,12 @@ def memory_fallback(
     eagain_before = d.stats()["errors"].get("EAGAIN", 0)
     flooder = Program("flooder", flood_paths(d.mountpoint, cold, size, FLOOD_THREADS))
     part.wait(lambda: flooder.answers["EAGAIN"], 120, "the flood's first EAGAIN")
+    # At most WAITING_PER_USER of its opens may wait; every other is answered at once.
+    part.wait(
+        lambda: flooder.answered >= FLOOD_THREADS - WAITING_PER_USER,
+        60,
+        f"an answer to every open of the flood past the {WAITING_PER_USER} that may wait",
+    )
     served = []
     for _ in range(SERVED_READS):
         served.append(timed_read(d.path(hit.stem, 224), 10, hit_bytes))
@@ -188,7 +204,7 @@ def memory_fallback(
         wait_until(lambda: all(gone(pid) for pid in pids), 180, "every holder gone after kill -9")
     stuck = [pid for pid in pids if not gone(pid)]
     gone_in = time.monotonic() - killed
-    states = collections.Counter(state_of(pid) for pid in stuck)
+    states = collections.Counter(state for pid in stuck for state in task_states(pid))
     assert d.pid is not None
     pid = d.pid
     os.kill(pid, signal.SIGTERM)
@@ -212,7 +228,9 @@ def memory_fallback(
         f"once, and the memory cache keeps twice as many. Then one process of uid 65534 opens "
         f"{FLOOD_THREADS} arrays no one has read, each from its own thread, all at once (more "
         f"than the daemon's {MAX_REQUEST_TASKS} request tasks); once it has met its first "
-        f"EAGAIN, root reads a stored array and stats.json {SERVED_READS} times each."
+        f"EAGAIN and every open past the {WAITING_PER_USER} that may wait has its answer, root "
+        f"reads a stored array and stats.json {SERVED_READS} times each. Then every holder "
+        "and the flood are killed (-9), and the daemon is stopped with SIGTERM."
     )
     part.table(
         ["arrays the store does not take", "value"],
@@ -224,13 +242,14 @@ def memory_fallback(
              bystander_result],
             [f"then {FLOOD_THREADS} threads of uid 65534 open arrays no one has read: what "
              "their opens got (when root's reads were done)",
-             ", ".join(f"{k} {v}" for k, v in sorted(answers.items())) or "nothing yet"],
+             ", ".join(f"{k} {v}" for k, v in sorted(answers.items())) + ", no answer yet "
+             f"{FLOOD_THREADS - sum(answers.values())} (the limit: {WAITING_PER_USER} may wait)"],
             ["... EAGAIN counted by the daemon meanwhile", f"{eagain:,}"],
             [f"root's reads of a stored array (224) and of `.decodefs/stats.json`, "
              f"{SERVED_READS} each: served / slowest",
              f"{sum(s.startswith('returned') for s in served)} of {len(served)} / "
              f"{slowest(served)}"],
-            ["holders after kill -9", f"{len(stuck)} of {len(programs)} still there"
+            ["holders after kill -9 (every thread)", f"{len(stuck)} of {len(programs)} still there"
              + (f" (state {', '.join(sorted(states))})" if stuck else f", all gone in "
                 f"{gone_in:.1f} s")],
             ["the daemon after SIGTERM", "exited" if stopped else "still running after 25 s; "

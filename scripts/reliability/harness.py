@@ -433,17 +433,22 @@ def mounts_under(root: Path) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
-def process_state(pid: int) -> str:
-    """The state letter of /proc/<pid>/stat ("R", "S", "D", "Z"), or "gone"."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
+def task_states(pid: int) -> list[str]:
+    """The state letter ("R", "S", "D", "Z", ...) of every thread of ``pid``; [] once the
+    process is gone."""
+    states = []
+    with contextlib.suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, IndexError):
+                stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+                states.append(stat.rsplit(")", 1)[1].split()[0])
+    return states
 
 
 def gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie counts)."""
-    return process_state(pid) in ("gone", "Z")
+    """Whether every thread of ``pid`` has exited. A zombie leader whose other threads still
+    wait in the kernel (state D, on a FUSE request) is not gone."""
+    return all(state in ("Z", "X") for state in task_states(pid))
 
 
 def toml(value: object) -> str:

@@ -36,6 +36,7 @@ class FaultCase:
 
 @dataclass
 class FaultOutcome:
+    key: str
     fault: str
     during: Tally
     writable_during: bool
@@ -113,6 +114,7 @@ def fault_case(
     verify_status, _ = verify_store(d)
     d.stop()
     return FaultOutcome(
+        key=case.key,
         fault=case.label,
         during=during,
         writable_during=stats["store_writable"],
@@ -240,11 +242,13 @@ def part_store(h: Harness, sizes: Sizes) -> Part:
     )
     part.check(len(outcomes) == 4, f"{len(outcomes)} of 4 faults ran")
     for o in outcomes:
+        part.check(o.errors, f"{o.fault}: the daemon counted no error: the fault did not bite")
         part.check(o.during.bad == 0, f"{o.fault}: {o.during.summary()} during the fault")
         part.check(o.recovered_in is not None, f"{o.fault}: the store did not recover")
         part.check(o.stored_after == n, f"{o.fault}: {o.stored_after} of {n} stored after")
         part.check(o.bad_after == 0, f"{o.fault}: reads failed or were wrong after the fault")
         part.check(o.verify_status == 0, f"{o.fault}: verify failed after")
+        part.check(o.key != "eio" or o.injected, f"{o.fault}: no EIO was injected")
         unexpected = [line for line in o.errors_logged if _STORE_LOST not in line]
         part.check(not unexpected, f"{o.fault}: daemon logged errors: {unexpected[:3]}")
     part.figures["cases"] = {
