@@ -157,6 +157,13 @@ def memory_fallback(
                            for j in range(sizes.hostile_open)])
         for i in range(sizes.hostile_processes)
     ]  # fmt: skip
+    programs = list(holders)  # and the flood, below: killed at the end, also on a failure
+
+    def kill_programs() -> None:
+        for program in programs:
+            program.process.kill()
+
+    h.on_close("the holders and the flood", kill_programs)
     total = sizes.hostile_processes * sizes.hostile_open
     answered = 0
 
@@ -176,6 +183,7 @@ def memory_fallback(
     # More opens at once than the daemon has request tasks, by one process of uid 65534.
     eagain_before = d.stats()["errors"].get("EAGAIN", 0)
     flooder = Program("flooder", flood_paths(d.mountpoint, cold, size, FLOOD_THREADS))
+    programs.append(flooder)
     part.wait(lambda: flooder.answers["EAGAIN"], 120, "the flood's first EAGAIN")
     # At most WAITING_PER_USER of its opens may wait; every other is answered at once.
     part.wait(
@@ -195,9 +203,7 @@ def memory_fallback(
     for problem in flood_problems(flood):
         part.check(False, problem)
 
-    programs = [*holders, flooder]
-    for program in programs:
-        program.process.kill()
+    kill_programs()
     pids = [p.process.pid for p in programs]
     killed = time.monotonic()
     with contextlib.suppress(AssertionError):  # who is still there is the finding, below
