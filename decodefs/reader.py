@@ -52,7 +52,8 @@ __all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into"]
 log = logging.getLogger(__name__)
 
 STATUS_FILE: Final = os.path.join(STATUS_DIR, STORE_FILE)
-_REPORT_BYTES: Final = 8192  # one datagram of access reports
+_REPORT_BYTES: Final = 8192  # at most one datagram of access reports
+_REPORT_LINES: Final = 256  # hits that make the reporter send at once
 _REPORT_SECONDS: Final = 1.0
 _NOT_A_MOUNT_SECONDS: Final = 10.0  # how long "this device is no decodefs mount" is believed
 _PROBLEMS_MAX: Final = 100_000
@@ -403,42 +404,48 @@ def _load_any(path: str) -> npt.NDArray[np.uint8]:
 class _Reporter:
     """Batches access report lines (protocol.encode_access) into datagrams to the daemon.
 
+    A hit costs one tuple appended; the lines are made when they are sent.
     Fire and forget: a full or absent socket only makes LRU order approximate.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, bytearray] = {}  # socket address -> lines to send
+        self._pending: list[tuple[str, EntryKey]] = []  # (socket address, key) to send
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
 
     def report(self, mount: _Mount, key: EntryKey) -> None:
         if mount.access_socket is None:
             return
-        line = encode_access(key.version, key.size, key.uuid)
         with self._lock:
-            lines = self._pending.setdefault(mount.access_socket, bytearray())
-            lines += line
-            full = len(lines) >= _REPORT_BYTES
-            due = time.monotonic() - self._last_flush >= _REPORT_SECONDS
-        if full or due:
+            self._pending.append((mount.access_socket, key))
+            full = len(self._pending) >= _REPORT_LINES
+        if full or time.monotonic() - self._last_flush >= _REPORT_SECONDS:
             self.flush()
 
     def flush(self) -> None:
         with self._lock:
-            pending, self._pending = self._pending, {}
+            pending, self._pending = self._pending, []
             self._last_flush = time.monotonic()
         if not pending:
             return
+        datagrams: dict[str, list[bytearray]] = {}
+        for address, key in pending:
+            line = encode_access(*key)
+            lines = datagrams.setdefault(address, [bytearray()])
+            if lines[-1] and len(lines[-1]) + len(line) > _REPORT_BYTES:
+                lines.append(bytearray())
+            lines[-1] += line
         sock = self._sock()
-        for address, lines in pending.items():
-            with contextlib.suppress(OSError):  # no daemon listening, or its queue is full
-                sock.sendto(lines, address)
+        for address, lines in datagrams.items():
+            for datagram in lines:
+                with contextlib.suppress(OSError):  # no daemon listening, or its queue is full
+                    sock.sendto(datagram, address)
 
     def after_fork(self) -> None:
         """In a forked child (a DataLoader worker): start afresh, sharing nothing."""
         self._lock = threading.Lock()  # another thread may have held it at the fork
-        self._pending = {}
+        self._pending = []
         self._last_flush = time.monotonic()
         self._socket = None
 

@@ -17,7 +17,10 @@ page as they touch reference counts (``ImageFolder`` keeps torchvision's
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
+import mmap
 import os
 import sys
 import threading
@@ -26,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -493,7 +496,31 @@ def _batch_tensor(shape: tuple[int, ...], pin_memory: bool = False) -> torch.Ten
     if get_worker_info() is None:
         return torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
     storage = torch.UntypedStorage._new_shared(math.prod(shape))  # type: ignore[no-untyped-call]
+    _populate(storage.data_ptr(), storage.nbytes())
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+_MADV_POPULATE_WRITE: Final = 23  # <linux/mman.h>, Linux 5.14 and later
+_libc: Final = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_populating = True  # until the kernel says it cannot
+
+
+def _populate(address: int, length: int) -> None:
+    """Fault in fresh shared memory's pages for writing, in one system call.
+
+    A new shared-memory batch (one per batch in a DataLoader worker: the
+    training process may hold the last one) would otherwise take a page
+    fault per 4 KiB page as the reads fill it, which costs more than the
+    reads (scripts/bench_loader.py's ``shm`` figures). Nothing is done on a
+    kernel without ``MADV_POPULATE_WRITE``; the pages then fault in as before.
+    """
+    global _populating
+    if not _populating or length == 0:
+        return
+    start = address - address % mmap.PAGESIZE
+    if _libc.madvise(start, address + length - start, _MADV_POPULATE_WRITE) != 0:
+        _populating = ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)
 
 
 class _Rows(list[tuple[Any, Any]]):
