@@ -35,6 +35,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -47,7 +48,7 @@ from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
 
-__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into"]
+__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into", "read_stored_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,23 @@ def read_stored_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -
     return _stored_into(*found, path, out)
 
 
+def read_stored_rows(paths: Sequence[str], rows: npt.NDArray[np.uint8]) -> list[int]:
+    """``read_stored_into(paths[i], rows[i])`` for each ``i`` (``rows`` a writable,
+    C-contiguous uint8 array of one row per path: a batch tensor's memory), with
+    the rows checked once and each mount found once for the whole batch; the
+    indices of the paths that were no hit, for ``read_array_into`` to read."""
+    _check_out(rows)
+    if len(paths) != len(rows):
+        raise ValueError(f"{len(paths)} paths for {len(rows)} rows")
+    known: dict[int, _Mount | None] = {}  # st_dev -> its mount, for this batch
+    misses = []
+    for i, path in enumerate(paths):
+        found = _locate(path, known)
+        if found is None or not _stored_into(*found, path, rows[i]):
+            misses.append(i)
+    return misses
+
+
 def _stored_into(mount: _Mount, key: EntryKey, path: str, out: npt.NDArray[np.uint8]) -> bool:
     """Whether ``key``'s stored entry was read into ``out`` (of its array's shape, else
     ValueError), checked, and reported as a direct hit."""
@@ -173,22 +191,36 @@ def _check_shape(out: npt.NDArray[np.uint8], shape: tuple[int, ...], path: str) 
         raise ValueError(f"{path} holds an array of shape {shape}, not {out.shape}")
 
 
-def _locate(path: str) -> tuple[_Mount, EntryKey] | None:
+def _locate(
+    path: str, known: dict[int, _Mount | None] | None = None
+) -> tuple[_Mount, EntryKey] | None:
     """The mount whose store may hold ``path``'s array, and its key; None if the
-    file is no array of a mount whose store this process may read."""
+    file is no array of a mount whose store this process may read. ``known``:
+    the mounts found by device so far in one batch, used and added to."""
     st = os.lstat(path)
     name = os.path.basename(path)
     if stat.S_ISLNK(st.st_mode):
         real = os.path.realpath(path)
         st, name = os.stat(real), os.path.basename(real)
-    mount = _mount_of(st.st_dev)
-    if mount is not None and not _current(mount, st.st_dev):
-        # Another mount since: the kernel reuses a device number after an unmount.
-        mount = _mount_of(st.st_dev, again=True)
-    if not isinstance(mount, _Mount):
+    if known is not None and st.st_dev in known:
+        mount = known[st.st_dev]
+    else:
+        mount = _readable_mount(st.st_dev)
+        if known is not None:
+            known[st.st_dev] = mount
+    if mount is None:
         return None
     key = _key_of(mount, st, name, path)
     return None if key is None else (mount, key)
+
+
+def _readable_mount(device: int) -> _Mount | None:
+    """The mount on ``device`` now, if this process may read its store directly."""
+    mount = _mount_of(device)
+    if mount is not None and not _current(mount, device):
+        # Another mount since: the kernel reuses a device number after an unmount.
+        mount = _mount_of(device, again=True)
+    return mount if isinstance(mount, _Mount) else None
 
 
 # -- which mount and key a file is -------------------------------------------------

@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 from .config import Config, load_config
 from .decode import DecodeSettings, decode_image
 from .keys import missing_directory
-from .reader import flush_reports, read_array, read_array_into, read_stored_into
+from .reader import flush_reports, read_array, read_array_into, read_stored_rows
 from .source import scan_source
 
 __all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
@@ -170,15 +170,19 @@ class MountDataset(_UuidDataset):
         memory), which ``collate_uint8`` then passes on as the batch, uncopied."""
         if self.transform is not None:
             return [self[i] for i in indices]
-        images = _batch_tensor((len(indices), self.size, self.size, 3))
-        rows = images.numpy()
-        items = []
-        for row, index in zip(rows, indices, strict=True):
+        for index in indices:
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} out of range for {len(self)} items")
-            uuid = self.uuid(index)
-            read_array_into(self._path(uuid), row)
-            items.append((row, self._target(index, uuid)))
+        uuids = [self.uuid(i) for i in indices]
+        paths = [self._path(uuid) for uuid in uuids]
+        images = _batch_tensor((len(indices), self.size, self.size, 3))
+        rows = images.numpy()
+        for i in read_stored_rows(paths, rows):  # the misses, through the mount
+            read_array_into(paths[i], rows[i])
+        items = [
+            (rows[i], self._target(index, uuid))
+            for i, (index, uuid) in enumerate(zip(indices, uuids, strict=True))
+        ]
         return _Rows(items, images)
 
     def _array(self, index: int, uuid: str) -> Array:
@@ -394,14 +398,11 @@ class _Reads:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _read(self, paths: list[str], rows: Array) -> list[Future[None]]:
-        misses = []
+        if self._stop.is_set():
+            return []
         with self._hits:
-            for path, row in zip(paths, rows, strict=True):
-                if self._stop.is_set():
-                    break
-                if not read_stored_into(path, row):
-                    misses.append(self._pool.submit(self._read_miss, path, row))
-        return misses
+            misses = read_stored_rows(paths, rows)
+        return [self._pool.submit(self._read_miss, paths[i], rows[i]) for i in misses]
 
     def _read_miss(self, path: str, row: Array) -> None:
         if not self._stop.is_set():
