@@ -35,6 +35,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -47,12 +48,13 @@ from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
 
-__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into"]
+__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into", "read_stored_rows"]
 
 log = logging.getLogger(__name__)
 
 STATUS_FILE: Final = os.path.join(STATUS_DIR, STORE_FILE)
-_REPORT_BYTES: Final = 8192  # one datagram of access reports
+_REPORT_BYTES: Final = 8192  # at most one datagram of access reports
+_REPORT_LINES: Final = 256  # hits that make the reporter send at once
 _REPORT_SECONDS: Final = 1.0
 _NOT_A_MOUNT_SECONDS: Final = 10.0  # how long "this device is no decodefs mount" is believed
 _PROBLEMS_MAX: Final = 100_000
@@ -146,6 +148,23 @@ def read_stored_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -
     return _stored_into(*found, path, out)
 
 
+def read_stored_rows(paths: Sequence[str], rows: npt.NDArray[np.uint8]) -> list[int]:
+    """``read_stored_into(paths[i], rows[i])`` for each ``i`` (``rows`` a writable,
+    C-contiguous uint8 array of one row per path: a batch tensor's memory), with
+    the rows checked once and each mount found once for the whole batch; the
+    indices of the paths that were no hit, for ``read_array_into`` to read."""
+    _check_out(rows)
+    if len(paths) != len(rows):
+        raise ValueError(f"{len(paths)} paths for {len(rows)} rows")
+    known: dict[int, _Mount | None] = {}  # st_dev -> its mount, for this batch
+    misses = []
+    for i, path in enumerate(paths):
+        found = _locate(path, known)
+        if found is None or not _stored_into(*found, path, rows[i]):
+            misses.append(i)
+    return misses
+
+
 def _stored_into(mount: _Mount, key: EntryKey, path: str, out: npt.NDArray[np.uint8]) -> bool:
     """Whether ``key``'s stored entry was read into ``out`` (of its array's shape, else
     ValueError), checked, and reported as a direct hit."""
@@ -172,22 +191,36 @@ def _check_shape(out: npt.NDArray[np.uint8], shape: tuple[int, ...], path: str) 
         raise ValueError(f"{path} holds an array of shape {shape}, not {out.shape}")
 
 
-def _locate(path: str) -> tuple[_Mount, EntryKey] | None:
+def _locate(
+    path: str, known: dict[int, _Mount | None] | None = None
+) -> tuple[_Mount, EntryKey] | None:
     """The mount whose store may hold ``path``'s array, and its key; None if the
-    file is no array of a mount whose store this process may read."""
+    file is no array of a mount whose store this process may read. ``known``:
+    the mounts found by device so far in one batch, used and added to."""
     st = os.lstat(path)
     name = os.path.basename(path)
     if stat.S_ISLNK(st.st_mode):
         real = os.path.realpath(path)
         st, name = os.stat(real), os.path.basename(real)
-    mount = _mount_of(st.st_dev)
-    if mount is not None and not _current(mount, st.st_dev):
-        # Another mount since: the kernel reuses a device number after an unmount.
-        mount = _mount_of(st.st_dev, again=True)
-    if not isinstance(mount, _Mount):
+    if known is not None and st.st_dev in known:
+        mount = known[st.st_dev]
+    else:
+        mount = _readable_mount(st.st_dev)
+        if known is not None:
+            known[st.st_dev] = mount
+    if mount is None:
         return None
     key = _key_of(mount, st, name, path)
     return None if key is None else (mount, key)
+
+
+def _readable_mount(device: int) -> _Mount | None:
+    """The mount on ``device`` now, if this process may read its store directly."""
+    mount = _mount_of(device)
+    if mount is not None and not _current(mount, device):
+        # Another mount since: the kernel reuses a device number after an unmount.
+        mount = _mount_of(device, again=True)
+    return mount if isinstance(mount, _Mount) else None
 
 
 # -- which mount and key a file is -------------------------------------------------
@@ -403,42 +436,48 @@ def _load_any(path: str) -> npt.NDArray[np.uint8]:
 class _Reporter:
     """Batches access report lines (protocol.encode_access) into datagrams to the daemon.
 
+    A hit costs one tuple appended; the lines are made when they are sent.
     Fire and forget: a full or absent socket only makes LRU order approximate.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, bytearray] = {}  # socket address -> lines to send
+        self._pending: list[tuple[str, EntryKey]] = []  # (socket address, key) to send
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
 
     def report(self, mount: _Mount, key: EntryKey) -> None:
         if mount.access_socket is None:
             return
-        line = encode_access(key.version, key.size, key.uuid)
         with self._lock:
-            lines = self._pending.setdefault(mount.access_socket, bytearray())
-            lines += line
-            full = len(lines) >= _REPORT_BYTES
-            due = time.monotonic() - self._last_flush >= _REPORT_SECONDS
-        if full or due:
+            self._pending.append((mount.access_socket, key))
+            full = len(self._pending) >= _REPORT_LINES
+        if full or time.monotonic() - self._last_flush >= _REPORT_SECONDS:
             self.flush()
 
     def flush(self) -> None:
         with self._lock:
-            pending, self._pending = self._pending, {}
+            pending, self._pending = self._pending, []
             self._last_flush = time.monotonic()
         if not pending:
             return
+        datagrams: dict[str, list[bytearray]] = {}
+        for address, key in pending:
+            line = encode_access(*key)
+            lines = datagrams.setdefault(address, [bytearray()])
+            if lines[-1] and len(lines[-1]) + len(line) > _REPORT_BYTES:
+                lines.append(bytearray())
+            lines[-1] += line
         sock = self._sock()
-        for address, lines in pending.items():
-            with contextlib.suppress(OSError):  # no daemon listening, or its queue is full
-                sock.sendto(lines, address)
+        for address, lines in datagrams.items():
+            for datagram in lines:
+                with contextlib.suppress(OSError):  # no daemon listening, or its queue is full
+                    sock.sendto(datagram, address)
 
     def after_fork(self) -> None:
         """In a forked child (a DataLoader worker): start afresh, sharing nothing."""
         self._lock = threading.Lock()  # another thread may have held it at the fork
-        self._pending = {}
+        self._pending = []
         self._last_flush = time.monotonic()
         self._socket = None
 

@@ -17,7 +17,10 @@ page as they touch reference counts (``ImageFolder`` keeps torchvision's
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
+import mmap
 import os
 import sys
 import threading
@@ -26,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -51,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 from .config import Config, load_config
 from .decode import DecodeSettings, decode_image
 from .keys import missing_directory
-from .reader import flush_reports, read_array, read_array_into, read_stored_into
+from .reader import flush_reports, read_array, read_array_into, read_stored_rows
 from .source import scan_source
 
 __all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
@@ -167,15 +170,19 @@ class MountDataset(_UuidDataset):
         memory), which ``collate_uint8`` then passes on as the batch, uncopied."""
         if self.transform is not None:
             return [self[i] for i in indices]
-        images = _batch_tensor((len(indices), self.size, self.size, 3))
-        rows = images.numpy()
-        items = []
-        for row, index in zip(rows, indices, strict=True):
+        for index in indices:
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} out of range for {len(self)} items")
-            uuid = self.uuid(index)
-            read_array_into(self._path(uuid), row)
-            items.append((row, self._target(index, uuid)))
+        uuids = [self.uuid(i) for i in indices]
+        paths = [self._path(uuid) for uuid in uuids]
+        images = _batch_tensor((len(indices), self.size, self.size, 3))
+        rows = images.numpy()
+        for i in read_stored_rows(paths, rows):  # the misses, through the mount
+            read_array_into(paths[i], rows[i])
+        items = [
+            (rows[i], self._target(index, uuid))
+            for i, (index, uuid) in enumerate(zip(indices, uuids, strict=True))
+        ]
         return _Rows(items, images)
 
     def _array(self, index: int, uuid: str) -> Array:
@@ -391,14 +398,11 @@ class _Reads:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _read(self, paths: list[str], rows: Array) -> list[Future[None]]:
-        misses = []
+        if self._stop.is_set():
+            return []
         with self._hits:
-            for path, row in zip(paths, rows, strict=True):
-                if self._stop.is_set():
-                    break
-                if not read_stored_into(path, row):
-                    misses.append(self._pool.submit(self._read_miss, path, row))
-        return misses
+            misses = read_stored_rows(paths, rows)
+        return [self._pool.submit(self._read_miss, paths[i], rows[i]) for i in misses]
 
     def _read_miss(self, path: str, row: Array) -> None:
         if not self._stop.is_set():
@@ -493,7 +497,31 @@ def _batch_tensor(shape: tuple[int, ...], pin_memory: bool = False) -> torch.Ten
     if get_worker_info() is None:
         return torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
     storage = torch.UntypedStorage._new_shared(math.prod(shape))  # type: ignore[no-untyped-call]
+    _populate(storage.data_ptr(), storage.nbytes())
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+_MADV_POPULATE_WRITE: Final = 23  # <linux/mman.h>, Linux 5.14 and later
+_libc: Final = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_populating = True  # until the kernel says it cannot
+
+
+def _populate(address: int, length: int) -> None:
+    """Fault in fresh shared memory's pages for writing, in one system call.
+
+    A new shared-memory batch (one per batch in a DataLoader worker: the
+    training process may hold the last one) would otherwise take a page
+    fault per 4 KiB page as the reads fill it, which costs more than the
+    reads (scripts/bench_loader.py's ``shm`` figures). Nothing is done on a
+    kernel without ``MADV_POPULATE_WRITE``; the pages then fault in as before.
+    """
+    global _populating
+    if not _populating or length == 0:
+        return
+    start = address - address % mmap.PAGESIZE
+    if _libc.madvise(start, address + length - start, _MADV_POPULATE_WRITE) != 0:
+        _populating = ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)
 
 
 class _Rows(list[tuple[Any, Any]]):

@@ -357,3 +357,35 @@ def test_a_new_mount_on_a_reused_device_number_is_noticed(
     assert second.stats()["direct_hits"] == 1
     if os.stat(second.mountpoint).st_dev != device:
         pytest.skip("the kernel gave the new mount another device number this time")
+
+
+def test_reports_go_in_datagrams_the_daemon_reads_whole(tmp_path: Path) -> None:
+    # In process: a real datagram socket stands where the daemon listens.
+    from decodefs.entry import EntryKey
+    from decodefs.protocol import ACCESS_REPORT_MAX, parse_access_report
+
+    address = str(tmp_path / "access.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(address)
+        mount = reader._Mount(
+            root=str(tmp_path), root_mtime_ns=0, owner=0, store=str(tmp_path),
+            versions=("v1",), digests={}, min_size=8, max_size=4096,
+            access_socket=address, mirrors=frozenset(),
+        )  # fmt: skip
+        keys = [EntryKey("v1", 224, f"{i:032x}") for i in range(300)]
+        keys.append(EntryKey("v1", 224, "deep/" * 700 + "x"))  # one line longer than a datagram
+        reporter = reader._Reporter()
+        for key in keys:
+            reporter.report(mount, key)  # the 256th sends what came so far
+        reporter.flush()
+        listener.setblocking(False)
+        datagrams = []
+        while True:
+            try:
+                datagrams.append(listener.recv(ACCESS_REPORT_MAX + 1))
+            except BlockingIOError:
+                break
+    assert all(0 < len(d) <= max(8192, len(b"deep/" * 700) + 20) for d in datagrams)
+    assert len(datagrams) >= 300 * 42 // 8192
+    got = [EntryKey(*line) for d in datagrams for line in parse_access_report(d)]
+    assert got == keys

@@ -363,3 +363,51 @@ def test_threads_do_not_outlive_a_failed_read(
             pass
     assert not loader_threads()
     assert os.path.ismount(mount.mountpoint)
+
+
+def _resident_kib(address: int) -> int:
+    """The resident KiB of the mapping of this process that holds ``address``."""
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        inside = False
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                start, end = (int(x, 16) for x in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_workers_fresh_batch_memory_is_faulted_in_at_once() -> None:
+    # What _batch_tensor does in a DataLoader worker, on a fresh shared storage.
+    import decodefs.torch as decodefs_torch
+
+    nbytes = 64 * 224 * 224 * 3
+    untouched = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+    assert _resident_kib(untouched.data_ptr()) == 0
+    fresh = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+    decodefs_torch._populate(fresh.data_ptr(), fresh.nbytes())
+    assert _resident_kib(fresh.data_ptr()) * 1024 >= nbytes
+
+
+def test_read_stored_rows_reads_the_hits_and_names_the_misses(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    from decodefs.reader import read_stored_rows
+
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    paths = [mount.path("v1", str(SIZE), f"{key}.npy") for key in keys]
+    stored = set(range(0, len(keys), 3))
+    for i in stored:
+        read_array(paths[i])
+    rows = np.zeros((len(keys), SIZE, SIZE, 3), np.uint8)
+    misses = read_stored_rows(paths, rows)
+    assert misses == [i for i in range(len(keys)) if i not in stored]
+    assert mount.stats()["misses"] == len(stored)  # no miss was read through the mount
+    for i in stored:
+        assert np.array_equal(rows[i], read_array(paths[i])), keys[i]
+    assert not rows[misses].any()
+    with pytest.raises(ValueError, match="paths for"):
+        read_stored_rows(paths, rows[1:])
