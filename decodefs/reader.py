@@ -148,7 +148,9 @@ def read_stored_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -
     return _stored_into(*found, path, out)
 
 
-def read_stored_rows(paths: Sequence[str], rows: npt.NDArray[np.uint8]) -> list[int]:
+def read_stored_rows(
+    paths: Sequence[str | os.PathLike[str]], rows: npt.NDArray[np.uint8]
+) -> list[int]:
     """``read_stored_into(paths[i], rows[i])`` for each ``i`` (``rows`` a writable,
     C-contiguous uint8 array of one row per path: a batch tensor's memory), with
     the rows checked once and each mount found once for the whole batch; the
@@ -158,7 +160,7 @@ def read_stored_rows(paths: Sequence[str], rows: npt.NDArray[np.uint8]) -> list[
         raise ValueError(f"{len(paths)} paths for {len(rows)} rows")
     known: dict[int, _Mount | None] = {}  # st_dev -> its mount, for this batch
     misses = []
-    for i, path in enumerate(paths):
+    for i, path in enumerate(map(os.fspath, paths)):
         found = _locate(path, known)
         if found is None or not _stored_into(*found, path, rows[i]):
             misses.append(i)
