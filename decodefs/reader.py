@@ -160,7 +160,8 @@ def read_stored_rows(
         raise ValueError(f"{len(paths)} paths for {len(rows)} rows")
     known: dict[int, _Mount | None] = {}  # st_dev -> its mount, for this batch
     misses = []
-    for i, path in enumerate(map(os.fspath, paths)):
+    for i, name in enumerate(paths):
+        path = os.fspath(name)
         found = _locate(path, known)
         if found is None or not _stored_into(*found, path, rows[i]):
             misses.append(i)
