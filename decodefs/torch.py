@@ -513,8 +513,9 @@ def _populate(address: int, length: int) -> None:
     A new shared-memory batch (one per batch in a DataLoader worker: the
     training process may hold the last one) would otherwise take a page
     fault per 4 KiB page as the reads fill it, which costs more than the
-    reads (scripts/bench_loader.py's ``shm`` figures). Nothing is done on a
-    kernel without ``MADV_POPULATE_WRITE``; the pages then fault in as before.
+    reads (docs/peers.md: 3.7 ms against 2.3 ms for a batch of 64 at 224).
+    Nothing is done on a kernel without ``MADV_POPULATE_WRITE``; the pages
+    then fault in as before.
     """
     global _populating
     if not _populating or length == 0:
