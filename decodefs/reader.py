@@ -48,7 +48,7 @@ from .inodes import INODE_LAYOUT, Kind, Node
 from .mountinfo import mounts
 from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
 
-__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_into", "read_stored_rows"]
+__all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -135,26 +135,16 @@ def read_array_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) ->
     out[...] = array
 
 
-def read_stored_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) -> bool:
-    """``read_array_into``'s hit alone: True if ``path``'s array was read from the
-    store into ``out`` (checked and reported); False if it is no hit (a miss, an
-    entry that failed its check, a file of no store this process may read), and
-    nothing else was done: ``read_array_into`` reads it then, through the mount."""
-    path = os.fspath(path)
-    _check_out(out)
-    found = _locate(path)
-    if found is None:
-        return False
-    return _stored_into(*found, path, out)
-
-
 def read_stored_rows(
     paths: Sequence[str | os.PathLike[str]], rows: npt.NDArray[np.uint8]
 ) -> list[int]:
-    """``read_stored_into(paths[i], rows[i])`` for each ``i`` (``rows`` a writable,
-    C-contiguous uint8 array of one row per path: a batch tensor's memory), with
-    the rows checked once and each mount found once for the whole batch; the
-    indices of the paths that were no hit, for ``read_array_into`` to read."""
+    """``read_array_into(paths[i], rows[i])``'s hits alone, for each ``i`` (``rows`` a
+    writable, C-contiguous uint8 array of one row per path: a batch tensor's
+    memory): each array the store holds is read into its row, checked and
+    reported, with ``rows`` checked once and each mount found once for the batch.
+    Returns the indices of the paths that were no hit (a miss, an entry that
+    failed its check, a file of no store this process may read):
+    ``read_array_into`` reads those through the mount."""
     _check_out(rows)
     if len(paths) != len(rows):
         raise ValueError(f"{len(paths)} paths for {len(rows)} rows")

@@ -5,7 +5,7 @@ The only module of decodefs that imports torch (the optional extra
 from ``read_array`` (a stored array is read straight from the store, without
 a FUSE request) or, for ``LiveDataset``, from ``decode_image`` with the
 version's own settings, so the two give the same pixels; ``BatchLoader`` reads
-a MountDataset's arrays by threads into batch tensors (``read_array_into``),
+a MountDataset's arrays by threads into batch tensors (``read_stored_rows``),
 with no worker process. Nothing here caches
 arrays, talks to the daemon or knows the store's layout.
 
@@ -165,7 +165,7 @@ class MountDataset(_UuidDataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, as a DataLoader asks for a batch: without a
-        ``transform``, each array is read (``read_array_into``) straight into a row
+        ``transform``, each array is read (``read_stored_rows``) straight into a row
         of one uint8 tensor allocated for the batch (in a worker, in shared
         memory), which ``collate_uint8`` then passes on as the batch, uncopied."""
         if self.transform is not None:
