@@ -23,8 +23,13 @@ from the daemon's counters.
 
 Last, warm hits (everything page-cached): plain np.load through the mount
 against a minimal pyfuse3 file system (scripts/minimalfs.py) serving the same
-bytes, in --rounds rounds, each with fresh processes for both (a process's
-placement moves its rate by ~10% here), daemon and reader on one core.
+bytes, and against the same minimal file system in a process that first
+imported every module the daemon imports (--import-daemon: what a process of
+the daemon's size costs the loop, with none of decodefs's handlers), in
+--rounds rounds, each with fresh processes for all three (a process's
+placement moves its rate by ~10% here), daemons and reader on one core, each
+contender measured once first, once second and once last in a round (the
+order alone moved a rate by a few percent).
 
     .venv/bin/python scripts/bench_plain.py [--count 8000] [--readers 2 8] [--limits none 1.5 0.5]
 
@@ -82,7 +87,7 @@ def main() -> None:
     parser.add_argument("--limits", nargs="+", default=["none", "1.5", "0.5"])
     parser.add_argument("--rounds", type=int, default=9, help="warm-hit rounds")
     parser.add_argument("--hit-files", type=int, default=300, help="arrays in a warm-hit round")
-    parser.add_argument("--hits-only", action="store_true", help="only the warm hits vs minimal")
+    parser.add_argument("--hits-only", action="store_true", help="only the warm hits")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_plain.py: run as root (memory cgroups, drop_caches)")
@@ -143,12 +148,14 @@ def linked_entries(store: Path, size: int, uuids: Sequence[str]) -> Path:
 
 @contextlib.contextmanager
 def minimal_mount(
-    source: Path, mountpoint: Path, *, from_disk: bool
+    source: Path, mountpoint: Path, *, from_disk: bool, import_daemon: bool = False
 ) -> Iterator[subprocess.Popen[str]]:
     """scripts/minimalfs.py serving ``source`` at ``mountpoint`` (its process)."""
     mountpoint.mkdir(exist_ok=True)
     command = [sys.executable, str(Path(__file__).with_name("minimalfs.py"))]
-    command += [*(["--from-disk"] if from_disk else []), str(source), str(mountpoint)]
+    command += ["--from-disk"] if from_disk else []
+    command += ["--import-daemon"] if import_daemon else []
+    command += [str(source), str(mountpoint)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
@@ -299,10 +306,18 @@ def _loop(paths: Sequence[Path], loops: int) -> float:
     return loops * len(paths) / (time.perf_counter() - started)
 
 
-def warm_hits(
-    originals: Path, store: Path, size: int, rounds: int, count: int
-) -> list[tuple[float, float]]:
-    """(mount, minimal) hits/s per round, each round with fresh processes for both."""
+@dataclass
+class HitRound:
+    """Warm hits/s of one round: the mount, the minimal file system, and the minimal
+    file system in a process with the daemon's imports."""
+
+    mount: float
+    minimal: float
+    minimal_imports: float
+
+
+def warm_hits(originals: Path, store: Path, size: int, rounds: int, count: int) -> list[HitRound]:
+    """Hits/s per round, each round with fresh processes for all three."""
     flat = WORK / f"{store.name}-flat-{count}"
     uuids = sorted(p.stem for p in originals.rglob("*.jpg"))[:count]
     if not flat.is_dir() or sorted(p.stem for p in flat.iterdir()) != uuids:
@@ -317,22 +332,34 @@ def warm_hits(
         os.sched_setaffinity(0, {cpu})
         for _ in range(rounds):
             bench = BenchMount(originals, [size], store=store)
-            minimal_mnt = bench.directory / "minimal"
+            plain_mnt, heavy_mnt = bench.directory / "minimal", bench.directory / "heavy"
             try:
-                with minimal_mount(flat, minimal_mnt, from_disk=False) as minimal:
+                with (
+                    minimal_mount(flat, plain_mnt, from_disk=False) as plain,
+                    minimal_mount(flat, heavy_mnt, from_disk=False, import_daemon=True) as heavy,
+                ):
                     bench.mount()
                     ours = [bench.arrays(size) / f"{uuid}.npy" for uuid in uuids]
-                    theirs = [minimal_mnt / f"{uuid}.npy" for uuid in uuids]
-                    _pin(_daemon_pid(bench), cpu)
-                    _pin(minimal.pid, cpu)
-                    _loop(ours, 1), _loop(theirs, 1)  # verified, and page-cached
-                    pairs = [(_loop(ours, 3), _loop(theirs, 3)) for _ in range(3)]
+                    theirs = [plain_mnt / f"{uuid}.npy" for uuid in uuids]
+                    heavies = [heavy_mnt / f"{uuid}.npy" for uuid in uuids]
+                    for pid in (_daemon_pid(bench), plain.pid, heavy.pid):
+                        _pin(pid, cpu)
+                    contenders = (ours, theirs, heavies)
+                    for paths in contenders:
+                        _loop(paths, 1)  # verified, and page-cached
+                    rates: list[list[float]] = [[], [], []]
+                    for turn in range(3):  # each contender once first, once second, once last
+                        for i in (turn, turn + 1, turn + 2):
+                            rates[i % 3].append(_loop(contenders[i % 3], 3))
             finally:
                 bench.remove()
-            mount_rate = statistics.median(p[0] for p in pairs)
-            minimal_rate = statistics.median(p[1] for p in pairs)
-            results.append((mount_rate, minimal_rate))
-            print(f"  warm hits: mount {mount_rate:,.0f}/s, minimal {minimal_rate:,.0f}/s")
+            medians = [statistics.median(r) for r in rates]
+            results.append(HitRound(*medians))
+            print(
+                f"  warm hits: mount {medians[0]:,.0f}/s, minimal {medians[1]:,.0f}/s, "
+                f"minimal with the daemon's imports {medians[2]:,.0f}/s",
+                flush=True,
+            )
     finally:
         os.sched_setaffinity(0, here)
     return results
@@ -342,7 +369,7 @@ def warm_hits(
 
 
 def report(
-    cells: list[Cell], hits: list[tuple[float, float]], store_bytes: int, args: argparse.Namespace
+    cells: list[Cell], hits: list[HitRound], store_bytes: int, args: argparse.Namespace
 ) -> str:
     def get(readers: int, limit: str, contender: str) -> Cell:
         return next(
@@ -391,13 +418,26 @@ def report(
             none, mid = get(readers, "none", "mount"), get(readers, "1.5", "mount")
             lines.append(f"mount epoch 2 at 1.5x / no limit: {mid.warm / none.warm:.2f}x")
         lines.append("")
-    ratios = [m / t for m, t in hits]
-    lines.append(
-        f"warm hits, plain np.load: mount / minimal pyfuse3 = {statistics.median(ratios):.3f} "
-        f"(median of {len(ratios)} rounds; {min(ratios):.3f}-{max(ratios):.3f}); mount "
-        f"{statistics.median(m for m, _ in hits):,.0f}/s, minimal "
-        f"{statistics.median(t for _, t in hits):,.0f}/s"
-    )
+
+    def ratio(top: str, bottom: str) -> str:
+        ratios = [getattr(h, top) / getattr(h, bottom) for h in hits]
+        return (
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+            if ratios
+            else "-"
+        )
+
+    def rate(name: str) -> str:
+        return f"{statistics.median(getattr(h, name) for h in hits):,.0f}/s" if hits else "-"
+
+    lines += [
+        f"warm hits, plain np.load (median of {len(hits)} rounds; lowest-highest round):",
+        f"- mount / minimal pyfuse3 = {ratio('mount', 'minimal')}",
+        f"- minimal with the daemon's imports / minimal = {ratio('minimal_imports', 'minimal')}",
+        f"- mount / minimal with the daemon's imports = {ratio('mount', 'minimal_imports')}",
+        f"- mount {rate('mount')}, minimal {rate('minimal')}, "
+        f"minimal with the daemon's imports {rate('minimal_imports')}",
+    ]
     return "\n".join(lines)
 
 

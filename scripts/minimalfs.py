@@ -7,8 +7,12 @@ once, the readahead decodefs sets), and nothing else: no verification, no
 pins, no counters, no page-cache policy. Its files are those of ``SOURCE`` (one
 flat directory): held in memory (read at start), or with ``--from-disk`` read
 per READ request in a trio worker thread, as the simplest passthrough would.
+With ``--import-daemon`` it first imports every module decodefs's daemon
+imports (numpy, Pillow, prometheus_client, sqlite3, ...) and serves the same
+way: what a process of the daemon's size costs the same request loop, with
+none of decodefs's handlers.
 
-    .venv/bin/python scripts/minimalfs.py [--from-disk] SOURCE MOUNTPOINT
+    .venv/bin/python scripts/minimalfs.py [--from-disk] [--import-daemon] SOURCE MOUNTPOINT
 
 It prints ``ready`` on stdout once the mount is live, and the number of READ
 requests it answered when it ends (after an unmount).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib
 import os
 import stat
 from pathlib import Path
@@ -125,9 +130,13 @@ async def _serve(mountpoint: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--from-disk", action="store_true")
+    parser.add_argument("--import-daemon", action="store_true")
     parser.add_argument("source", type=Path)
     parser.add_argument("mountpoint")
     args = parser.parse_args()
+    if args.import_daemon:
+        for module in ("decodefs.cli", "decodefs.daemon"):  # what `decodefs mount` imports
+            importlib.import_module(module)
     mountpoint = os.path.abspath(args.mountpoint)
     operations = MinimalFS(args.source, args.from_disk)
     options = set(pyfuse3.default_options) | {"fsname=minimalfs", "ro"}
