@@ -48,7 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -419,24 +419,23 @@ def report(
             lines.append(f"mount epoch 2 at 1.5x / no limit: {mid.warm / none.warm:.2f}x")
         lines.append("")
 
-    def ratio(top: str, bottom: str) -> str:
-        ratios = [getattr(h, top) / getattr(h, bottom) for h in hits]
-        return (
-            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
-            if ratios
-            else "-"
-        )
+    def ratio(values: Iterable[float]) -> str:
+        v = list(values)
+        return f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "-"
 
-    def rate(name: str) -> str:
-        return f"{statistics.median(getattr(h, name) for h in hits):,.0f}/s" if hits else "-"
+    def rate(values: Iterable[float]) -> str:
+        v = list(values)
+        return f"{statistics.median(v):,.0f}/s" if v else "-"
 
     lines += [
         f"warm hits, plain np.load (median of {len(hits)} rounds; lowest-highest round):",
-        f"- mount / minimal pyfuse3 = {ratio('mount', 'minimal')}",
-        f"- minimal with the daemon's imports / minimal = {ratio('minimal_imports', 'minimal')}",
-        f"- mount / minimal with the daemon's imports = {ratio('mount', 'minimal_imports')}",
-        f"- mount {rate('mount')}, minimal {rate('minimal')}, "
-        f"minimal with the daemon's imports {rate('minimal_imports')}",
+        f"- mount / minimal pyfuse3 = {ratio(h.mount / h.minimal for h in hits)}",
+        "- minimal with the daemon's imports / minimal = "
+        + ratio(h.minimal_imports / h.minimal for h in hits),
+        "- mount / minimal with the daemon's imports = "
+        + ratio(h.mount / h.minimal_imports for h in hits),
+        f"- mount {rate(h.mount for h in hits)}, minimal {rate(h.minimal for h in hits)}, "
+        f"minimal with the daemon's imports {rate(h.minimal_imports for h in hits)}",
     ]
     return "\n".join(lines)
 
