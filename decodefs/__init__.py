@@ -13,10 +13,9 @@ straight from the verified store when it can::
     array = read_array("/mnt/decoded/v1/224/abc.npy")
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-from .config import Config, ConfigError, VersionConfig, load_config
-from .decode import (
+from .client import class_labels, list_keys, read_array
+from .common.config import Config, ConfigError, VersionConfig, load_config
+from .common.decode import (
     DecodeError,
     DecodeSettings,
     decode_image,
@@ -24,13 +23,9 @@ from .decode import (
     npy_file_size,
     npy_header,
 )
-from .keys import class_labels, list_keys
-from .reader import read_array
+from .common.version import package_version
 
-try:
-    __version__ = version("decodefs")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0+unknown"
+__version__ = package_version()
 
 __all__ = [
     "Config",

@@ -51,11 +51,10 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
         f"pip install -e '.[torch]' in its clone); the rest of decodefs works without it: {exc}"
     ) from exc
 
-from .config import Config, load_config
-from .decode import DecodeSettings, decode_image
-from .keys import missing_directory
-from .reader import flush_reports, read_array, read_array_into, read_stored_rows
-from .source import scan_source
+from .client import flush_reports, missing_directory, read_array, read_array_into, read_stored_rows
+from .common.config import Config, load_config
+from .common.decode import DecodeSettings, decode_image
+from .common.source import scan_source
 
 __all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
 

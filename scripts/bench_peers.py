@@ -57,10 +57,10 @@ from benchlib import DECODEFS, VERSION, WORK, BenchMount
 from torch.utils.data import DataLoader, Dataset
 
 from decodefs import read_array
-from decodefs.decode import DecodeSettings, decode_image, npy_file_size
-from decodefs.entry import EntryKey
-from decodefs.protocol import TRAILER_SIZE
-from decodefs.reader import read_array_into
+from decodefs.client.reader import read_array_into
+from decodefs.common.decode import DecodeSettings, decode_image, npy_file_size
+from decodefs.common.entry import EntryKey
+from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8
 

@@ -57,9 +57,9 @@ import numpy as np
 from benchlib import DECODEFS, VERSION, WORK, BenchMount
 
 from decodefs import read_array
-from decodefs.decode import npy_file_size
-from decodefs.entry import EntryKey
-from decodefs.protocol import TRAILER_SIZE
+from decodefs.common.decode import npy_file_size
+from decodefs.common.entry import EntryKey
+from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from benchlib import WORK, BenchMount
 
-from decodefs.config import DEFAULT_EXTENSIONS
-from decodefs.source import scan_source
+from decodefs.common.config import DEFAULT_EXTENSIONS
+from decodefs.common.source import scan_source
 
 
 def main() -> None:

@@ -135,7 +135,10 @@ def main() -> None:
     parser.add_argument("mountpoint")
     args = parser.parse_args()
     if args.import_daemon:
-        for module in ("decodefs.cli", "decodefs.daemon"):  # what `decodefs mount` imports
+        for module in (
+            "decodefs.cli.commands",
+            "decodefs.daemon.lifecycle",
+        ):  # what `decodefs mount` imports
             importlib.import_module(module)
     mountpoint = os.path.abspath(args.mountpoint)
     operations = MinimalFS(args.source, args.from_disk)

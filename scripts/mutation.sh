@@ -7,7 +7,7 @@
 # then prints the mutants no test killed. Not part of CI: it takes a while.
 #
 #   scripts/mutation.sh                          # every module above
-#   scripts/mutation.sh 'decodefs/memory.py'     # only files matching these globs
+#   scripts/mutation.sh 'decodefs/daemon/memory.py'     # only files matching these globs
 #   MUTATION_JOBS=2 scripts/mutation.sh          # parallel mutants (default: cores)
 #
 # Afterwards: cd .mutation && ../.venv/bin/mutmut show <name>   (the diff of one survivor)
@@ -23,9 +23,9 @@ fi
 if [ "$#" -gt 0 ]; then
     modules=("$@")
 else
-    modules=(decodefs/engine.py decodefs/store.py decodefs/storeroot.py decodefs/markers.py
-             decodefs/movein.py decodefs/capacity.py decodefs/entry.py
-             decodefs/memory.py decodefs/source.py decodefs/tree.py)
+    modules=(decodefs/daemon/engine.py decodefs/store/store.py decodefs/store/root.py decodefs/store/markers.py
+             decodefs/store/movein.py decodefs/store/capacity.py decodefs/common/entry.py
+             decodefs/daemon/memory.py decodefs/common/source.py decodefs/daemon/namespace.py)
 fi
 # The in-process tests: real stores, sources and decodes, no mount.
 tests=(tests/test_engine.py tests/test_fs.py tests/test_tree.py tests/test_store.py

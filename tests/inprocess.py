@@ -13,16 +13,16 @@ from typing import Any
 
 import pyfuse3
 
-from decodefs.background_warm import BackgroundWarm
-from decodefs.config import Config, parse_config
-from decodefs.decode import quiet_pillow_warnings
-from decodefs.engine import Engine, Handle
-from decodefs.entry import EntryKey
-from decodefs.fs import DecodeFS
-from decodefs.source import SourceIndex, scan_source
-from decodefs.stats import snapshot
-from decodefs.store import Store
-from decodefs.tree import ROOT, Tree
+from decodefs.common.config import Config, parse_config
+from decodefs.common.decode import quiet_pillow_warnings
+from decodefs.common.entry import EntryKey
+from decodefs.common.source import SourceIndex, scan_source
+from decodefs.daemon.background_warm import BackgroundWarm
+from decodefs.daemon.engine import Engine, Handle
+from decodefs.daemon.fs import DecodeFS
+from decodefs.daemon.namespace import ROOT, Tree
+from decodefs.daemon.stats import snapshot
+from decodefs.store.store import Store
 
 CTX = pyfuse3.RequestContext()
 

@@ -18,11 +18,11 @@ import numpy as np
 from PIL import Image
 
 from decodefs import DecodeSettings, decode_image
-from decodefs.config import load_config
-from decodefs.decode import decoder_fingerprint
-from decodefs.entry import EntryKey, encode_trailer
-from decodefs.protocol import TRAILER_SIZE
-from decodefs.store import Store
+from decodefs.common.config import load_config
+from decodefs.common.decode import decoder_fingerprint
+from decodefs.common.entry import EntryKey, encode_trailer
+from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.store.store import Store
 from tests.conftest import MountFactory
 from tests.helpers import decodefs, reference_npy, wait_until, write_config
 

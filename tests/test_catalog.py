@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decodefs.catalog import Catalog
+from decodefs.store.catalog import Catalog
 
 
 def test_rows_totals_and_lru_order(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from decodefs.config import DEFAULT_CONFIG_PATH
+from decodefs.common.config import DEFAULT_CONFIG_PATH
 from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import (
     abort_fuse_connection,

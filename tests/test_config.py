@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from decodefs import config as config_module
-from decodefs.config import ConfigError, load_config, parse_byte_size, parse_config
+from decodefs.common import config as config_module
+from decodefs.common.config import ConfigError, load_config, parse_byte_size, parse_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

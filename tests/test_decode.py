@@ -11,7 +11,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from decodefs import DecodeError, DecodeSettings, decode_image, npy_bytes, npy_file_size, npy_header
-from decodefs.decode import decoder_fingerprint
+from decodefs.common.decode import decoder_fingerprint
 from tests.helpers import SKIMAGE_DATA, png_header_only, reference_npy, write_bad_originals
 
 

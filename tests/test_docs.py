@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from decodefs.config import load_config, parse_config
+from decodefs.common.config import load_config, parse_config
 from decodefs.sample import make_sample_corpus, photo_like
 from tests.helpers import decodefs, is_mounted, unmount_quietly
 

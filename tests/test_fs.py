@@ -17,9 +17,9 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
-from decodefs.decode import npy_file_size
-from decodefs.inodes import Kind, Node
-from decodefs.protocol import RECHECK_FLAG, TRAILER_SIZE, WARM_FLAG
+from decodefs.common.decode import npy_file_size
+from decodefs.common.inodes import Kind, Node
+from decodefs.common.protocol import RECHECK_FLAG, TRAILER_SIZE, WARM_FLAG
 from tests.conftest import DaemonFactory
 from tests.helpers import reference_npy, write_bad_originals
 from tests.inprocess import CTX, InProcess
@@ -266,7 +266,9 @@ async def test_an_unexpected_exception_is_eio_and_logged_once_not_per_call(
     for _ in range(1000):
         assert await fuse_errno(d.ops.open, entry, os.O_RDONLY, CTX) == errno.EIO
     assert d.stats()["errors"]["unexpected"] == 1000
-    lines = [r for r in caplog.records if r.name == "decodefs.fs" and r.levelno >= logging.ERROR]
+    lines = [
+        r for r in caplog.records if r.name == "decodefs.daemon.fs" and r.levelno >= logging.ERROR
+    ]
     assert len(lines) == 1  # the first, with its traceback; the rest are folded
     assert lines[0].exc_info is not None and "unexpected error in open" in lines[0].getMessage()
     assert "failpoint" in caplog.text and "Traceback" in caplog.text

@@ -7,7 +7,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodefs.metrics import Histogram, LogThrottle, render_prometheus
+from decodefs.common.metrics import Histogram, LogThrottle, render_prometheus
 
 
 def snapshot() -> dict[str, object]:

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import trio
 
-from decodefs.config import DEFAULT_EXTENSIONS, ConfigError, load_config, parse_config
-from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_file_size
-from decodefs.engine import Engine
-from decodefs.entry import EntryKey, iter_entries
-from decodefs.protocol import StoreStatus
-from decodefs.source import SourceError, SourceIndex, scan_source
-from decodefs.store import CorruptEntry, Store
-from decodefs.tree import ROOT, Kind, Node, Tree
-from decodefs.warm import read_uuid_list
+from decodefs.client.warm import read_uuid_list
+from decodefs.common.config import DEFAULT_EXTENSIONS, ConfigError, load_config, parse_config
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_file_size
+from decodefs.common.entry import EntryKey, iter_entries
+from decodefs.common.protocol import StoreStatus
+from decodefs.common.source import SourceError, SourceIndex, scan_source
+from decodefs.daemon.engine import Engine
+from decodefs.daemon.namespace import ROOT, Kind, Node, Tree
+from decodefs.store.store import CorruptEntry, Store
 from tests.helpers import SKIMAGE_DATA, reference_npy
 
 V1 = decoder_fingerprint(DecodeSettings())
@@ -632,9 +632,9 @@ def test_store_json_lists_mirror_versions_apart() -> None:
 def test_a_changed_layout_discards_the_stored_arrays(tmp_path: Path) -> None:
     # "0001" names the stem of an original anywhere in a uuid version, but the
     # top-level 0001.jpg in a mirror version: one must never be served as the other.
-    from decodefs.config import VersionConfig
-    from decodefs.decode import DecodeSettings
-    from decodefs.store import Store
+    from decodefs.common.config import VersionConfig
+    from decodefs.common.decode import DecodeSettings
+    from decodefs.store.store import Store
 
     def version(layout: str) -> VersionConfig:
         return VersionConfig(

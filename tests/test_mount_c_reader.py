@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decodefs.protocol import TRAILER_SIZE
+from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory
 from tests.helpers import reference_npy
 

@@ -14,10 +14,10 @@ import pytest
 from PIL import Image
 
 from decodefs import DecodeSettings, npy_bytes, read_array
-from decodefs.decode import decoder_fingerprint
-from decodefs.entry import EntryKey
-from decodefs.protocol import TRAILER_SIZE
-from decodefs.store import Store
+from decodefs.common.decode import decoder_fingerprint
+from decodefs.common.entry import EntryKey
+from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.store.store import Store
 from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import decodefs, errno_of, reference_npy, wait_until, write_bad_originals
 

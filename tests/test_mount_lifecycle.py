@@ -291,8 +291,8 @@ def test_sigusr1_logs_every_threads_stack_and_the_trio_tasks_and_keeps_serving(
         return (
             log.count("Current thread 0x") >= times  # faulthandler: the thread that got it
             and log.count("SIGUSR1: every thread's stack is above") >= times
-            and "task decodefs.daemon._serve" in log
-            and "task decodefs.daemon._stop_on_signal at " in log  # where it waits
+            and "task decodefs.daemon.lifecycle._serve" in log
+            and "task decodefs.daemon.lifecycle._stop_on_signal at " in log  # where it waits
         )
 
     process = mount.process

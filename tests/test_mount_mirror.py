@@ -16,11 +16,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from decodefs import read_array, reader
-from decodefs.config import DEFAULT_EXTENSIONS
-from decodefs.decode import npy_file_size
-from decodefs.entry import EntryKey
-from decodefs.protocol import TRAILER_SIZE
+from decodefs import read_array
+from decodefs.client import reader
+from decodefs.common.config import DEFAULT_EXTENSIONS
+from decodefs.common.decode import npy_file_size
+from decodefs.common.entry import EntryKey
+from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory
 from tests.helpers import Mount, decodefs, errno_of, reference_npy, wait_until
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from decodefs import read_array
-from decodefs.daemon import READAHEAD_KB
-from decodefs.decode import npy_file_size
-from decodefs.entry import EntryKey
-from decodefs.pagecache import drop, read_resident
+from decodefs.common.decode import npy_file_size
+from decodefs.common.entry import EntryKey
+from decodefs.daemon.lifecycle import READAHEAD_KB
+from decodefs.store.pagecache import drop, read_resident
 from tests.conftest import MountFactory, needs_root_because
 from tests.helpers import is_live_mount, reference_npy, wait_until
 

@@ -17,8 +17,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from decodefs import read_array, reader
-from decodefs.protocol import TRAILER_SIZE
+from decodefs import read_array
+from decodefs.client import reader
+from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
     Mount,
@@ -361,8 +362,8 @@ def test_a_new_mount_on_a_reused_device_number_is_noticed(
 
 def test_reports_go_in_datagrams_the_daemon_reads_whole(tmp_path: Path) -> None:
     # In process: a real datagram socket stands where the daemon listens.
-    from decodefs.entry import EntryKey
-    from decodefs.protocol import ACCESS_REPORT_MAX, parse_access_report
+    from decodefs.common.entry import EntryKey
+    from decodefs.common.protocol import ACCESS_REPORT_MAX, parse_access_report
 
     address = str(tmp_path / "access.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodefs.config import parse_config
-from decodefs.protocol import STATS
+from decodefs.common.config import parse_config
+from decodefs.common.protocol import STATS
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
     decodefs,

@@ -10,8 +10,8 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from decodefs.daemon import _feed_watchdog
-from decodefs.notify import ServiceNotifier
+from decodefs.daemon.lifecycle import _feed_watchdog
+from decodefs.daemon.notify import ServiceNotifier
 
 
 def test_messages_reach_the_socket(notify_listener: tuple[socket.socket, str]) -> None:

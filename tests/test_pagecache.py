@@ -17,8 +17,8 @@ import pytest
 import trio
 import trio.testing
 
-from decodefs.entry import EntryKey
-from decodefs.pagecache import (
+from decodefs.common.entry import EntryKey
+from decodefs.store.pagecache import (
     READ_DROP_DELAY,
     WRITTEN_DROP_DELAY,
     PendingDrops,

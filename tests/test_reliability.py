@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from decodefs.mountinfo import mounts
+from decodefs.common.mounts import mounts
 from tests.conftest import needs_root
 
 # The script mounts a dozen daemons in turn: minutes under load, not the usual 120 s.

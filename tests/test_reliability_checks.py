@@ -16,9 +16,9 @@ from typing import Final
 import numpy as np
 import pytest
 
-from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_header
-from decodefs.entry import EntryKey
-from decodefs.store import Store
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_header
+from decodefs.common.entry import EntryKey
+from decodefs.store.store import Store
 from scripts.reliability.checks import (
     StoreAccount,
     Tally,

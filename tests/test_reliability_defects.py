@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import trio
 
-from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
-from decodefs.entry import EntryKey
-from decodefs.pools import LowPriorityPool
-from decodefs.protocol import STORE_FORMAT
-from decodefs.store import Store
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes
+from decodefs.common.entry import EntryKey
+from decodefs.common.protocol import STORE_FORMAT
+from decodefs.daemon.pools import LowPriorityPool
+from decodefs.store.store import Store
 from tests.conftest import MountFactory
 from tests.helpers import errno_of
 
@@ -79,7 +79,7 @@ def test_a_store_made_again_that_cannot_be_used_is_logged_once_not_every_check(
     shutil.rmtree(root)
     root.mkdir(mode=0o700)
     (root / ".decodefs-store").write_text("{not json")
-    with caplog.at_level(logging.DEBUG, logger="decodefs.storeroot"):
+    with caplog.at_level(logging.DEBUG, logger="decodefs.store.root"):
         for _ in range(4):
             store.check()
     unusable = [

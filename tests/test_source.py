@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from decodefs.config import DEFAULT_EXTENSIONS
-from decodefs.source import OriginalMissing, SourceError, scan_source
+from decodefs.common.config import DEFAULT_EXTENSIONS
+from decodefs.common.source import OriginalMissing, SourceError, scan_source
 from tests.conftest import needs_root_because
 
 

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodefs.cli import format_all_stats, format_stats
-from decodefs.cluster import L2Metrics, L2Tier
-from decodefs.config import parse_config
-from decodefs.engine import Engine
-from decodefs.l2 import open_backend
-from decodefs.metrics import Metrics, render_prometheus
-from decodefs.protocol import STATS
-from decodefs.source import scan_source
-from decodefs.stats import snapshot
-from decodefs.store import Store
+from decodefs.cli.commands import format_all_stats, format_stats
+from decodefs.cluster.backends import open_backend
+from decodefs.cluster.tier import L2Metrics, L2Tier
+from decodefs.common.config import parse_config
+from decodefs.common.metrics import Metrics, render_prometheus
+from decodefs.common.protocol import STATS
+from decodefs.common.source import scan_source
+from decodefs.daemon.engine import Engine
+from decodefs.daemon.stats import snapshot
+from decodefs.store.store import Store
 
 NAMES = {stat.name for stat in STATS}
 PROMETHEUS_TYPES = {

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decodefs.config import parse_config
-from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes
-from decodefs.entry import EntryKey
-from decodefs.protocol import TRAILER_SIZE
-from decodefs.source import scan_source
-from decodefs.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError
+from decodefs.common.config import parse_config
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes
+from decodefs.common.entry import EntryKey
+from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.common.source import scan_source
+from decodefs.store.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError
 from tests.conftest import Tmpfs, fail_read_only, needs_root
 
 V1 = decoder_fingerprint(DecodeSettings())

@@ -505,9 +505,9 @@ def test_decodefs_imports_without_torch() -> None:
 
         sys.meta_path.insert(0, NoTorch())
         import decodefs
-        for module in pkgutil.iter_modules(decodefs.__path__):
-            if module.name not in ("torch", "__main__"):
-                importlib.import_module(f"decodefs.{module.name}")
+        for module in pkgutil.walk_packages(decodefs.__path__, "decodefs."):
+            if module.name not in ("decodefs.torch", "decodefs.__main__"):
+                importlib.import_module(module.name)
         assert "torch" not in sys.modules
         try:
             import decodefs.torch

@@ -22,9 +22,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from decodefs import class_labels, list_keys, read_array
-from decodefs.decode import npy_header
-from decodefs.entry import EntryKey
-from decodefs.protocol import TRAILER_SIZE
+from decodefs.common.decode import npy_header
+from decodefs.common.entry import EntryKey
+from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8
 from tests.conftest import MountFactory
 from tests.helpers import Mount, decodefs, wait_until
@@ -394,7 +394,7 @@ def test_a_workers_fresh_batch_memory_is_faulted_in_at_once() -> None:
 def test_read_stored_rows_reads_the_hits_and_names_the_misses(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
-    from decodefs.reader import read_stored_rows
+    from decodefs.client.reader import read_stored_rows
 
     mount = mounts({"v1": photos_dir})
     keys = sorted(photos)

@@ -22,8 +22,8 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from decodefs.inodes import Kind, Node
-from decodefs.tree import NAME_MAX, ROOT, STATUS_DIR
+from decodefs.common.inodes import Kind, Node
+from decodefs.daemon.namespace import NAME_MAX, ROOT, STATUS_DIR
 from tests import inprocess
 from tests.inprocess import CTX, InProcess
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decodefs.protocol import TRAILER_SIZE
+from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory
 from tests.helpers import decodefs
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Final
 
 from decodefs import npy_file_size
-from decodefs.admission import WAITING_PER_USER
-from decodefs.fs import MAX_REQUEST_TASKS
+from decodefs.daemon.admission import WAITING_PER_USER
+from decodefs.daemon.fs import MAX_REQUEST_TASKS
 from tests.helpers import NOBODY, wait_until
 
 from .checks import errno_name

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from decodefs.mountinfo import mounts
+from decodefs.common.mounts import mounts
 from tests.helpers import decodefs, is_mounted, unmount_quietly, wait_until
 
 T = TypeVar("T")

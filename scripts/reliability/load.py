@@ -14,7 +14,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 from decodefs import npy_file_size
-from decodefs.protocol import TRAILER_SIZE
+from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 from tests.helpers import decodefs
 

@@ -18,9 +18,9 @@ import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .entry import EntryKey, check_entry, encode_trailer
-from .protocol import TRAILER_SIZE
-from .storeroot import read_all
+from ..common.entry import EntryKey, check_entry, encode_trailer
+from ..common.protocol import TRAILER_SIZE
+from .root import read_all
 
 if TYPE_CHECKING:
     from .store import Store

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterator
 from typing import Final
 
-from .metrics import LogThrottle, Metrics
+from ..common.metrics import LogThrottle, Metrics
 
 __all__ = ["WAITING_PER_USER", "Admission", "UserBusy"]
 

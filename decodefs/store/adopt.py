@@ -38,13 +38,13 @@ from pathlib import Path
 import PIL
 from tqdm import tqdm
 
-from .config import Config
-from .decode import DecodeError, decode_image, npy_bytes, npy_file_size
-from .entry import EntryKey, check_entry, layout_problem
-from .protocol import TRAILER_SIZE
-from .source import OriginalMissing, SourceIndex, scan_source
+from ..common.config import Config
+from ..common.decode import DecodeError, decode_image, npy_bytes, npy_file_size
+from ..common.entry import EntryKey, check_entry, layout_problem
+from ..common.protocol import TRAILER_SIZE
+from ..common.source import OriginalMissing, SourceIndex, scan_source
+from ..common.trusted import UntrustedPath, open_trusted_dir
 from .store import CannotMove, Store, StoreInUse, StoreWriteError, lock_store
-from .trusted import UntrustedPath, open_trusted_dir
 
 __all__ = ["DEFAULT_SAMPLE", "AdoptError", "AdoptReport", "adopt"]
 

@@ -16,8 +16,8 @@ from collections.abc import Iterator, Mapping
 
 import trio
 
+from ..common.source import SourceIndex
 from .engine import Engine
-from .source import SourceIndex
 
 __all__ = ["BackgroundWarm"]
 

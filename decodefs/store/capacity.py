@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
+from ..common.entry import EntryKey
 from .catalog import Catalog
-from .entry import EntryKey
 
 __all__ = ["Capacity", "StoreUsage"]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..common.entry import STALE, EntryKey, check_entry_file, iter_entries
 from .catalog import Catalog
-from .entry import STALE, EntryKey, check_entry_file, iter_entries
 from .markers import recorded_digest
 from .store import CATALOG_FILE, StoreInUse, lock_store
 

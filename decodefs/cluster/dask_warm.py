@@ -31,16 +31,22 @@ from typing import Any, Final, Literal
 
 from tqdm import tqdm
 
+from ..common.config import Config, L2Config
+from ..common.decode import (
+    DecodeError,
+    DecodeSettings,
+    decode_image,
+    decoder_fingerprint,
+    npy_bytes,
+)
+from ..common.decode import npy_file_size as _npy_file_size
+from ..common.entry import EntryKey, encode_trailer
+from ..common.protocol import TRAILER_SIZE
+from ..common.source import OriginalMissing, scan_source
 from . import leases
-from .cluster import RENEW_LEASES, verify_object
-from .config import Config, L2Config
-from .decode import DecodeError, DecodeSettings, decode_image, decoder_fingerprint, npy_bytes
-from .decode import npy_file_size as _npy_file_size
-from .entry import EntryKey, encode_trailer
-from .l2 import L2Backend, L2Error, object_name, open_backend
+from .backends import L2Backend, L2Error, object_name, open_backend
 from .leases import Claim
-from .protocol import TRAILER_SIZE
-from .source import OriginalMissing, scan_source
+from .tier import RENEW_LEASES, verify_object
 
 __all__ = [
     "BatchResult",

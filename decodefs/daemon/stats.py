@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from ..common.metrics import figures
+from ..common.source import SourceIndex
 from .engine import Engine
-from .metrics import figures
-from .source import SourceIndex
 
 __all__ = ["snapshot"]
 

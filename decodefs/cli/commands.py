@@ -24,10 +24,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from . import __version__
-from .adopt import DEFAULT_SAMPLE
-from .config import DEFAULT_CONFIG_PATH, LOG_LEVELS, Config, ConfigError, load_config
-from .protocol import CONFIG_FILE, FS_TYPE, STATS, STATS_FILE, STATUS_DIR, STORE_MARKER, Stat
+from ..common.config import DEFAULT_CONFIG_PATH, LOG_LEVELS, Config, ConfigError, load_config
+from ..common.protocol import (
+    CONFIG_FILE,
+    FS_TYPE,
+    STATS,
+    STATS_FILE,
+    STATUS_DIR,
+    STORE_MARKER,
+    Stat,
+)
+from ..common.version import package_version
+from ..store import DEFAULT_SAMPLE
 
 __all__ = ["main"]
 
@@ -70,7 +78,7 @@ def _error_text(exc: BaseException) -> str:
 def _store_holder_hint(pid: int) -> str:
     """What process ``pid`` (holding a store's lock) is: the daemon of which mount point,
     or which command; found without touching any mount that does not answer."""
-    from .daemon import daemon_mountpoint
+    from ..common.mounts import daemon_mountpoint
 
     mountpoint = daemon_mountpoint(pid)
     if mountpoint is not None:
@@ -108,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="decodefs",
         description="Serve decoded, resized images as .npy files from a verified flash cache.",
     )
-    parser.add_argument("--version", action="version", version=f"decodefs {__version__}")
+    parser.add_argument("--version", action="version", version=f"decodefs {package_version()}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
     config_help = f"TOML config (default: $DECODEFS_CONFIG, else {DEFAULT_CONFIG_PATH})"
@@ -295,14 +303,15 @@ def _mount(args: argparse.Namespace) -> int:
     if args.mkdir:
         with contextlib.suppress(OSError):  # a stale mount there is dealt with below
             os.makedirs(mountpoint, exist_ok=True)
-    from . import daemon
+    from .. import daemon
+    from ..common.mounts import prepare_mountpoint
 
     if log_file is not None:
         logging.basicConfig(
             level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr
         )
         # Fail here, in the user's terminal, before the daemon starts.
-        daemon.prepare_mountpoint(mountpoint, args.nonempty)
+        prepare_mountpoint(mountpoint, args.nonempty)
         warning = daemon.store_warning(config)
         if warning is not None:  # the daemon logs it too, but the user is here
             print(f"decodefs: warning: {warning}", file=sys.stderr)
@@ -340,7 +349,7 @@ def _mount(args: argparse.Namespace) -> int:
 
 
 def _umount(args: argparse.Namespace) -> int:
-    from .daemon import clear_stale, find_mount, unmount
+    from ..common.mounts import clear_stale, find_mount, unmount
 
     configured = None
     if args.mountpoint is None:
@@ -371,7 +380,7 @@ def _umount(args: argparse.Namespace) -> int:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from .warm import warm
+    from ..client import warm
 
     if args.cluster is not None:
         if args.mountpoint is not None:
@@ -441,7 +450,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
         )
     uuids = _read_uuids(args.uuids) if args.uuids else None
     try:
-        from .cluster_warm import SchedulerUnreachable, cluster_warm
+        from ..cluster import SchedulerUnreachable, cluster_warm
     except ImportError as exc:
         raise UsageError(
             f"--cluster needs Dask: the cluster extra, pip install -e '.[cluster]' in decodefs's "
@@ -474,7 +483,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
 
 
 def _adopt(args: argparse.Namespace) -> int:
-    from .adopt import adopt
+    from ..store import adopt
 
     config = _load_config(args)
     stop = threading.Event()
@@ -528,7 +537,7 @@ def _adopt(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import recorded_digests, verify_store
+    from ..store import recorded_digests, verify_store
 
     if args.target.is_dir():
         root = args.target
@@ -589,7 +598,7 @@ def _mountpoint(given: Path | None, configured: Path | None) -> str:
 
 def _decodefs_mounts() -> list[str]:
     """Where decodefs is mounted now (for a user who gave no mount point)."""
-    from .mountinfo import mounts
+    from ..common.mounts import mounts
 
     return [m.mountpoint for m in mounts() if m.fstype == FS_TYPE]
 
@@ -622,7 +631,7 @@ def _read_only(path: Path) -> bool:
 
 
 def _read_uuids(path: Path) -> list[str]:
-    from .warm import read_uuid_list
+    from ..client import read_uuid_list
 
     try:
         return read_uuid_list(path)
@@ -639,7 +648,7 @@ def _read_uuids(path: Path) -> list[str]:
 def _live_mount(path: Path, command: str) -> Path:
     """``path`` if a live decodefs daemon serves it; else a UsageError that says what it is
     (``command``, e.g. "stats {}", is how to run it on the mount point: for a path inside one)."""
-    from .daemon import PROBE_TIMEOUT, decodefs_mount_above, find_mount, probe
+    from ..common.mounts import PROBE_TIMEOUT, decodefs_mount_above, find_mount, probe
 
     real = os.path.realpath(path)  # the mount table holds real paths
     info = find_mount(real)
@@ -915,7 +924,7 @@ def _figure_text(stat: Stat, value: object) -> str:
 
 
 def _make_sample(args: argparse.Namespace) -> int:
-    from .sample import make_sample_corpus
+    from ..sample import make_sample_corpus
 
     directory: Path = args.directory
     if directory.exists() and not directory.is_dir():
@@ -961,11 +970,9 @@ def _human_bytes(value: int) -> str:
 
 def _is_user_error(exc: BaseException) -> bool:
     # Imported late: the daemon pulls in pyfuse3, which `stats` does not need.
-    from .adopt import AdoptError
-    from .daemon import MountError
-    from .source import SourceError
-    from .store import StoreError
-    from .verify import StoreBusy
+    from ..common.mounts import MountError
+    from ..common.source import SourceError
+    from ..store import AdoptError, StoreBusy, StoreError
 
     return isinstance(
         exc,

@@ -43,15 +43,15 @@ from typing import Final, TypeVar, cast
 
 import trio
 
+from ..common.config import L2Config
+from ..common.decode import Fingerprint, npy_file_size
+from ..common.entry import EntryKey, Verdict, check_entry, encode_trailer
+from ..common.metrics import Histogram, LogThrottle, figures
+from ..common.protocol import TRAILER_SIZE
 from . import leases
+from .backends import L2Backend, L2Error, object_name
 from .breaker import CircuitBreaker, State
-from .config import L2Config
-from .decode import Fingerprint, npy_file_size
-from .entry import EntryKey, Verdict, check_entry, encode_trailer
-from .l2 import L2Backend, L2Error, object_name
 from .leases import Claim
-from .metrics import Histogram, LogThrottle, figures
-from .protocol import TRAILER_SIZE
 
 __all__ = [
     "L2_SECONDS_BUCKETS",

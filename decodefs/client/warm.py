@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .protocol import WARM_FLAG
+from ..common.protocol import WARM_FLAG
 
 __all__ = ["WarmReport", "read_uuid_list", "warm"]
 

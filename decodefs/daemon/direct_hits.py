@@ -19,12 +19,12 @@ from typing import Final
 
 import trio
 
-from .config import Config
-from .entry import EntryKey
-from .metrics import LogThrottle, Metrics
-from .protocol import ACCESS_REPORT_MAX, parse_access_report
-from .source import SourceIndex
-from .store import Store
+from ..common.config import Config
+from ..common.entry import EntryKey
+from ..common.metrics import LogThrottle, Metrics
+from ..common.protocol import ACCESS_REPORT_MAX, parse_access_report
+from ..common.source import SourceIndex
+from ..store import Store
 
 __all__ = ["DirectHits"]
 

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Final, Protocol
 
-from .storeroot import read_small, set_file_mode, set_mode, write_json_at
-from .trusted import DIRECTORY_FLAGS as _DIR
+from ..common.trusted import DIRECTORY_FLAGS as _DIR
+from .root import read_small, set_file_mode, set_mode, write_json_at
 
 __all__ = [
     "FINGERPRINT_FILE",

@@ -22,8 +22,6 @@ import resource
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,54 +29,43 @@ from typing import Final
 
 import trio
 
-from .background_warm import BackgroundWarm
-from .cluster import L2Tier
-from .config import Config
-from .decode import quiet_pillow_warnings
-from .direct_hits import DirectHits
-from .engine import Engine
-from .fs import DecodeFS, FuseMount, MountFailed
-from .inodes import INODE_LAYOUT
-from .l2 import open_backend
-from .metrics import LogThrottle, render_prometheus
-from .mountinfo import MountInfo, mounts
-from .notify import ServiceNotifier
-from .protocol import (
+from ..cluster import L2Tier, open_backend
+from ..common.config import Config
+from ..common.decode import quiet_pillow_warnings
+from ..common.inodes import INODE_LAYOUT
+from ..common.metrics import LogThrottle, render_prometheus
+from ..common.mounts import MountError, find_mount, lazy_unmount, mounts, prepare_mountpoint
+from ..common.protocol import (
     CONFIG_FILE,
     FS_TYPE,
     METRICS_FILE,
     STATS_FILE,
-    STATUS_DIR,
     STORE_FILE,
     StoreStatus,
 )
-from .source import scan_source
+from ..common.source import scan_source
+from ..store import Store
+from .background_warm import BackgroundWarm
+from .direct_hits import DirectHits
+from .engine import Engine
+from .fs import DecodeFS, FuseMount, MountFailed
+from .namespace import Tree, version_order
+from .notify import ServiceNotifier
 from .stats import snapshot
-from .store import Store
-from .tree import Tree, version_order
 
 __all__ = [
     "ACCESS_FLUSH_SECONDS",
     "STORE_CHECK_SECONDS",
-    "MountError",
-    "MountInfo",
-    "clear_stale",
-    "daemon_mountpoint",
-    "decodefs_mount_above",
     "empty_version_warning",
-    "find_mount",
     "flush_accesses_forever",
-    "prepare_mountpoint",
     "serve",
     "spawn",
     "store_warning",
-    "unmount",
     "watch_store_forever",
 ]
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT: Final = 5.0
 # The mount's readahead: an array of up to 591x591 (1 MiB) arrives in one READ request.
 READAHEAD_KB: Final = 1024
 _M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
@@ -89,174 +76,6 @@ REQUESTS_GRACE: Final = 5.0
 # How often hits' access times go to the catalog (LRU), and the store is checked.
 ACCESS_FLUSH_SECONDS: Final = 30.0
 STORE_CHECK_SECONDS: Final = 5.0
-
-
-class MountError(Exception):
-    """A mount point problem the user must resolve (already mounted, not a directory, not empty)."""
-
-
-def find_mount(mountpoint: str | os.PathLike[str]) -> MountInfo | None:
-    """The mount at exactly ``mountpoint``, from /proc/self/mountinfo.
-
-    ``os.path.ismount`` is no use here: on a dead FUSE daemon its lstat fails
-    with ENOTCONN and it answers False.
-    """
-    target = os.path.abspath(mountpoint)
-    found = [m for m in mounts() if m.mountpoint == target]
-    return found[-1] if found else None  # the last one listed is the one on top
-
-
-def probe(mountpoint: str) -> str:
-    """'live', 'stale' (daemon gone: ENOTCONN) or 'hung' (no answer in time)."""
-    outcome: list[BaseException | None] = []
-
-    def call() -> None:
-        try:
-            os.statvfs(mountpoint)
-            outcome.append(None)
-        except OSError as exc:
-            outcome.append(exc)
-
-    # A daemon thread: a hung mount may never answer, and must not hold up exit.
-    thread = threading.Thread(target=call, name="mount-probe", daemon=True)
-    thread.start()
-    thread.join(PROBE_TIMEOUT)
-    if not outcome:
-        return "hung"
-    error = outcome[0]
-    if isinstance(error, OSError) and error.errno in (errno.ENOTCONN, errno.ECONNABORTED):
-        return "stale"
-    if error is not None:
-        raise error
-    return "live"
-
-
-def prepare_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
-    """Make ``mountpoint`` ready to mount on: clear a dead decodefs mount, refuse a live one.
-
-    A directory with files in it is refused too, unless ``nonempty``: the
-    mount would hide them. A dead mount is cleared first, so it never counts
-    as files.
-    """
-    info = find_mount(mountpoint)
-    ours = info is not None and info.fstype == FS_TYPE
-    if info is not None:
-        state = probe(mountpoint) if info.fstype.startswith("fuse") else "live"
-        if state == "stale":
-            log.warning(
-                "clearing stale mount at %s (%s): its daemon is gone "
-                "(transport endpoint is not connected)",
-                mountpoint,
-                info.fstype,
-            )
-            _lazy_unmount(mountpoint)
-        elif state == "hung":
-            clear = "decodefs umount --lazy" if ours else "fusermount3 -u -z"
-            raise MountError(
-                f"{mountpoint} is mounted ({info.fstype}) but does not answer; "
-                f"run `{clear} {mountpoint}` once its daemon is stopped"
-            )
-        elif ours:
-            raise MountError(
-                f"{mountpoint} is already mounted ({info.fstype} from {info.source}); "
-                f"run `decodefs umount {mountpoint}` first"
-            )
-        else:  # decodefs umount would refuse it: not ours to unmount
-            raise MountError(
-                f"{mountpoint} is the mount point of another filesystem ({info.fstype} from "
-                f"{info.source}); mount decodefs on another directory (or unmount that one "
-                f"yourself: `umount {mountpoint}`)"
-            )
-    inside = decodefs_mount_above(mountpoint)
-    if inside is not None:
-        raise MountError(
-            f"mount point {mountpoint} is inside the decodefs mount at {inside}, which is "
-            "read-only; mount on a directory outside it"
-        )
-    if not os.path.isdir(mountpoint):
-        if not os.path.lexists(mountpoint):
-            raise MountError(
-                f"mount point {mountpoint} does not exist: create it "
-                f"(`mkdir -p {mountpoint}`), or pass --mkdir"
-            )
-        raise MountError(f"mount point {mountpoint} is not a directory")
-    if not nonempty:
-        try:
-            with os.scandir(mountpoint) as entries:
-                first = next(entries, None)
-        except OSError as exc:
-            raise MountError(f"mount point {mountpoint} cannot be listed: {exc.strerror}") from None
-        if first is not None:
-            raise MountError(
-                f"mount point {mountpoint} is not empty (it holds {first.name!r}); the mount "
-                "would hide its files: empty it, or pass --nonempty to mount over them"
-            )
-
-
-def decodefs_mount_above(path: str) -> str | None:
-    """The decodefs mount that ``path`` lies inside (not at), if any; from the mount
-    table alone, so a dead or hung mount above it cannot hang the check."""
-    target = os.path.abspath(path)
-    above = [m for m in mounts() if target.startswith(m.mountpoint.rstrip("/") + "/")]
-    if not above:
-        return None
-    nearest = max(above, key=lambda m: len(m.mountpoint))
-    return nearest.mountpoint if nearest.fstype == FS_TYPE else None
-
-
-def daemon_mountpoint(pid: int) -> str | None:
-    """The mount point that the decodefs daemon ``pid`` serves, if it serves a live one.
-
-    Asks each decodefs mount's stats.json for its pid; a mount that does not
-    answer within PROBE_TIMEOUT is passed over.
-    """
-    for info in mounts():
-        if info.fstype != FS_TYPE:
-            continue
-        try:
-            if probe(info.mountpoint) != "live":
-                continue
-        except OSError:
-            continue
-        if _daemon_pid(info.mountpoint) == pid:
-            return info.mountpoint
-    return None
-
-
-def clear_stale(mountpoint: str) -> bool:
-    """Clear ``mountpoint`` if its daemon is gone; leave anything else alone. True if cleared."""
-    info = find_mount(mountpoint)
-    if info is None or not info.fstype.startswith("fuse") or probe(mountpoint) != "stale":
-        return False
-    log.warning("clearing stale mount at %s (%s): its daemon is gone", mountpoint, info.fstype)
-    _lazy_unmount(mountpoint)
-    return True
-
-
-def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
-    """Unmount and wait for the daemon to exit (it releases the store lock).
-
-    A lazy unmount returns at once: the daemon keeps serving files that are
-    still open and exits when the last one is closed.
-    """
-    info = find_mount(mountpoint)
-    if info is None:
-        raise MountError(f"{mountpoint} is not mounted")
-    pid = _daemon_pid(mountpoint) if info.fstype == FS_TYPE and not lazy else None
-    command = ["fusermount3", "-u", *(["-z"] if lazy else []), mountpoint]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        detail = result.stderr.strip() or f"fusermount3 exited with {result.returncode}"
-        hint = (
-            ""
-            if lazy
-            else f" (close the files open there, or use `decodefs umount --lazy {mountpoint}`)"
-        )
-        raise MountError(f"cannot unmount {mountpoint}: {detail}{hint}")
-    if pid is not None:
-        deadline = time.monotonic() + wait
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 def serve(
@@ -425,7 +244,7 @@ async def _stop_on_signal(
     stopping.set()
     notifier.notify("STOPPING=1", f"STATUS=unmounting {mountpoint}")
     try:
-        await trio.to_thread.run_sync(_lazy_unmount, mountpoint)
+        await trio.to_thread.run_sync(lazy_unmount, mountpoint)
     except MountError as exc:
         log.warning("%s; stopping now", exc)
     else:
@@ -710,38 +529,6 @@ def _raise_readahead(mountpoint: str) -> None:
                 f.write(str(READAHEAD_KB))
     except (OSError, ValueError) as exc:
         log.debug("cannot raise the readahead of %s (%s): %s", mountpoint, path, exc)
-
-
-def _daemon_pid(mountpoint: str) -> int | None:
-    try:
-        with open(os.path.join(mountpoint, STATUS_DIR, STATS_FILE), "rb") as f:
-            pid = json.load(f).get("pid")
-    except (OSError, ValueError):
-        return None
-    return pid if isinstance(pid, int) else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child (tests) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _lazy_unmount(mountpoint: str) -> None:
-    result = subprocess.run(
-        ["fusermount3", "-u", "-z", mountpoint], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0 and find_mount(mountpoint) is not None:
-        raise MountError(f"cannot clear stale mount {mountpoint}: {result.stderr.strip()}")
 
 
 def _json(value: object) -> bytes:

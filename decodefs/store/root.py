@@ -29,10 +29,10 @@ import threading
 from collections.abc import Callable
 from typing import Final
 
-from .entry import EntryKey
-from .protocol import STORE_FORMAT, STORE_MARKER
-from .trusted import DIRECTORY_FLAGS as _DIR
-from .trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
+from ..common.entry import EntryKey
+from ..common.protocol import STORE_FORMAT, STORE_MARKER
+from ..common.trusted import DIRECTORY_FLAGS as _DIR
+from ..common.trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
 
 __all__ = [
     "HIDDEN_DIRS",

@@ -19,11 +19,11 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import pyfuse3
 
+from ..common.metrics import LogThrottle, Metrics
+from ..common.protocol import FS_NAME, RECHECK_FLAG, WARM_FLAG, OpenRequest
 from .admission import WAITING_PER_USER, UserBusy
 from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
-from .metrics import LogThrottle, Metrics
-from .protocol import FS_NAME, RECHECK_FLAG, WARM_FLAG, OpenRequest
-from .tree import NAME_MAX, Attributes, Kind, Node, Tree
+from .namespace import NAME_MAX, Attributes, Kind, Node, Tree
 
 __all__ = ["DecodeFS", "FuseMount", "MountFailed"]
 

@@ -42,11 +42,18 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from .decode import npy_file_size, npy_header
-from .entry import STALE, EntryKey, check_entry_pieces, layout_problem
-from .inodes import INODE_LAYOUT, Kind, Node
-from .mountinfo import mounts
-from .protocol import FS_TYPE, STATUS_DIR, STORE_FILE, TRAILER_SIZE, StoreStatus, encode_access
+from ..common.decode import npy_file_size, npy_header
+from ..common.entry import STALE, EntryKey, check_entry_pieces, layout_problem
+from ..common.inodes import INODE_LAYOUT, Kind, Node
+from ..common.mounts import mounts
+from ..common.protocol import (
+    FS_TYPE,
+    STATUS_DIR,
+    STORE_FILE,
+    TRAILER_SIZE,
+    StoreStatus,
+    encode_access,
+)
 
 __all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_rows"]
 

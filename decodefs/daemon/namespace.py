@@ -28,11 +28,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from . import metrics, protocol
-from .config import Config
-from .decode import npy_file_size
-from .inodes import Kind, Node
-from .source import Folder, MirrorFolders, SourceIndex
+from ..common import metrics, protocol
+from ..common.config import Config
+from ..common.decode import npy_file_size
+from ..common.inodes import Kind, Node
+from ..common.source import Folder, MirrorFolders, SourceIndex
 
 __all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree", "version_order"]
 

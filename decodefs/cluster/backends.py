@@ -30,10 +30,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from .entry import EntryKey
+from ..common.entry import EntryKey
 
 if TYPE_CHECKING:
-    from .config import L2Config
+    from ..common.config import L2Config
 
 __all__ = [
     "LEASES",

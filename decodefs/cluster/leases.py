@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from .l2 import LEASES, L2Backend
+from .backends import LEASES, L2Backend
 
 __all__ = ["TRIES", "Claim", "claim_name", "claims", "current", "release", "renew", "take"]
 

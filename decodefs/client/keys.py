@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from typing import Final
 
-from .protocol import CONFIG_FILE, STATUS_DIR
+from ..common.protocol import CONFIG_FILE, STATUS_DIR
 
 __all__ = ["class_labels", "list_keys"]
 

@@ -25,10 +25,9 @@ from typing import Final
 import cachetools
 import trio
 
-from .entry import EntryKey
-from .metrics import LogThrottle, Metrics
-from .pagecache import PendingDrops
-from .store import Store
+from ..common.entry import EntryKey
+from ..common.metrics import LogThrottle, Metrics
+from ..store import PendingDrops, Store
 from .threads import run_in_thread
 
 __all__ = ["FRESH_BYTES", "EntryReads", "Pages"]

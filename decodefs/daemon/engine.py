@@ -44,10 +44,9 @@ from typing import Final, TypeVar
 import cachetools
 import trio
 
-from .admission import WAITING_PER_USER, Admission
-from .cluster import L2Tier, Start
-from .config import Config
-from .decode import (
+from ..cluster import L2Tier, Start
+from ..common.config import Config
+from ..common.decode import (
     DecodeError,
     decode_image,
     decode_peak_bytes,
@@ -55,13 +54,21 @@ from .decode import (
     npy_bytes,
     npy_file_size,
 )
-from .entry import EntryKey
+from ..common.entry import EntryKey
+from ..common.metrics import LogThrottle, Metrics
+from ..common.source import OriginalMissing, SourceIndex
+from ..store import (
+    CorruptEntry,
+    Store,
+    StoreReadError,
+    StoreUsage,
+    StoreWriteError,
+    VerifiedEntry,
+)
+from .admission import WAITING_PER_USER, Admission
 from .memory import HeldArray, MemoryBudget, MemoryCache
-from .metrics import LogThrottle, Metrics
 from .pools import Job, LowPriorityPool
 from .serving import EntryReads, Pages
-from .source import OriginalMissing, SourceIndex
-from .store import CorruptEntry, Store, StoreReadError, StoreUsage, StoreWriteError, VerifiedEntry
 from .threads import run_in_thread
 
 __all__ = ["Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]

@@ -35,15 +35,23 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Final, NamedTuple
 
+from ..common.entry import (
+    EntryKey,
+    Verdict,
+    check_entry,
+    check_entry_file,
+    encode_trailer,
+    iter_entries,
+)
+from ..common.protocol import ACCESS_SOCKET, TRAILER_SIZE
+from ..common.trusted import DIRECTORY_FLAGS as _DIR
 from . import movein, pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .entry import EntryKey, Verdict, check_entry, check_entry_file, encode_trailer, iter_entries
 from .markers import Fingerprint, check_fingerprint, start_trash_cleanup
 from .movein import CannotMove
-from .protocol import ACCESS_SOCKET, TRAILER_SIZE
-from .storeroot import READ as _READ
-from .storeroot import (
+from .root import READ as _READ
+from .root import (
     StoreError,
     StoreInUse,
     StoreRoot,
@@ -52,10 +60,9 @@ from .storeroot import (
     set_file_mode,
     set_mode,
 )
-from .trusted import DIRECTORY_FLAGS as _DIR
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..common.config import Config
 
 __all__ = [
     "CATALOG_FILE",

@@ -1,0 +1,22 @@
+"""What a training process imports: reading arrays (from the store when it can),
+the keys of a mounted version, and ``decodefs warm`` through the mount.
+
+Imports only the shared vocabulary (decodefs.common), never Pillow, trio or
+pyfuse3. Other folders import what this file exports, never its rooms.
+"""
+
+from .keys import class_labels, list_keys, missing_directory
+from .reader import flush_reports, read_array, read_array_into, read_stored_rows
+from .warm import read_uuid_list, warm
+
+__all__ = [
+    "class_labels",
+    "flush_reports",
+    "list_keys",
+    "missing_directory",
+    "read_array",
+    "read_array_into",
+    "read_stored_rows",
+    "read_uuid_list",
+    "warm",
+]

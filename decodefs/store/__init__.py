@@ -1,0 +1,36 @@
+"""The store on flash and its offline tools: entries kept, checked and evicted
+(``Store``), ``decodefs adopt`` and ``decodefs verify``.
+
+Imports only the shared vocabulary (decodefs.common). Other folders import what
+this file exports, never its rooms.
+"""
+
+from .adopt import DEFAULT_SAMPLE, AdoptError, adopt
+from .pagecache import PendingDrops
+from .store import (
+    CorruptEntry,
+    Store,
+    StoreError,
+    StoreReadError,
+    StoreUsage,
+    StoreWriteError,
+    VerifiedEntry,
+)
+from .verify import StoreBusy, recorded_digests, verify_store
+
+__all__ = [
+    "DEFAULT_SAMPLE",
+    "AdoptError",
+    "CorruptEntry",
+    "PendingDrops",
+    "Store",
+    "StoreBusy",
+    "StoreError",
+    "StoreReadError",
+    "StoreUsage",
+    "StoreWriteError",
+    "VerifiedEntry",
+    "adopt",
+    "recorded_digests",
+    "verify_store",
+]

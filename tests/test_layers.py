@@ -1,0 +1,254 @@
+"""The package's folders and the one rule of which may import which (docs/architecture.md).
+
+The rule, read from the tree itself (every import statement of decodefs/, by
+its AST): a folder imports only the folders below it; across folders, only
+what the other folder's ``__init__`` exports (for the shared vocabulary,
+``common``, its rooms are its exports); the command loads the daemon only to
+mount. And what the rule is for: ``decodefs stats``, ``warm``, ``umount``,
+``verify`` and every error path run without pyfuse3 or trio.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MountFactory
+
+PACKAGE = Path(__file__).resolve().parents[1] / "decodefs"
+FACE = "faces"  # the modules at the package's root: decodefs, decodefs.torch, decodefs.sample
+
+# folder -> the folders it may import. Anything not listed is refused.
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "common": frozenset(),
+    "store": frozenset({"common"}),
+    "cluster": frozenset({"common"}),
+    "client": frozenset({"common"}),
+    "daemon": frozenset({"common", "store", "cluster"}),
+    "cli": frozenset({"common", "store", "cluster", "client", "daemon", FACE}),
+    FACE: frozenset({"common", "client"}),
+}
+# `python -m decodefs` runs the command.
+ENTRY_POINT = ("__main__", "cli")
+# The command's one function that may load the daemon (lazily: `decodefs mount`).
+DAEMON_LOADER = ("cli", "_mount")
+
+
+@dataclass(frozen=True)
+class Arrow:
+    """One import of one decodefs module by another."""
+
+    source: str  # the importing module, dotted below decodefs ("daemon.engine")
+    target: str  # the imported module, dotted below decodefs ("store", "common.config", "")
+    names: tuple[str, ...]  # what it takes from the target (from-imports)
+    function: str | None  # the function the import sits in; None at module level
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"decodefs/{self.source.replace('.', '/')}.py:{self.line}"
+
+
+def folder_of(module: str) -> str:
+    """The folder a module (dotted below decodefs) belongs to; FACE for the root's."""
+    head, dot, _ = module.partition(".")
+    return head if head and (dot or (PACKAGE / head).is_dir()) else FACE
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def arrows() -> list[Arrow]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), str(path))
+        functions = {
+            node: fn.name
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+            for node in ast.walk(fn)
+        }
+        for node in ast.walk(tree):
+            targets: list[tuple[str, tuple[str, ...]]] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".") if package else []
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join([*base, *([node.module] if node.module else [])])
+                elif node.module and (node.module + ".").startswith("decodefs."):
+                    target = node.module.removeprefix("decodefs").lstrip(".")
+                else:
+                    continue
+                targets.append((target, tuple(alias.name for alias in node.names)))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if (alias.name + ".").startswith("decodefs."):
+                        targets.append((alias.name.removeprefix("decodefs").lstrip("."), ()))
+            for target, names in targets:
+                found.append(Arrow(module, target, names, functions.get(node), node.lineno))
+    return found
+
+
+def exports(package: str) -> set[str]:
+    """The names in ``decodefs.<package>``'s ``__all__`` (read from its source)."""
+    path = (
+        PACKAGE / package.replace(".", "/") / "__init__.py" if package else PACKAGE / "__init__.py"
+    )
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} has no __all__")
+
+
+def arrow_problems(arrow: Arrow) -> list[str]:
+    """What is wrong with one arrow under the rule (nothing: [])."""
+    source, target = folder_of(arrow.source), folder_of(arrow.target) if arrow.target else FACE
+    if source == target or (arrow.source, arrow.target) == ENTRY_POINT:
+        return []
+    if target not in MAY_IMPORT[source]:
+        return [f"{arrow.where}: {source} may not import {target} ({arrow.target})"]
+    if target == "daemon" and (source, arrow.function) != DAEMON_LOADER:
+        return [f"{arrow.where}: the daemon is loaded only by {'.'.join(DAEMON_LOADER)}"]
+    if target == "common":
+        room = arrow.target.partition(".")[2]
+        taken = {room} if room else set(arrow.names)
+        unknown = taken - exports("common")
+        return [f"{arrow.where}: common does not export {sorted(unknown)}"] if unknown else []
+    if target == FACE:
+        return []
+    if arrow.target != target:
+        return [f"{arrow.where}: imports the room {arrow.target}, not what {target} exports"]
+    unknown = set(arrow.names) - exports(target)
+    return [f"{arrow.where}: {target} does not export {sorted(unknown)}"] if unknown else []
+
+
+def test_every_module_is_in_a_folder_the_rule_names() -> None:
+    folders = {folder_of(module_name(path)) for path in PACKAGE.rglob("*.py")}
+    assert folders == set(MAY_IMPORT)
+    faces = {module_name(p) for p in PACKAGE.glob("*.py")}
+    assert faces == {"", "__main__", "sample", "torch"}
+
+
+def test_every_import_across_folders_follows_the_rule() -> None:
+    found = arrows()
+    assert len(found) > 100, "the walk found too few imports to be reading the package"
+    problems = [problem for arrow in found for problem in arrow_problems(arrow)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_shared_vocabulary_imports_nothing_else_of_decodefs() -> None:
+    outside = [
+        a.where
+        for a in arrows()
+        if folder_of(a.source) == "common" and (not a.target or folder_of(a.target) != "common")
+    ]
+    assert not outside
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "names", "function", "broken"),
+    [
+        ("store.verify", "store.catalog", ("Catalog",), None, False),  # within a folder
+        ("daemon.engine", "store", ("Store",), None, False),
+        ("daemon.engine", "store.store", ("Store",), None, True),  # a room, not the face
+        ("daemon.engine", "store", ("Capacity",), None, True),  # not exported
+        ("store.store", "daemon", ("serve",), None, True),  # upwards
+        ("client.reader", "store", ("Store",), None, True),  # sideways
+        ("common.entry", "store", ("Store",), None, True),  # the vocabulary imports nothing
+        ("cli.commands", "daemon", ("serve",), "_mount", False),
+        ("cli.commands", "daemon", ("serve",), "_stats", True),  # only to mount
+        ("cli.commands", "daemon", ("serve",), None, True),  # never at import
+        ("client.keys", "common.protocol", ("STATUS_DIR",), None, False),
+        ("client.keys", "common.nothing", ("X",), None, True),
+        ("torch", "daemon", ("serve",), None, True),
+        ("torch", "cli", ("main",), None, True),
+        ("__main__", "cli", ("main",), None, False),
+    ],
+)
+def test_the_rule_refuses_what_it_must(
+    source: str, target: str, names: tuple[str, ...], function: str | None, broken: bool
+) -> None:
+    """The checker itself: each kind of arrow it must refuse is refused."""
+    assert bool(arrow_problems(Arrow(source, target, names, function, 1))) is broken
+
+
+# Runs the command in a fresh interpreter where pyfuse3 and trio cannot be imported.
+_WITHOUT_DAEMON = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in ("pyfuse3", "trio"):
+                raise ModuleNotFoundError(f"test_layers refuses {name}", name=name)
+            return None
+
+    sys.meta_path.insert(0, Refuse())
+    from decodefs.cli import main
+    code = main(sys.argv[1:])
+    loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("pyfuse3", "trio"))
+    assert not loaded, loaded
+    sys.exit(code)
+    """
+)
+
+
+def without_daemon(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_DAEMON, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_error_paths_run_without_pyfuse3_or_trio(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("store = 3\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ("stats", empty),
+        ("umount", empty),
+        ("warm", empty, "v1", "64"),
+        ("verify", tmp_path / "no-such-store"),
+        ("mount", empty, "--config", bad),
+        ("mount", empty, "--config", tmp_path / "missing.toml"),
+    ]
+    for case in cases:
+        result = without_daemon(*case)
+        assert result.returncode == 1, (case, result.stderr)
+        assert result.stderr.startswith("decodefs: error: "), (case, result.stderr)
+        assert "Traceback" not in result.stderr, (case, result.stderr)
+
+
+def test_stats_warm_verify_and_umount_of_a_live_mount_run_without_pyfuse3_or_trio(
+    mounts: MountFactory, originals: Path
+) -> None:
+    mount = mounts({"v1": originals})
+    warmed = without_daemon("warm", mount.mountpoint, "v1", "32")
+    assert warmed.returncode == 0, warmed.stderr
+    stats = without_daemon("stats", mount.mountpoint)
+    assert stats.returncode == 0, stats.stderr
+    assert "decodes" in stats.stdout
+    checked = without_daemon("verify", mount.config)  # while the daemon holds the store
+    assert checked.returncode == 0 and "0 corrupt" in checked.stdout, checked.stderr
+    unmounted = without_daemon("umount", mount.mountpoint)
+    assert unmounted.returncode == 0, unmounted.stderr
+    assert mount.process is not None and mount.process.wait(timeout=30) == 0
+    verified = without_daemon("verify", "--remove", mount.config)  # no daemon holds it now
+    assert verified.returncode == 0 and "0 corrupt" in verified.stdout, verified.stderr
