@@ -10,10 +10,10 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -24,7 +24,7 @@ from decodefs.cluster.backends import L2Backend, L2Error, PosixL2, object_name, 
 from decodefs.cluster.breaker import CircuitBreaker
 from decodefs.cluster.dask_warm import WarmSpec, publish_entry, warm_batch
 from decodefs.cluster.leases import Claim, claim_name, claims, release, renew, take
-from decodefs.cluster.tier import L2Tier, Start, verify_object
+from decodefs.cluster.tier import L2Miss, L2Tier, verify_object
 from decodefs.common.config import ConfigError, parse_config
 from decodefs.common.decode import decoder_fingerprint, npy_bytes, quiet_pillow_warnings
 from decodefs.common.entry import EntryKey, encode_trailer
@@ -471,16 +471,42 @@ async def test_a_lease_running_out_for_three_waiting_nodes_at_once_is_taken_over
     assert claims(backend, name_of(uuid)) == [dead]  # the winner let go of its own
 
 
+class Obtained(NamedTuple):
+    data: bytes | memoryview  # the .npy bytes
+    decoded: bool  # decoded here; else fetched from L2
+
+
+Decode = Callable[[L2Miss], Awaitable[bytes | None]]
+
+
+async def drive_miss(tier: L2Tier, key: EntryKey, decode: Decode) -> Obtained:
+    """A local miss driven through ``tier`` the way the engine drives one
+    (Engine._obtain): ``decode`` asks ``miss.claim()`` once it can start."""
+    miss = tier.miss(key)
+    payload = await miss.lookup()
+    while payload is None:
+        try:
+            data = await decode(miss)
+        except BaseException:
+            miss.failed()
+            raise
+        if data is not None:
+            miss.decoded(data)
+            return Obtained(data, decoded=True)
+        payload = await miss.wait()
+    return Obtained(payload, decoded=False)
+
+
 def slow_decoder(
     payload: bytes, finish: dict[str, trio.Event], decoding: list[str]
-) -> Callable[[str], Callable[[Start | None], Any]]:
+) -> Callable[[str], Decode]:
     """Decodes for tiers alone: each claims as the engine's would, then runs until the
     test lets it finish (a decode slower than the lease)."""
 
-    def decoder(label: str) -> Callable[[Start | None], Any]:
-        async def decode(start: Start | None) -> bytes:
-            assert start is not None
-            await start()
+    def decoder(label: str) -> Decode:
+        async def decode(miss: L2Miss) -> bytes | None:
+            if not await miss.claim():
+                return None
             decoding.append(label)
             await finish[label].wait()
             return payload
@@ -511,7 +537,7 @@ async def test_a_holder_renews_its_claim_while_it_decodes_past_the_lease(
         got: list[Any] = []
 
         async def obtain(tier: L2Tier, label: str) -> None:
-            got.append(await tier.obtain(key, decoder(label)))
+            got.append(await drive_miss(tier, key, decoder(label)))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(obtain, a, "a")
@@ -564,7 +590,7 @@ async def test_a_holder_finishing_after_its_lease_ran_out_lets_go_of_its_own_cla
         done: dict[str, bool] = {}
 
         async def obtain(label: str, tier: L2Tier) -> None:
-            obtained = await tier.obtain(key, decoder(label))
+            obtained = await drive_miss(tier, key, decoder(label))
             assert obtained.data == payload
             done[label] = obtained.decoded
 
@@ -675,16 +701,16 @@ async def test_a_burst_of_500_misses_on_a_busy_l2_never_opens_the_breaker(
     keys: dict[str, Any] = {"l2_workers": 1, "l2_timeout_seconds": 0.05, "l2_lease_seconds": 0}
     async with cluster.tier("a", backend=BusyL2(tmp_path / "shared"), **keys) as tier:
 
-        async def decode(start: Start | None) -> bytes:
+        async def decode(miss: L2Miss) -> bytes:
             return payload
 
-        async def obtain(i: int) -> None:
-            obtained = await tier.obtain(EntryKey("v1", SIZE, f"burst-{i:03d}"), decode)
+        async def miss(i: int) -> None:
+            obtained = await drive_miss(tier, EntryKey("v1", SIZE, f"burst-{i:03d}"), decode)
             assert obtained.decoded and obtained.data == payload
 
         async with trio.open_nursery() as nursery:
             for i in range(500):
-                nursery.start_soon(obtain, i)
+                nursery.start_soon(miss, i)
         stats: dict[str, Any] = tier.stats()
         assert stats["l2_misses"] == 500 and stats["l2_bypassed"] == 0, stats
         assert stats["l2_errors"] == {} and stats["l2_breaker_opens"] == 0, stats

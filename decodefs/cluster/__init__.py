@@ -8,6 +8,6 @@ this file exports, never its rooms.
 
 from .backends import open_backend
 from .dask_warm import SchedulerUnreachable, cluster_warm
-from .tier import L2Tier, Start
+from .tier import L2Miss, L2Tier
 
-__all__ = ["L2Tier", "SchedulerUnreachable", "Start", "cluster_warm", "open_backend"]
+__all__ = ["L2Miss", "L2Tier", "SchedulerUnreachable", "cluster_warm", "open_backend"]

@@ -1,18 +1,21 @@
 """The cluster tier for the engine: a local miss asks L2 before it decodes, a lease keeps
 nodes from decoding the same array at once, and every decode is published to L2.
 
-``L2Tier.obtain`` gives the engine an array's .npy bytes: an L2 object that
-passed the one check of a local entry (entry.check_entry, which reads the
-trailer and the .npy layout), else a decode by the engine's own ``decode``, which is then queued
-for publishing. A corrupt object is never served: it is counted, deleted and
-replaced by the next decode's publish (a conditional create, like any other).
+The engine asks and this tier answers; it never calls the engine. For each
+local miss the engine opens an ``L2Miss`` (``L2Tier.miss``) and drives it:
+``lookup`` gives an L2 object that passed the one check of a local entry
+(entry.check_entry, which reads the trailer and the .npy layout), else the
+engine decodes the array and says so (``decoded``: then it is queued for
+publishing) or that it failed (``failed``). A corrupt object is never served:
+it is counted, deleted and replaced by the next decode's publish (a
+conditional create, like any other).
 
-Claims (leases.py): a miss that L2 cannot give goes to the engine's decode,
-which calls back (``start``) when the decode can start, its memory and decode
-slot granted; only then does the node claim the array, so a claim covers a
-decode, never a wait in a queue. Where another node's claim is live, no decode
-runs here: the node gives its slot back and polls for the object until that
-claim runs out or is let go, then tries again. The holder renews its claim
+Claims (leases.py): once the engine's decode can start, its memory and decode
+slot granted, it asks ``claim``; only then does the node claim the array, so
+a claim covers a decode, never a wait in a queue. Where another node's claim
+is live (or the array was published meanwhile), ``claim`` says no: the engine
+gives its slot back and ``wait`` polls for the object until that claim runs
+out or is let go, then the engine tries again. The holder renews its claim
 while it decodes and publishes (for at most RENEW_LEASES leases: a hung decode
 lets the others go on), then lets go of it. Expiries are wall-clock times, so
 nodes' clocks must agree to well within ``lease_seconds`` (NTP).
@@ -37,7 +40,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeVar, cast
 
@@ -55,12 +58,10 @@ from .leases import Claim
 
 __all__ = [
     "L2_SECONDS_BUCKETS",
-    "Decode",
     "L2Metrics",
+    "L2Miss",
     "L2Tier",
     "L2Unavailable",
-    "Obtained",
-    "Start",
     "verify_object",
 ]
 
@@ -73,11 +74,6 @@ _POLL_MAX: Final = 0.5  # ... up to this: ~2 requests a second per waiting array
 _WAITS: Final = 3  # other nodes' claims on one array waited out before decoding it anyway
 RENEW_LEASES: Final = 6  # a claim is renewed for at most this many leases from when taken
 _TAKE_CALLS: Final = 4  # L2 calls a claim makes (leases.take): its deadline is that many
-
-# What the engine gives ``obtain``: ``decode(start)`` awaits ``start()`` (if not None) once
-# its decode can start, and lets whatever that raises pass (then nothing is decoded).
-Start = Callable[[], Awaitable[None]]
-Decode = Callable[[Start | None], Awaitable[bytes]]
 
 
 class L2Unavailable(Exception):
@@ -117,12 +113,6 @@ class _Held:
     taken: float  # wall-clock time
     renewing: bool = False
     released: bool = False
-
-
-@dataclass(frozen=True)
-class Obtained:
-    data: bytes | memoryview  # the .npy bytes
-    decoded: bool  # decoded here; else fetched from L2
 
 
 @dataclass
@@ -187,36 +177,11 @@ class L2Tier:
 
     # -- for the engine ---------------------------------------------------------------
 
-    async def obtain(self, key: EntryKey, decode: Decode, *, publish: bool = True) -> Obtained:
-        """``key``'s .npy bytes from L2, else from ``decode`` (then queued for publishing if
-        ``publish``). Raises only what ``decode`` raises.
-
-        ``decode(start)`` awaits ``start()`` when its decode can start: there this node
-        claims the array, or ``start`` raises (another node holds a live claim, or the
-        array was published meanwhile) and the decode must not run."""
+    def miss(self, key: EntryKey, *, publish: bool = True) -> L2Miss:
+        """The way through L2 of one local miss of ``key`` (see ``L2Miss``); a decode
+        it leads to is published if ``publish``."""
         name = object_name(key, self._fingerprints[key.version].hex)
-        try:
-            payload = await self._fetch(key, name)
-        except L2Unavailable as exc:
-            self.metrics.bypassed += exc.bypassed
-            return await self._decode(key, name, decode, None, publish)
-        if payload is not None:
-            return self._hit(payload)
-        if self.settings.lease_seconds > 0:
-            for _ in range(_WAITS):
-                gate = _Gate(self, key, name)
-                try:
-                    return await self._decode(key, name, decode, gate, publish)
-                except _Published as published:
-                    return self._hit(published.payload)
-                except _Deferred as deferred:
-                    try:
-                        payload = await self._wait(key, name, deferred.claim)
-                    except L2Unavailable:
-                        break
-                    if payload is not None:
-                        return self._hit(payload)
-        return await self._decode(key, name, decode, None, publish)
+        return L2Miss(self, key, name, publish=publish)
 
     async def run(self) -> None:
         """Publish queued arrays and renew claims until cancelled (a task of the daemon's
@@ -273,39 +238,16 @@ class L2Tier:
         self.metrics.bytes_fetched += len(data)
         return memoryview(data)[: len(data) - TRAILER_SIZE]
 
-    def _hit(self, payload: memoryview) -> Obtained:
-        self.metrics.hits += 1
-        return Obtained(payload, decoded=False)
-
-    async def _decode(
-        self, key: EntryKey, name: str, decode: Decode, gate: _Gate | None, publish: bool
-    ) -> Obtained:
-        """``decode``, claimed through ``gate`` (None: without a claim); queues the publish
-        and lets go of the claim."""
-        try:
-            data = await decode(None if gate is None else gate.start)
-        except (_Deferred, _Published):
-            raise
-        except BaseException:
-            self.metrics.misses += 1
-            if gate is not None and gate.claim is not None:
-                self._enqueue(_Job(key, name, None, gate.claim))
-            raise
-        self.metrics.misses += 1
-        claim = None if gate is None else gate.claim
-        if publish or claim is not None:
-            self._enqueue(_Job(key, name, data if publish else None, claim))
-        return Obtained(data, decoded=True)
-
-    async def _claim(self, gate: _Gate) -> None:
-        """The decode can start: claim the array for it (``gate.claim``), or raise _Deferred
-        (another node's claim is live) or _Published (the array is there now). Without
-        an answer from L2, or after lost races, the decode goes ahead unclaimed."""
+    async def _claim(self, key: EntryKey, name: str) -> Claim | memoryview | _Held | None:
+        """Claim ``name`` for a decode that can start now: this node's claim (held and
+        renewed until let go); another node's live claim (wait for it); the array,
+        published meanwhile (no decode); or None where L2 does not answer or other
+        nodes won every try (decode unclaimed)."""
         try:
             claim = await self._call(
                 leases.take,
                 self.backend,
-                gate.name,
+                name,
                 self._node,
                 self._wall(),
                 self.settings.lease_seconds,
@@ -314,26 +256,28 @@ class L2Tier:
             )
         except L2Unavailable as exc:
             self.metrics.bypassed += exc.bypassed
-            return
+            return None
         if claim is None:
-            log.info(
-                "other nodes won %d claims of %s in a row; decoding it", leases.TRIES, gate.name
-            )
-            return
+            log.info("other nodes won %d claims of %s in a row; decoding it", leases.TRIES, name)
+            return None
         if claim.holder != self._node:
-            raise _Deferred(claim)
+            return claim
         self.metrics.leases += 1
-        held = gate.claim = _Held(claim, self._wall())
+        held = _Held(claim, self._wall())
         self._held.add(held)
         try:
             # The holder before us may have published and let go just before.
-            payload = await self._fetch(gate.key, gate.name, urgent=True)
+            payload = await self._fetch(key, name, urgent=True)
         except L2Unavailable:
-            return
+            return held
         if payload is not None:
-            gate.claim = None
-            self._enqueue(_Job(gate.key, gate.name, None, held))
-            raise _Published(payload)
+            self._let_go(key, name, held)
+            return payload
+        return held
+
+    def _let_go(self, key: EntryKey, name: str, held: _Held) -> None:
+        """Let go of ``held`` once what is queued before it is published."""
+        self._enqueue(_Job(key, name, None, held))
 
     async def _wait(self, key: EntryKey, name: str, claim: Claim) -> memoryview | None:
         """Poll for the array another node's ``claim`` covers, following its renewals,
@@ -507,33 +451,78 @@ class L2Tier:
         )
 
 
-class _Gate:
-    """One try at decoding an array: the engine calls ``start`` when the decode can start."""
+class L2Miss:
+    """One local miss's way through L2, driven by the engine (this never calls it).
 
-    def __init__(self, tier: L2Tier, key: EntryKey, name: str) -> None:
+    ``lookup`` first: L2's object (a hit), or None: decode. Once the decode can
+    start, ``claim``: True, decode now (claimed, or unclaimed where L2 does not
+    answer); False, do not decode: ``wait`` gives the array another node
+    publishes, or None to decode after all (``claim`` again once the decode can
+    start). After a decode, ``decoded`` (publish, let go of the claim); if it
+    raised or was cancelled, ``failed`` (let go). On the trio thread alone.
+    """
+
+    def __init__(self, tier: L2Tier, key: EntryKey, name: str, *, publish: bool) -> None:
         self._tier = tier
         self.key = key
         self.name = name
-        self.claim: _Held | None = None  # taken by this node for this decode
+        self._publish = publish
+        self._claims = tier.settings.lease_seconds > 0  # whether a decode claims first
+        self._waits = 0  # other nodes' claims waited out for this miss
+        self._held: _Held | None = None  # this node's claim for the decode running
+        self._answer: Claim | memoryview | None = None  # why ``claim`` said no
 
-    async def start(self) -> None:
-        await self._tier._claim(self)
+    async def lookup(self) -> memoryview | None:
+        """L2's verified payload for the key (a hit), or None: decode it here."""
+        tier = self._tier
+        try:
+            payload = await tier._fetch(self.key, self.name)
+        except L2Unavailable as exc:
+            tier.metrics.bypassed += exc.bypassed
+            self._claims = False  # L2 does not answer: no claim either
+            return None
+        if payload is not None:
+            tier.metrics.hits += 1
+        return payload
 
+    async def claim(self) -> bool:
+        """The decode can start: whether it should (see the class)."""
+        if not self._claims or self._waits >= _WAITS:
+            return True
+        answer = await self._tier._claim(self.key, self.name)
+        if answer is None or isinstance(answer, _Held):
+            self._held = answer
+            return True
+        self._answer = answer
+        return False
 
-class _Deferred(Exception):
-    """Raised through the engine's decode: another node's claim is live (no decode runs)."""
+    async def wait(self) -> memoryview | None:
+        """After ``claim`` said no: the array (a hit), or None: decode it after all."""
+        answer, self._answer = self._answer, None
+        if isinstance(answer, Claim):  # another node's: wait for what it publishes
+            self._waits += 1
+            try:
+                answer = await self._tier._wait(self.key, self.name, answer)
+            except L2Unavailable:
+                self._claims = False
+                return None
+        if answer is not None:
+            self._tier.metrics.hits += 1
+        return answer
 
-    def __init__(self, claim: Claim) -> None:
-        super().__init__(claim.name)
-        self.claim = claim
+    def decoded(self, data: bytes | memoryview) -> None:
+        """The decode ran and gave ``data``: publish it (if asked), let go of the claim."""
+        self._tier.metrics.misses += 1
+        held, self._held = self._held, None
+        if self._publish or held is not None:
+            self._tier._enqueue(_Job(self.key, self.name, data if self._publish else None, held))
 
-
-class _Published(Exception):
-    """Raised through the engine's decode: the array is in L2 now (no decode runs)."""
-
-    def __init__(self, payload: memoryview) -> None:
-        super().__init__("published meanwhile")
-        self.payload = payload
+    def failed(self) -> None:
+        """The decode raised or was cancelled: let go of the claim."""
+        self._tier.metrics.misses += 1
+        held, self._held = self._held, None
+        if held is not None:
+            self._tier._let_go(self.key, self.name, held)
 
 
 class _Slot:

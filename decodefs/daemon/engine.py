@@ -44,7 +44,7 @@ from typing import Final, TypeVar
 import cachetools
 import trio
 
-from ..cluster import L2Tier, Start
+from ..cluster import L2Miss, L2Tier
 from ..common.config import Config
 from ..common.decode import (
     DecodeError,
@@ -623,13 +623,25 @@ class Engine:
         self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool
     ) -> tuple[bytes | memoryview, bool]:
         """The array's .npy bytes, and whether they were decoded here: from the cluster's
-        L2 when it has them (cluster.py: verified, else decoded here and published). The
-        tier claims the array when the decode can start (``_decode``'s ``start``)."""
+        L2 when it has them (cluster/tier.py), else decoded here and published. The
+        decode asks the tier whether to run once it can start (``_decode``)."""
         if self.l2 is None:
-            return await self._decode(key, index, purpose, flight), True
-        decode = functools.partial(self._decode, key, index, purpose, flight)
-        obtained = await self.l2.obtain(key, decode, publish=may_store)
-        return obtained.data, obtained.decoded
+            data = await self._decode(key, index, purpose, flight)
+            assert data is not None  # only a claim can stop a decode
+            return data, True
+        miss = self.l2.miss(key, publish=may_store)
+        payload = await miss.lookup()
+        while payload is None:
+            try:
+                data = await self._decode(key, index, purpose, flight, miss)
+            except BaseException:
+                miss.failed()
+                raise
+            if data is not None:
+                miss.decoded(data)
+                return data, True
+            payload = await miss.wait()  # another node decodes it: its array, or try again
+        return payload, False
 
     def _verify_stored(self, key: EntryKey, with_payload: bool) -> VerifiedEntry | str:
         """Worker thread: the entry if it passes every check (with its payload, if
@@ -649,10 +661,10 @@ class Engine:
         index: int,
         purpose: Purpose,
         flight: _Flight,
-        start: Start | None = None,
-    ) -> bytes:
-        """Decode ``key``; ``start`` (the cluster tier's claim) is awaited once the decode
-        has its memory and its slot, and what it raises passes (no decode then)."""
+        miss: L2Miss | None = None,
+    ) -> bytes | None:
+        """Decode ``key``; once the decode has its memory and its slot, ``miss`` (the
+        cluster tier's) is asked whether to: None if it says no (nothing decoded)."""
         source = self._sources[key.version]
         settings = self.config.versions[key.version].decode
         max_pixels = self.config.max_pixels
@@ -674,17 +686,14 @@ class Engine:
             granted = await self.decode_memory.acquire(peak)  # a bigger one runs alone
             try:
                 if purpose is Purpose.READ:
-                    data, seconds = await self._run_decode(work, start)
+                    done = await self._run_decode(work, miss)
                 else:
-                    async with self._warm_slots:
-                        if start is not None:
-                            await start()
-                        flight.job = self._warm_pool.submit(work)
-                        if flight.boosted:
-                            flight.job.boost()
-                        data, seconds = await flight.job.wait()
+                    done = await self._run_warm_decode(work, flight, miss)
             finally:
                 self.decode_memory.release(granted)
+            if done is None:
+                return None
+            data, seconds = done
         except OriginalMissing as exc:
             self.metrics.errors["ENOENT"] += 1
             self._throttle.log(  # once per version per interval: a whole source may vanish
@@ -716,17 +725,17 @@ class Engine:
         log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
         return data
 
-    async def _run_decode(self, work: Callable[[], T], start: Start | None = None) -> T:
+    async def _run_decode(self, work: Callable[[], T], miss: L2Miss | None = None) -> T | None:
         """Run a reader's ``work`` in the decode pool, counting it as queued, then running;
-        ``start`` is awaited once it has its slot."""
+        once it has its slot, ``miss`` is asked whether to (None if not)."""
         self.metrics.queued_decodes += 1
         queued = True
         try:
             async with self._decode_limiter:
                 self.metrics.queued_decodes -= 1
                 queued = False
-                if start is not None:
-                    await start()
+                if miss is not None and not await miss.claim():
+                    return None
                 self.metrics.inflight_decodes += 1
                 try:
                     return await self._in_thread(self._pool_threads, work)
@@ -735,6 +744,19 @@ class Engine:
         finally:
             if queued:  # cancelled while waiting for a slot
                 self.metrics.queued_decodes -= 1
+
+    async def _run_warm_decode(
+        self, work: Callable[[], tuple[bytes, float]], flight: _Flight, miss: L2Miss | None
+    ) -> tuple[bytes, float] | None:
+        """Run a warm's ``work`` on the low-priority pool (a reader waiting boosts it);
+        once it has its slot, ``miss`` is asked whether to (None if not)."""
+        async with self._warm_slots:
+            if miss is not None and not await miss.claim():
+                return None
+            flight.job = self._warm_pool.submit(work)
+            if flight.boosted:
+                flight.job.boost()
+            return await flight.job.wait()
 
     async def _read_stored(
         self, handle: Handle, offset: int, size: int
