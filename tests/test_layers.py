@@ -81,6 +81,8 @@ def arrows() -> list[Arrow]:
             for node in ast.walk(fn)
         }
         for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
             targets: list[tuple[str, tuple[str, ...]]] = []
             if isinstance(node, ast.ImportFrom):
                 if node.level:
@@ -92,7 +94,7 @@ def arrows() -> list[Arrow]:
                 else:
                     continue
                 targets.append((target, tuple(alias.name for alias in node.names)))
-            elif isinstance(node, ast.Import):
+            else:
                 for alias in node.names:
                     if (alias.name + ".").startswith("decodefs."):
                         targets.append((alias.name.removeprefix("decodefs").lstrip("."), ()))
