@@ -22,7 +22,6 @@ from decodefs.common.decode import DecodeSettings, decode_image, npy_bytes, npy_
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.daemon.admission import UserBusy
 from decodefs.daemon.engine import OriginalNotFound, OriginalUndecodable
-from decodefs.daemon.lifecycle import flush_accesses_forever, watch_store_forever
 from tests.conftest import DaemonFactory, Tmpfs, needs_root
 from tests.helpers import reference_npy, wait_for
 
@@ -724,7 +723,7 @@ async def test_the_store_watch_notices_a_removal_each_interval(
     await d.array("v1", SIZE, uuid)
     generation = d.store.generation
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch_store_forever, d.engine, 5.0)
+        nursery.start_soon(d.engine.watch_store_forever, 5.0)
         await trio.sleep(1)
         shutil.rmtree(d.store.root)
         await trio.sleep(3.9)  # the watch has not looked yet
@@ -766,7 +765,7 @@ async def test_hits_reach_the_catalog_at_the_next_flush(
     # Started after the reads: while a task waits for a worker thread, the mock
     # clock would jump straight to the flush.
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(flush_accesses_forever, d.engine, 30.0)
+        nursery.start_soon(d.engine.flush_accesses_forever, 30.0)
         await trio.sleep(29.9)
         assert last_access(d, uuid) == 1000.0  # not before the interval
         await wait_for(lambda: last_access(d, uuid) == 2000.0, what="the flush")

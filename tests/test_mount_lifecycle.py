@@ -308,7 +308,9 @@ def test_sigusr1_logs_every_threads_stack_and_the_trio_tasks_and_keeps_serving(
         assert process.poll() is None, mount.log_text()
     log = mount.log_text()
     assert "Thread 0x" in log and 'File "' in log  # other threads' stacks, with their files
-    assert re.search(r"^  task decodefs\.daemon\.lifecycle\._serve", log, re.MULTILINE)  # nested under <init>
+    assert re.search(
+        r"^  task decodefs\.daemon\.lifecycle\._serve", log, re.MULTILINE
+    )  # nested under <init>
     assert re.search(r"^    task pyfuse", log, re.MULTILINE)  # pyfuse3's request tasks
     # Still serving, a new decode included.
     assert target.read_bytes() == reference_npy(original, 224)

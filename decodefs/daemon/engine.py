@@ -5,7 +5,7 @@ from its file), or an array held in memory when the store cannot take it.
 Caching policy lives here and nothing else: the namespace is tree.py's (over
 the sources), the stats snapshot stats.py's, the background warm's choice of
 arrays background_warm.py's, the per-user limit admission.py's, direct-hit
-reports direct_hits.py's and the periodic loops the daemon's. The fs layer only
+reports direct_hits.py's; the engine runs its own periodic loops (``run``). The fs layer only
 translates FUSE requests, and this module never imports pyfuse3.
 
 Concurrency: everything here runs on the trio thread, so the engine's own
@@ -66,17 +66,27 @@ from ..store import (
     VerifiedEntry,
 )
 from .admission import WAITING_PER_USER, Admission
+from .entry_reads import EntryReads, Pages
 from .memory import HeldArray, MemoryBudget, MemoryCache
 from .pools import Job, LowPriorityPool
-from .serving import EntryReads, Pages
 from .threads import run_in_thread
 
-__all__ = ["Engine", "Handle", "OriginalNotFound", "OriginalUndecodable"]
+__all__ = [
+    "ACCESS_FLUSH_SECONDS",
+    "STORE_CHECK_SECONDS",
+    "Engine",
+    "Handle",
+    "OriginalNotFound",
+    "OriginalUndecodable",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _FAILURE_CACHE_MAX: Final = 100_000
+# How often hits' access times go to the catalog (LRU), and the store is checked.
+ACCESS_FLUSH_SECONDS: Final = 30.0
+STORE_CHECK_SECONDS: Final = 5.0
 
 
 class OriginalNotFound(Exception):
@@ -308,6 +318,34 @@ class Engine:
                         stored.set(index, True)
                 await trio.lowlevel.checkpoint()
 
+    async def run(
+        self,
+        access_flush: float = ACCESS_FLUSH_SECONDS,
+        store_check: float = STORE_CHECK_SECONDS,
+    ) -> None:
+        """The engine's own work beside the requests, until cancelled (a task of the
+        daemon's nursery): learn what is stored, record hits for LRU, watch the
+        store, drop the entry pages brought in, and publish to the cluster's L2."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.note_stored)
+            nursery.start_soon(self.flush_accesses_forever, access_flush)
+            nursery.start_soon(self.watch_store_forever, store_check)
+            nursery.start_soon(self.reads.drop_forever)
+            if self.l2 is not None:
+                nursery.start_soon(self.l2.run)
+
+    async def flush_accesses_forever(self, interval: float = ACCESS_FLUSH_SECONDS) -> None:
+        """Write hits' access times to the catalog every ``interval``, for LRU eviction."""
+        while True:
+            await trio.sleep(interval)
+            await self.flush_accesses()
+
+    async def watch_store_forever(self, interval: float = STORE_CHECK_SECONDS) -> None:
+        """Notice a store removed at runtime, and use it again once it is made again."""
+        while True:
+            await trio.sleep(interval)
+            await self.check_store()
+
     def close(self) -> None:
         self._warm_pool.shutdown()
         if self.l2 is not None:
@@ -320,10 +358,9 @@ class Engine:
 
     def release(self, handle: Handle) -> None:
         self.store.unpin(handle.key)
-        if handle.pages is not Pages.NOT_OURS:
-            # Served (or never to be read through this open): the mount's page cache
-            # holds what readers need, so the entry file's copy goes (serving.py).
-            self.reads.release(handle.key, handle.pages)
+        # Served (or never to be read through this open): the mount's page cache holds
+        # what readers need, so a copy of the entry file's that is ours goes.
+        self.reads.release(handle.key, handle.pages)
 
     async def read(self, handle: Handle, offset: int, size: int) -> memoryview | bytes | bytearray:
         end = min(offset + size, handle.length)
@@ -385,7 +422,7 @@ class Engine:
         finally:
             store.unpin(key)
         outcome = flight.outcome
-        if outcome is not None and outcome.pages is not Pages.NOT_OURS:
+        if outcome is not None:
             self.reads.release(key, outcome.pages)  # nobody reads it through the mount now
         if outcome is not None and outcome.held is not None:
             outcome.held.release()  # nobody reads it
@@ -565,12 +602,8 @@ class Engine:
             self.metrics.errors[f"store_read_{exc.kind}"] += 1
             self._throttle.log(logging.WARNING, f"store-read-{exc.kind}", "%s; decoding it", exc)
             found = ""
-        if isinstance(found, VerifiedEntry):
-            self.metrics.page_drops += found.dropped
-            if found.payload is not None:  # its READs come next: served from these bytes
-                self.reads.keep_fresh(key, found.payload)
-            pages = Pages.READ_IN if found.brought_in else Pages.NOT_OURS
-            return _Outcome(None, decoded=False, pages=pages)
+        if isinstance(found, VerifiedEntry):  # its READs come next: from its payload if kept
+            return _Outcome(None, decoded=False, pages=self.reads.verified(key, found))
         self._not_stored(key, index)  # none, or a bad one (removed): rebuilt below
         problem = found
         if problem:
@@ -614,10 +647,9 @@ class Engine:
         except BaseException:
             held.release()
             raise
-        if reading:  # its READs come next: served from these bytes, not read back
-            self.reads.keep_fresh(key, data)
+        pages = self.reads.written(key, data, read_next=reading)
         held.release()  # stored: every reader reads the file
-        return _Outcome(None, decoded=decoded, pages=Pages.WRITTEN)
+        return _Outcome(None, decoded=decoded, pages=pages)
 
     async def _obtain(
         self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool
@@ -773,7 +805,7 @@ class Engine:
     async def _read_file(
         self, handle: Handle, offset: int, size: int
     ) -> memoryview | bytearray | bytes | None:
-        """The bytes from the store entry (serving.py); None if it cannot give them."""
+        """The bytes from the store entry (entry_reads.py); None if it cannot give them."""
         return await self.reads.read(handle.key, offset, size, handle.pages)
 
     async def _read_memory(

@@ -54,14 +54,10 @@ from .notify import ServiceNotifier
 from .stats import snapshot
 
 __all__ = [
-    "ACCESS_FLUSH_SECONDS",
-    "STORE_CHECK_SECONDS",
     "empty_version_warning",
-    "flush_accesses_forever",
     "serve",
     "spawn",
     "store_warning",
-    "watch_store_forever",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,9 +69,6 @@ _M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
 SHUTDOWN_GRACE: Final = 10.0
 # Then how long requests already running may take to finish before they are cancelled.
 REQUESTS_GRACE: Final = 5.0
-# How often hits' access times go to the catalog (LRU), and the store is checked.
-ACCESS_FLUSH_SECONDS: Final = 30.0
-STORE_CHECK_SECONDS: Final = 5.0
 
 
 def serve(
@@ -188,12 +181,7 @@ async def _serve(
         nursery.start_soon(_dump_on_sigusr1)
         engine = loops.engine
         nursery.start_soon(_once_live, loops.warm, mountpoint, on_ready, notifier, nursery)
-        nursery.start_soon(flush_accesses_forever, engine)
-        nursery.start_soon(watch_store_forever, engine)
-        nursery.start_soon(engine.reads.drop_forever)
-        nursery.start_soon(engine.note_stored)
-        if engine.l2 is not None:
-            nursery.start_soon(engine.l2.run)  # publishes to the cluster's L2
+        nursery.start_soon(engine.run)
         if loops.access_socket is not None:
             nursery.start_soon(loops.direct_hits.receive, loops.access_socket)
         with serving:
@@ -206,20 +194,6 @@ async def _serve(
         raise ConnectionAbortedError(errno.ECONNABORTED, "the kernel aborted the FUSE connection")
     if aborted:
         log.info("the unmount raced queued requests (the kernel said ECONNABORTED); nothing lost")
-
-
-async def flush_accesses_forever(engine: Engine, interval: float = ACCESS_FLUSH_SECONDS) -> None:
-    """Write hits' access times to the catalog every ``interval``, for LRU eviction."""
-    while True:
-        await trio.sleep(interval)
-        await engine.flush_accesses()
-
-
-async def watch_store_forever(engine: Engine, interval: float = STORE_CHECK_SECONDS) -> None:
-    """Notice a store removed at runtime, and use it again once it is made again."""
-    while True:
-        await trio.sleep(interval)
-        await engine.check_store()
 
 
 async def _stop_on_signal(

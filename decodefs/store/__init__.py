@@ -5,6 +5,7 @@ Imports only the shared vocabulary (decodefs.common). Other folders import what
 this file exports, never its rooms.
 """
 
+from . import pagecache
 from .adopt import DEFAULT_SAMPLE, AdoptError, adopt
 from .pagecache import PendingDrops
 from .store import (
@@ -31,6 +32,7 @@ __all__ = [
     "StoreWriteError",
     "VerifiedEntry",
     "adopt",
+    "pagecache",
     "recorded_digests",
     "verify_store",
 ]

@@ -3,7 +3,7 @@
 An array read through the mount is cached by the kernel as the mount file's
 pages. The daemon serves those bytes from the store's entry file, so unless it
 says otherwise they would stay cached a second time as the entry file's pages.
-The rules, which the engine applies (serving.py):
+The rules:
 
 - Pages of an entry file that were resident before the daemon read them belong
   to someone else (``read_array`` readers read the store's files directly):
@@ -19,9 +19,10 @@ The rules, which the engine applies (serving.py):
   writeback at once.
 
 ``open_cached``, ``resident`` and ``read_resident`` never wait for a device,
-so the event loop may call them; ``drop`` and ``start_writeback`` block and belong in a
-worker thread. ``PendingDrops`` is the queue of drops, owned by the event
-loop. Knows nothing of trio, FUSE or the store's layout.
+so the event loop may call them; ``read_noting_residency``, ``drop`` and
+``start_writeback`` block and belong in a worker thread. ``PendingDrops`` is the
+queue of drops. Knows nothing of trio, FUSE or the store's layout; the daemon's
+reads (daemon/entry_reads.py) are the one place that applies the rules.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import os
 from collections.abc import Hashable
 from typing import Final, Generic, TypeVar
 
+from .root import read_all
+
 __all__ = [
     "READ_DROP_DELAY",
     "WRITTEN_DROP_DELAY",
@@ -41,6 +44,7 @@ __all__ = [
     "drop",
     "nowait_unsupported",
     "open_cached",
+    "read_noting_residency",
     "read_resident",
     "resident",
     "start_writeback",
@@ -132,6 +136,25 @@ def read_resident(fd: int, offset: int, length: int) -> bytearray | None:
         del buffer[got:]
         return buffer
     return None
+
+
+def read_noting_residency(fd: int, offset: int, length: int) -> tuple[bytes, bool]:
+    """Up to ``length`` bytes of ``fd`` from ``offset``, and whether this read brought
+    any of them in from the disk (not all were resident; where the kernel cannot
+    say, its first try, which waits for nothing, fell short); a filesystem that
+    cannot tell (tmpfs) brings nothing in."""
+    known = resident(fd, offset, length)
+    if known is not None:
+        return read_all(fd, length, offset), not known
+    try:
+        found = read_resident(fd, offset, length)
+    except OSError as exc:
+        if not nowait_unsupported(exc):
+            raise
+        return read_all(fd, length, offset), False
+    if found is not None:
+        return bytes(found), False
+    return read_all(fd, length, offset), True
 
 
 def nowait_unsupported(exc: OSError) -> bool:

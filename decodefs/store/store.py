@@ -125,8 +125,9 @@ class VerifiedEntry(NamedTuple):
 
 class Store:
     """Entries on flash. Methods block (call them off the event loop) and are thread-safe;
-    the pins and ``read_cached`` never wait, and pins are the event loop's alone
-    (capacity.py).
+    the pins and ``open_cached`` never wait, and pins are the event loop's alone
+    (capacity.py). What to do with the page cache is the reader's to decide
+    (daemon/entry_reads.py); the store only says what a check read in.
 
     Concurrency: callers guarantee at most one write or removal per key at a
     time (the engine's single flight). Capacity (capacity.py) has its own
@@ -260,7 +261,7 @@ class Store:
         if self._root.fd is None:
             return None
         try:
-            entry = self._open_entry(key)
+            entry = self.open_entry(key)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
@@ -274,7 +275,7 @@ class Store:
         try:
             size = os.fstat(entry).st_size
             if TRAILER_SIZE <= size <= _WHOLE:
-                data, brought_in = _read_noting_residency(entry, 0, size)
+                data, brought_in = pagecache.read_noting_residency(entry, 0, size)
                 checked = check_entry(key, data, digest, size)
                 if with_payload and checked.ok:
                     payload = memoryview(data)[: checked.length]
@@ -282,7 +283,7 @@ class Store:
                         pagecache.drop(entry)
                         brought_in, dropped = False, True
             else:
-                first, brought_in = _read_noting_residency(entry, 0, min(size, _WHOLE))
+                first, brought_in = pagecache.read_noting_residency(entry, 0, min(size, _WHOLE))
                 del first  # the check reads it again, from the page cache
                 checked = check_entry_file(entry, key, digest)
         except OSError as exc:
@@ -300,57 +301,31 @@ class Store:
         Opens the file for each call, so no descriptor outlives the request and
         an entry replaced meanwhile is read whole from its new file.
         """
-        return self.read_served(key, offset, length, drop=False)[0]
+        entry = self.open_entry(key)
+        try:
+            return read_all(entry, length, offset)
+        finally:
+            os.close(entry)
 
-    def read_cached(self, key: EntryKey, offset: int, length: int) -> bytearray | bool:
-        """Bytes of an entry if its path and its pages are all in the kernel's caches;
-        never waits for a device, so the event loop may call it. Else False if the
-        pages were found not resident (the try started their readahead), True if it
-        could not look (the path is not cached, no openat2, a tmpfs)."""
+    def open_entry(self, key: EntryKey) -> int:
+        """``key``'s entry file open for reading, without updating its access time
+        where the store's owner may ask so (no journal write for a read). Raises
+        OSError (FileNotFoundError if the store or the entry is gone)."""
         fd = self._root.fd
         if fd is None:
-            return True
-        entry = pagecache.open_cached(fd, key.relpath, _READ | os.O_NOATIME)
-        if entry is None:
-            return True
+            raise FileNotFoundError(errno.ENOENT, "the store is gone", key.relpath)
         try:
-            # Asked first: a read that misses would start the disk's work on this thread.
-            if pagecache.resident(entry, offset, length) is False:
-                return False
-            data = pagecache.read_resident(entry, offset, length)
-        except OSError:
-            return True  # a tmpfs cannot tell without waiting: a worker thread reads it
-        finally:
-            os.close(entry)
-        return False if data is None else data
+            return os.open(key.relpath, _READ | os.O_NOATIME, dir_fd=fd)
+        except PermissionError:  # O_NOATIME needs the file's owner
+            return os.open(key.relpath, _READ, dir_fd=fd)
 
-    def read_served(
-        self, key: EntryKey, offset: int, length: int, *, drop: bool
-    ) -> tuple[bytes, bool]:
-        """``read_range`` for bytes about to be served through the mount, and whether
-        their pages were dropped from the page cache afterwards: if ``drop`` or if
-        this read brought them in from the disk; pages someone else keeps resident
-        stay (pagecache.py). Fewer bytes only if the file is shorter."""
-        entry = self._open_entry(key)
-        try:
-            data, brought_in = _read_noting_residency(entry, offset, length)
-            if drop or brought_in:
-                pagecache.drop(entry, offset, length)
-            return data, drop or brought_in
-        finally:
-            os.close(entry)
-
-    def drop_pages(self, key: EntryKey) -> None:
-        """Let the kernel drop the page cache of ``key``'s entry (pagecache.py); quietly
-        nothing if it is gone."""
-        try:
-            entry = self._open_entry(key)
-        except OSError:
-            return
-        try:
-            pagecache.drop(entry)
-        finally:
-            os.close(entry)
+    def open_cached(self, key: EntryKey) -> int | None:
+        """``open_entry`` if every name on the entry's path is in the kernel's caches,
+        else None: never waits for a device, so the event loop may call it."""
+        fd = self._root.fd
+        if fd is None:
+            return None
+        return pagecache.open_cached(fd, key.relpath, _READ | os.O_NOATIME)
 
     def write(
         self,
@@ -597,39 +572,9 @@ class Store:
         self.capacity.attach(catalog, filled=not empty)
         return empty
 
-    def _open_entry(self, key: EntryKey) -> int:
-        """``key``'s entry file open for reading, without updating its access time
-        where the store's owner may ask so (no journal write for a read)."""
-        fd = self._root.fd
-        if fd is None:
-            raise FileNotFoundError(errno.ENOENT, "the store is gone", key.relpath)
-        try:
-            return os.open(key.relpath, _READ | os.O_NOATIME, dir_fd=fd)
-        except PermissionError:  # O_NOATIME needs the file's owner
-            return os.open(key.relpath, _READ, dir_fd=fd)
-
     def _unlink_entry(self, key: EntryKey) -> None:
         fd = self._root.fd
         if fd is None:
             return
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(key.relpath, dir_fd=fd)
-
-
-def _read_noting_residency(fd: int, offset: int, length: int) -> tuple[bytes, bool]:
-    """Up to ``length`` bytes of ``fd`` from ``offset``, and whether this read brought
-    any of them in from the disk (not all were resident; where the kernel cannot
-    say, its first try, which waits for nothing, fell short); a filesystem that
-    cannot tell (tmpfs) brings nothing in."""
-    known = pagecache.resident(fd, offset, length)
-    if known is not None:
-        return read_all(fd, length, offset), not known
-    try:
-        resident = pagecache.read_resident(fd, offset, length)
-    except OSError as exc:
-        if not pagecache.nowait_unsupported(exc):
-            raise
-        return read_all(fd, length, offset), False
-    if resident is not None:
-        return bytes(resident), False
-    return read_all(fd, length, offset), True

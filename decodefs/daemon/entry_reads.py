@@ -1,24 +1,27 @@
-"""Serving READs of stored entries, and leaving one page-cache copy of what was served.
+"""READs of stored entries, and the one owner of their page cache: one copy of what was served.
 
 A READ of a stored array is answered, cheapest first: from the bytes that a
 verification or a write of the entry just had in memory (kept, up to
 ``FRESH_BYTES``, for the READs that follow an open); from the entry file's
-resident pages on the event loop (pagecache: a path and pages already in the
-kernel's caches, never a wait for a device); else in a worker thread. The
-entry pages that the daemon brought into the page cache for an open are dropped
-once that open is released (pagecache.py states the rules).
+resident pages on the event loop (a path and pages already in the kernel's
+caches, never a wait for a device); else in a worker thread. Whose an entry
+file's pages are (``Pages``) is decided here alone, from what each read or
+check found, and the pages the daemon brought in for an open are dropped once
+that open is released (store/pagecache.py states the rules; the engine only
+carries each open's ``Pages`` from ``verified``/``written`` to ``read`` and
+``release``).
 
 Everything here runs on the event loop's thread, except what it hands to a
-worker thread. Knows the store's read methods; not FUSE, not decoding, not
-which arrays are stored or verified (engine.py).
+worker thread. Knows the store's opens and the page cache's calls; not FUSE,
+not decoding, not which arrays are stored or verified (engine.py).
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -27,7 +30,7 @@ import trio
 
 from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
-from ..store import PendingDrops, Store
+from ..store import PendingDrops, Store, VerifiedEntry, pagecache
 from .threads import run_in_thread
 
 __all__ = ["FRESH_BYTES", "EntryReads", "Pages"]
@@ -86,6 +89,21 @@ class EntryReads:
     def forget_all(self) -> None:
         self._fresh.clear()
 
+    def verified(self, key: EntryKey, found: VerifiedEntry) -> Pages:
+        """An open found ``key``'s entry verified: keep its payload (if the check kept
+        it) for the READs that follow, and say whose the entry file's pages are."""
+        self._metrics.page_drops += found.dropped
+        if found.payload is not None:
+            self.keep_fresh(key, found.payload)
+        return Pages.READ_IN if found.brought_in else Pages.NOT_OURS
+
+    def written(self, key: EntryKey, payload: bytes | memoryview, *, read_next: bool) -> Pages:
+        """``key``'s entry was just written from ``payload``: if READs come next, they
+        are served from these bytes, not read back. Its pages are the daemon's."""
+        if read_next:
+            self.keep_fresh(key, payload)
+        return Pages.WRITTEN
+
     async def read(
         self, key: EntryKey, offset: int, size: int, pages: Pages
     ) -> memoryview | bytearray | bytes | None:
@@ -97,21 +115,17 @@ class EntryReads:
             if offset + size >= len(fresh):
                 del self._fresh[key]  # read to its end: the kernel's page cache has it now
             return fresh[offset : offset + size]  # pyfuse3 copies it out before it is freed
-        cached = self._store.read_cached(key, offset, size)
-        if not isinstance(cached, bool) and len(cached) == size:
+        cached, read_ahead = self._read_resident(key, offset, size)
+        if cached is not None:
             self._metrics.store_reads_inline += 1
             return cached
-        # Found not resident (False): the try started their readahead, so the worker
-        # thread could not tell its own doing from a direct reader's; they are ours.
         self._metrics.store_reads_threaded += 1
-        ours = pages is not Pages.NOT_OURS or cached is False
+        # Pages found not resident: the try started their readahead, so the worker
+        # thread could not tell its own doing from a direct reader's; they are ours.
+        ours = pages is not Pages.NOT_OURS or read_ahead
         try:
             data, dropped = await run_in_thread(
-                self._limiter,
-                functools.partial(self._store.read_served, drop=ours),
-                key,
-                offset,
-                size,
+                self._limiter, self._read_from_disk, key, offset, size, ours
             )
         except OSError as exc:
             # Removed behind our back or unreadable: never fail the reader.
@@ -130,6 +144,43 @@ class EntryReads:
             )
             return None
         return data
+
+    def _read_resident(
+        self, key: EntryKey, offset: int, size: int
+    ) -> tuple[bytearray | None, bool]:
+        """On the event loop: the bytes, if the entry's path and pages are all in the
+        kernel's caches; else None, and whether the try found pages not resident (it
+        started their readahead). Never waits for a device."""
+        entry = self._store.open_cached(key)
+        if entry is None:
+            return None, False
+        try:
+            # Asked first: a read that misses would start the disk's work on this thread.
+            if pagecache.resident(entry, offset, size) is False:
+                return None, True
+            data = pagecache.read_resident(entry, offset, size)
+        except OSError:
+            return None, False  # a tmpfs cannot tell without waiting: a worker thread reads it
+        finally:
+            os.close(entry)
+        if data is None:
+            return None, True
+        return (data, False) if len(data) == size else (None, False)
+
+    def _read_from_disk(
+        self, key: EntryKey, offset: int, size: int, drop: bool
+    ) -> tuple[bytes, bool]:
+        """Worker thread: the bytes (fewer only if the file is shorter), and whether
+        their pages were dropped after: if ``drop``, or if this read brought them in;
+        pages someone else keeps resident stay."""
+        entry = self._store.open_entry(key)
+        try:
+            data, brought_in = pagecache.read_noting_residency(entry, offset, size)
+            if drop or brought_in:
+                pagecache.drop(entry, offset, size)
+            return data, drop or brought_in
+        finally:
+            os.close(entry)
 
     def release(self, key: EntryKey, pages: Pages) -> None:
         """An open of ``key`` is released: what it brought into the page cache goes."""
@@ -161,5 +212,14 @@ class EntryReads:
             self._metrics.page_drops += len(keys)
 
     def _drop(self, keys: Sequence[EntryKey]) -> None:
+        """Worker thread: let the kernel drop the pages of each entry (quietly none
+        of one that is gone)."""
         for key in keys:
-            self._store.drop_pages(key)
+            try:
+                entry = self._store.open_entry(key)
+            except OSError:
+                continue
+            try:
+                pagecache.drop(entry)
+            finally:
+                os.close(entry)
