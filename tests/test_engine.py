@@ -696,7 +696,7 @@ async def test_a_store_removed_at_runtime_fails_open_and_is_used_again_once_made
 
     shutil.rmtree(parent)
     parent.write_bytes(b"")  # and nothing can make it again yet
-    await d.engine.check_store()
+    await d.engine.upkeep.check_store()
     stats = d.stats()
     assert stats["store_writable"] is False
     assert stats["store_entries"] == stats["store_bytes"] == 0
@@ -707,7 +707,7 @@ async def test_a_store_removed_at_runtime_fails_open_and_is_used_again_once_made
     assert stats["store_write_errors"] == 2 and stats["errors"]["store_EROFS"] == 2
 
     parent.unlink()
-    await d.engine.check_store()  # made again, empty
+    await d.engine.upkeep.check_store()  # made again, empty
     stats = d.stats()
     assert stats["store_writable"] is True and stats["store_entries"] == 0
     assert await d.array("v1", SIZE, later) == reference_npy(original(originals, later), SIZE)
@@ -723,7 +723,7 @@ async def test_the_store_watch_notices_a_removal_each_interval(
     await d.array("v1", SIZE, uuid)
     generation = d.store.generation
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(d.engine.watch_store_forever, 5.0)
+        nursery.start_soon(d.engine.upkeep.watch_store_forever, 5.0)
         await trio.sleep(1)
         shutil.rmtree(d.store.root)
         await trio.sleep(3.9)  # the watch has not looked yet
@@ -765,7 +765,7 @@ async def test_hits_reach_the_catalog_at_the_next_flush(
     # Started after the reads: while a task waits for a worker thread, the mock
     # clock would jump straight to the flush.
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(d.engine.flush_accesses_forever, 30.0)
+        nursery.start_soon(d.engine.upkeep.flush_accesses_forever, 30.0)
         await trio.sleep(29.9)
         assert last_access(d, uuid) == 1000.0  # not before the interval
         await wait_for(lambda: last_access(d, uuid) == 2000.0, what="the flush")

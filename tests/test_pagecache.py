@@ -271,7 +271,7 @@ async def test_a_stored_array_opens_with_no_disk_and_its_first_read_verifies(
     path = await stored(d)
     d.close()
     d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
-    await d.engine.note_stored()  # what the catalog says is stored
+    await d.engine.known.note_stored()  # what the catalog says is stored
     data = bytearray(path.read_bytes())
     data[500] ^= 0x04  # damaged after it was written
     path.write_bytes(bytes(data))
@@ -295,7 +295,7 @@ async def test_an_open_of_a_stored_array_whose_entry_is_gone_reads_it_right(
     path = await stored(d)
     d.close()
     d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
-    await d.engine.note_stored()
+    await d.engine.known.note_stored()
     path.unlink()  # the catalog still says stored
     assert await d.array("v1", SIZE, UUID) == reference(originals)
     assert d.stats()["decodes"] == 1 and path.exists()  # decoded and stored again

@@ -2,19 +2,19 @@
 
 ``Engine.open`` returns a Handle for one array: a verified store entry (read
 from its file), or an array held in memory when the store cannot take it.
-Caching policy lives here and nothing else: the namespace is tree.py's (over
-the sources), the stats snapshot stats.py's, the background warm's choice of
-arrays background_warm.py's, the per-user limit admission.py's, direct-hit
-reports direct_hits.py's; the engine runs its own periodic loops (``run``). The fs layer only
-translates FUSE requests, and this module never imports pyfuse3.
+Caching policy lives here and nothing else: the namespace is namespace.py's
+(over the sources), running decodes decodes.py's, what is known verified or
+stored known.py's, READs of entries and their page cache entry_reads.py's, the
+stats snapshot stats.py's, the background warm's choice of arrays
+background_warm.py's, the per-user limit admission.py's, direct-hit reports
+direct_hits.py's. The engine runs its own periodic loops (``run``). The fs
+layer only translates FUSE requests, and this module never imports pyfuse3.
 
 Concurrency: everything here runs on the trio thread, so the engine's own
-state needs no locks. Blocking work goes to worker threads: readers' decodes
-through ``_decode_limiter`` (sized to the cores; Pillow releases the GIL), the
-warm's decodes on their own low-priority threads (pools.py) so a reader never
-waits for a slot behind the warm and gets the CPU first, and store reads and
-writes through their own limiters, so a hit never queues behind decodes or
-slow writes. ``_flights`` is the single-flight map: one task per key does the
+state needs no locks. Blocking work goes to worker threads: decodes as
+decodes.py runs them, and store reads and writes through their own limiters,
+so a hit never queues behind decodes or slow writes. ``_flights`` is the
+single-flight map: one task per key does the
 work, every other opener of that key waits for its result (a reader waiting
 on a warm decode boosts it). Every open handle and every flight pins its key
 in the store, so eviction never removes a file someone relies on.
@@ -31,49 +31,38 @@ make another's open wait for good.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
-import math
 import os
-import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import TypeVar
 
-import cachetools
 import trio
 
-from ..cluster import L2Miss, L2Tier
+from ..cluster import L2Tier
 from ..common.config import Config
-from ..common.decode import (
-    DecodeError,
-    decode_image,
-    decode_peak_bytes,
-    image_dimensions,
-    npy_bytes,
-    npy_file_size,
-)
+from ..common.decode import npy_file_size
 from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
-from ..common.source import OriginalMissing, SourceIndex
+from ..common.source import SourceIndex
 from ..store import (
     CorruptEntry,
     Store,
     StoreReadError,
-    StoreUsage,
     StoreWriteError,
     VerifiedEntry,
 )
 from .admission import WAITING_PER_USER, Admission
+from .decodes import Decodes, OriginalNotFound, OriginalUndecodable, Purpose
 from .entry_reads import EntryReads, Pages
+from .known import KnownEntries
 from .memory import HeldArray, MemoryBudget, MemoryCache
-from .pools import Job, LowPriorityPool
+from .pools import Job
 from .threads import run_in_thread
+from .upkeep import ACCESS_FLUSH_SECONDS, STORE_CHECK_SECONDS, StoreUpkeep
 
 __all__ = [
-    "ACCESS_FLUSH_SECONDS",
-    "STORE_CHECK_SECONDS",
     "Engine",
     "Handle",
     "OriginalNotFound",
@@ -83,26 +72,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_FAILURE_CACHE_MAX: Final = 100_000
-# How often hits' access times go to the catalog (LRU), and the store is checked.
-ACCESS_FLUSH_SECONDS: Final = 30.0
-STORE_CHECK_SECONDS: Final = 5.0
-
-
-class OriginalNotFound(Exception):
-    """The uuid's original no longer exists (ENOENT)."""
-
-
-class OriginalUndecodable(Exception):
-    """The original exists but cannot be decoded (EIO)."""
-
-
-class Purpose(enum.Enum):
-    """Why an array is acquired: it decides priority, eviction and what is counted."""
-
-    READ = "read"  # a reader waits for it: full priority, may evict
-    WARM_REQUEST = "warm request"  # an O_NONBLOCK open (decodefs warm): low priority, never evicts
-    BACKGROUND = "background warm"  # the daemon's own warm: low priority, never evicts
 
 
 @dataclass(slots=True)
@@ -152,22 +121,6 @@ class _Flight:
     waiters: int = 0  # openers waiting for the outcome, each to get its own hold
 
 
-class _Bitmap:
-    """One bit per original: 46 KiB per (version, size) at 370k originals."""
-
-    def __init__(self, size: int) -> None:
-        self.bits = bytearray((size + 7) // 8)
-
-    def __getitem__(self, index: int) -> bool:
-        return bool(self.bits[index >> 3] & (1 << (index & 7)))
-
-    def set(self, index: int, value: bool) -> None:
-        if value:
-            self.bits[index >> 3] |= 1 << (index & 7)
-        else:
-            self.bits[index >> 3] &= ~(1 << (index & 7)) & 0xFF
-
-
 # EntryKey(...) without NamedTuple's Python-level __new__, for open's hot path.
 _new_key = tuple.__new__
 
@@ -185,39 +138,28 @@ class Engine:
         waiting_per_user: int = WAITING_PER_USER,
     ) -> None:
         self.config = config
-        self.l2 = l2  # the cluster's shared tier (cluster.py), asked before decoding
+        self.l2 = l2  # the cluster's shared tier (cluster/tier.py), asked before decoding
         self.metrics = metrics or Metrics()
         self.store = store
         self._sources = sources
         self._clock = clock
         self._owner = os.geteuid()
-        self._decode_limiter = trio.CapacityLimiter(config.decode_workers)
-        # Decode threads are capped by _decode_limiter; their trio limiter must not cap them again.
-        self._pool_threads = trio.CapacityLimiter(math.inf)
-        self._warm_pool = LowPriorityPool(config.decode_workers)
-        # As many as the pool's threads: a warm decode submitted starts at once.
-        self._warm_slots = trio.CapacityLimiter(config.decode_workers)
         self._read_limiter = trio.CapacityLimiter(config.io_workers)
         self._write_limiter = trio.CapacityLimiter(config.io_workers)
         self._flights: dict[EntryKey, _Flight] = {}
-        # (version, size) -> a bit per original, set once verified in this daemon's life;
-        # and a bit per original believed stored (from the catalog, and the writes since),
-        # so that its open needs no disk: the first READ verifies it.
-        self._verified: dict[tuple[str, int], _Bitmap] = {}
-        self._stored: dict[tuple[str, int], _Bitmap] = {}
-        self._store_generation = store.generation
-        self.memory = MemoryBudget(config.memory_cache_bytes)
-        # What decodes take while they run: 8 bytes a pixel (decode.decode_peak_bytes).
-        self.decode_memory = MemoryBudget(config.decode_memory_bytes)
-        # Arrays the store did not take (stats.py reads its size).
-        self.memory_cache = MemoryCache(self.memory)
-        # Originals that failed to decode, answered EIO until their entry expires.
-        self._failures: cachetools.TTLCache[EntryKey, str] = cachetools.TTLCache(
-            maxsize=_FAILURE_CACHE_MAX, ttl=config.error_cache_seconds, timer=clock
-        )
-        self._throttle = LogThrottle(log)
         # Serving READs of stored entries, and dropping the entry pages they brought in.
         self.reads = EntryReads(store, self._read_limiter, self.metrics, clock=clock)
+        # What is verified and stored, without the disk (known.py). Its dicts, held here
+        # too for open's hot path, are only ever cleared in place.
+        self.known = KnownEntries(config, sources, store, self.reads, self._read_limiter)
+        self._verified, self._stored = self.known.verified, self.known.stored
+        self.upkeep = StoreUpkeep(store, self.known, self._write_limiter)
+        self._decodes = Decodes(config, sources, self.metrics, self._read_limiter, clock=clock)
+        self.decode_memory = self._decodes.memory  # stats.py reports it
+        self.memory = MemoryBudget(config.memory_cache_bytes)
+        # Arrays the store did not take (stats.py reads its size).
+        self.memory_cache = MemoryCache(self.memory)
+        self._throttle = LogThrottle(log)
         # Requests of each other user waiting for a decode now (admission.py).
         self.admission = Admission(self.metrics, waiting_per_user)
 
@@ -252,7 +194,7 @@ class Engine:
         """
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:  # check it now, at this open, whatever was believed of it
-            self._not_stored(key, index)
+            self.known.not_stored(key, index)
         self.store.pin(key)
         try:
             return await self._open_pinned(
@@ -285,7 +227,7 @@ class Engine:
         key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
         store = self.store
         store.pin_hit(key)
-        if store.evicted or store.generation != self._store_generation:
+        if store.evicted or store.generation != self.known.generation:
             store.unpin(key)  # evictions the bits do not know of: the whole way notes them
             return None
         if unverified:
@@ -298,26 +240,6 @@ class Engine:
             handle.uid, handle.may_store = uid, self._may_store(version, size, uid)
         return handle
 
-    async def note_stored(self) -> None:
-        """Learn from the catalog which arrays of the configured sizes are stored, so that
-        their opens need no disk (each is verified at its first READ). Before this, or
-        for other sizes, an open verifies the entry first."""
-        generation = self.store.generation
-        for version in sorted(self.config.versions):
-            source = self._sources[version]
-            for size in self.config.versions[version].sizes:
-                uuids = await run_in_thread(
-                    self._read_limiter, self.store.stored_uuids, version, size
-                )
-                if self.store.generation != generation:
-                    return  # the store was lost meanwhile: what it held is gone
-                stored = self._stored_map(version, size)
-                for uuid in uuids:
-                    index = source.find(uuid)
-                    if index is not None:
-                        stored.set(index, True)
-                await trio.lowlevel.checkpoint()
-
     async def run(
         self,
         access_flush: float = ACCESS_FLUSH_SECONDS,
@@ -327,27 +249,15 @@ class Engine:
         daemon's nursery): learn what is stored, record hits for LRU, watch the
         store, drop the entry pages brought in, and publish to the cluster's L2."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.note_stored)
-            nursery.start_soon(self.flush_accesses_forever, access_flush)
-            nursery.start_soon(self.watch_store_forever, store_check)
+            nursery.start_soon(self.known.note_stored)
+            nursery.start_soon(self.upkeep.flush_accesses_forever, access_flush)
+            nursery.start_soon(self.upkeep.watch_store_forever, store_check)
             nursery.start_soon(self.reads.drop_forever)
             if self.l2 is not None:
                 nursery.start_soon(self.l2.run)
 
-    async def flush_accesses_forever(self, interval: float = ACCESS_FLUSH_SECONDS) -> None:
-        """Write hits' access times to the catalog every ``interval``, for LRU eviction."""
-        while True:
-            await trio.sleep(interval)
-            await self.flush_accesses()
-
-    async def watch_store_forever(self, interval: float = STORE_CHECK_SECONDS) -> None:
-        """Notice a store removed at runtime, and use it again once it is made again."""
-        while True:
-            await trio.sleep(interval)
-            await self.check_store()
-
     def close(self) -> None:
-        self._warm_pool.shutdown()
+        self._decodes.close()
         if self.l2 is not None:
             self.l2.close()
 
@@ -376,43 +286,20 @@ class Engine:
         self.metrics.bytes_served += len(data)
         return data
 
-    async def flush_accesses(self) -> None:
-        """Write hits' access times to the catalog, for LRU eviction (the daemon calls this
-        now and then); a failure is logged, never raised: LRU order is not worth more."""
-        try:
-            await self._in_thread(self._write_limiter, self.store.flush_accesses)
-        except Exception as exc:
-            self._throttle.log(
-                logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
-            )
-
-    def store_usage(self) -> StoreUsage:
-        """The store's entries and bytes (statfs of the mount)."""
-        return self.store.usage()
-
-    async def check_store(self) -> None:
-        """Notice a store removed at runtime, and use it again once it is made again (the
-        daemon calls this now and then, and a write that finds the store gone)."""
-        try:
-            await self._in_thread(self._write_limiter, self.store.check)
-        except Exception as exc:
-            self._throttle.log(logging.ERROR, "store-check", "cannot check the store: %r", exc)
-        self._notice_store_generation()
-
     async def warm_one(self, version: str, size: int, index: int) -> bool:
         """Decode and store one array for the background warm (background_warm.py), at low
         priority, unless it is stored, in flight or failed lately. False if the store
         would take it only by evicting, or did not take it: the warm stops then."""
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if (
-            self._verified_map(version, size)[index]
-            or self._stored_map(version, size)[index]
+            self.known.verified_map(version, size)[index]
+            or self.known.stored_map(version, size)[index]
             or key in self._flights
-            or key in self._failures
+            or key in self._decodes.failures
         ):
             return True
         store = self.store
-        if await self._in_thread(self._read_limiter, store.would_evict, npy_file_size(size)):
+        if await run_in_thread(self._read_limiter, store.would_evict, npy_file_size(size)):
             return False
         if key in self._flights:  # a reader got there meanwhile
             return True
@@ -440,17 +327,20 @@ class Engine:
         may_store: bool = True,
         uid: int | None = None,
     ) -> Handle:
-        self._forget_evicted()
+        self.known.forget_evicted()
         reading = purpose is Purpose.READ
         length = npy_file_size(key.size)
-        verified = self._verified_map(key.version, key.size)
+        verified = self.known.verified_map(key.version, key.size)
         handle = Handle(key, index, length, may_store=may_store, uid=uid)
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
             self.metrics.hits += reading
             self.store.record_access(key)
             return handle
-        if purpose is not Purpose.BACKGROUND and self._stored_map(key.version, key.size)[index]:
+        if (
+            purpose is not Purpose.BACKGROUND
+            and self.known.stored_map(key.version, key.size)[index]
+        ):
             # Believed stored: the open needs no disk; a READ verifies it first.
             self.store.record_access(key)
             handle.unverified, handle.reader = True, reading
@@ -459,7 +349,7 @@ class Engine:
             self.metrics.hits += reading
             handle.in_memory = True
             return handle
-        self._check_recent_failure(key)
+        self._decodes.check_recent_failure(key)
         with self.admission.waiting(uid):
             outcome = await self._outcome(key, index, purpose, may_store=may_store)
         handle.pages = outcome.pages
@@ -482,8 +372,8 @@ class Engine:
         open would have (a single flight: it is rebuilt if it fails)."""
         key, index = handle.key, handle.index
         decoded = False
-        if not self._verified_map(key.version, key.size)[index]:  # none verified it since
-            self._check_recent_failure(key)
+        if not self.known.verified_map(key.version, key.size)[index]:  # none verified it since
+            self._decodes.check_recent_failure(key)
             with self.admission.waiting(handle.uid):
                 outcome = await self._outcome(key, index, Purpose.READ, may_store=handle.may_store)
             handle.pages, decoded = outcome.pages, outcome.decoded
@@ -534,8 +424,7 @@ class Engine:
         try:
             flight.outcome = await self._acquire(key, index, purpose, flight, may_store=may_store)
             if flight.outcome.stored:
-                self._verified_map(key.version, key.size).set(index, True)
-                self._stored_map(key.version, key.size).set(index, True)
+                self.known.mark_stored(key, index)
         except Exception as exc:
             flight.error = exc
         finally:
@@ -546,49 +435,6 @@ class Engine:
             flight.done.set()
         return flight
 
-    def _forget_evicted(self) -> None:
-        self._notice_store_generation()
-        # The store appends evicted keys from its threads; only we read them.
-        evicted = self.store.evicted
-        while evicted:
-            key = evicted.popleft()
-            source = self._sources.get(key.version)  # None: a version no longer configured
-            index = source.find(key.uuid) if source is not None else None
-            if index is not None:
-                self._not_stored(key, index)
-
-    def _notice_store_generation(self) -> None:
-        if self.store.generation != self._store_generation:
-            # The store was removed or made again: nothing verified before is there.
-            self._store_generation = self.store.generation
-            self._verified.clear()
-            self._stored.clear()
-            self.reads.forget_all()
-
-    def _verified_map(self, version: str, size: int) -> _Bitmap:
-        verified = self._verified.get((version, size))
-        if verified is None:
-            verified = self._verified[version, size] = _Bitmap(len(self._sources[version]))
-        return verified
-
-    def _stored_map(self, version: str, size: int) -> _Bitmap:
-        stored = self._stored.get((version, size))
-        if stored is None:
-            stored = self._stored[version, size] = _Bitmap(len(self._sources[version]))
-        return stored
-
-    def _not_stored(self, key: EntryKey, index: int) -> None:
-        """``key``'s entry is gone or not to be trusted: its opens go the whole way."""
-        self._verified_map(key.version, key.size).set(index, False)
-        self._stored_map(key.version, key.size).set(index, False)
-        self.reads.forget(key)
-
-    def _check_recent_failure(self, key: EntryKey) -> None:
-        reason = self._failures.get(key)
-        if reason is not None:
-            self.metrics.errors["EIO"] += 1
-            raise OriginalUndecodable(reason)
-
     async def _acquire(
         self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool
     ) -> _Outcome:
@@ -596,7 +442,7 @@ class Engine:
         and ``may_store``)."""
         reading = purpose is Purpose.READ
         try:
-            found = await self._in_thread(self._read_limiter, self._verify_stored, key, reading)
+            found = await run_in_thread(self._read_limiter, self._verify_stored, key, reading)
         except StoreReadError as exc:
             # Say nothing of its integrity and leave it; decode and replace it.
             self.metrics.errors[f"store_read_{exc.kind}"] += 1
@@ -604,7 +450,7 @@ class Engine:
             found = ""
         if isinstance(found, VerifiedEntry):  # its READs come next: from its payload if kept
             return _Outcome(None, decoded=False, pages=self.reads.verified(key, found))
-        self._not_stored(key, index)  # none, or a bad one (removed): rebuilt below
+        self.known.not_stored(key, index)  # none, or a bad one (removed): rebuilt below
         problem = found
         if problem:
             self.metrics.corrupt_entries += 1
@@ -629,13 +475,13 @@ class Engine:
             return _Outcome(held, decoded=decoded, refused="unlisted")
         try:
             # A warm never evicts what readers have stored.
-            await self._in_thread(
+            await run_in_thread(
                 self._write_limiter,
                 functools.partial(self.store.write, key, data, may_evict=reading),
             )
         except StoreWriteError as exc:
             if exc.kind == "ENOENT":  # the store's directory is gone: notice it now
-                await self.check_store()
+                await self.upkeep.check_store()
             self.metrics.store_write_errors += 1
             self.metrics.errors[f"store_{exc.kind}"] += 1
             if purpose is Purpose.READ:
@@ -658,14 +504,14 @@ class Engine:
         L2 when it has them (cluster/tier.py), else decoded here and published. The
         decode asks the tier whether to run once it can start (``_decode``)."""
         if self.l2 is None:
-            data = await self._decode(key, index, purpose, flight)
+            data = await self._decodes.decode(key, index, purpose, flight)
             assert data is not None  # only a claim can stop a decode
             return data, True
         miss = self.l2.miss(key, publish=may_store)
         payload = await miss.lookup()
         while payload is None:
             try:
-                data = await self._decode(key, index, purpose, flight, miss)
+                data = await self._decodes.decode(key, index, purpose, flight, miss)
             except BaseException:
                 miss.failed()
                 raise
@@ -687,126 +533,17 @@ class Engine:
             return ""
         return checked
 
-    async def _decode(
-        self,
-        key: EntryKey,
-        index: int,
-        purpose: Purpose,
-        flight: _Flight,
-        miss: L2Miss | None = None,
-    ) -> bytes | None:
-        """Decode ``key``; once the decode has its memory and its slot, ``miss`` (the
-        cluster tier's) is asked whether to: None if it says no (nothing decoded)."""
-        source = self._sources[key.version]
-        settings = self.config.versions[key.version].decode
-        max_pixels = self.config.max_pixels
-        path = source.relpaths[index]
-
-        def locate() -> int:
-            # Worker thread: the source may be slow network storage.
-            nonlocal path
-            path = source.original_path(index)
-            return decode_peak_bytes(*image_dimensions(path))
-
-        def work() -> tuple[bytes, float]:
-            started = time.perf_counter()
-            array = decode_image(path, key.size, settings, max_pixels=max_pixels)
-            return npy_bytes(array), time.perf_counter() - started
-
-        try:
-            peak = await self._in_thread(self._read_limiter, locate)
-            granted = await self.decode_memory.acquire(peak)  # a bigger one runs alone
-            try:
-                if purpose is Purpose.READ:
-                    done = await self._run_decode(work, miss)
-                else:
-                    done = await self._run_warm_decode(work, flight, miss)
-            finally:
-                self.decode_memory.release(granted)
-            if done is None:
-                return None
-            data, seconds = done
-        except OriginalMissing as exc:
-            self.metrics.errors["ENOENT"] += 1
-            self._throttle.log(  # once per version per interval: a whole source may vanish
-                logging.WARNING,
-                f"original-gone-{key.version}",
-                "original of %s is gone: %s",
-                key,
-                exc,
-            )
-            raise OriginalNotFound(str(exc)) from exc
-        except DecodeError as exc:
-            self.metrics.decodes += 1  # it ran: `decodes` counts every decode
-            self.metrics.decode_errors += 1
-            self.metrics.errors["EIO"] += 1
-            self._failures[key] = f"{path}: {exc.reason}"
-            self._throttle.log(  # once per original per interval, however often asked
-                logging.WARNING,
-                f"decode-{path}",
-                "cannot decode %s for %s: %s",
-                path,
-                key,
-                exc.reason,
-            )
-            raise OriginalUndecodable(f"{path}: {exc.reason}") from exc
-        self.metrics.decodes += 1
-        self.metrics.background_decodes += purpose is Purpose.BACKGROUND
-        self.metrics.warm_decodes += purpose is Purpose.WARM_REQUEST
-        self.metrics.decode_seconds.observe(seconds)
-        log.debug("decoded %s from %s in %.0f ms", key, path, seconds * 1000)
-        return data
-
-    async def _run_decode(self, work: Callable[[], T], miss: L2Miss | None = None) -> T | None:
-        """Run a reader's ``work`` in the decode pool, counting it as queued, then running;
-        once it has its slot, ``miss`` is asked whether to (None if not)."""
-        self.metrics.queued_decodes += 1
-        queued = True
-        try:
-            async with self._decode_limiter:
-                self.metrics.queued_decodes -= 1
-                queued = False
-                if miss is not None and not await miss.claim():
-                    return None
-                self.metrics.inflight_decodes += 1
-                try:
-                    return await self._in_thread(self._pool_threads, work)
-                finally:
-                    self.metrics.inflight_decodes -= 1
-        finally:
-            if queued:  # cancelled while waiting for a slot
-                self.metrics.queued_decodes -= 1
-
-    async def _run_warm_decode(
-        self, work: Callable[[], tuple[bytes, float]], flight: _Flight, miss: L2Miss | None
-    ) -> tuple[bytes, float] | None:
-        """Run a warm's ``work`` on the low-priority pool (a reader waiting boosts it);
-        once it has its slot, ``miss`` is asked whether to (None if not)."""
-        async with self._warm_slots:
-            if miss is not None and not await miss.claim():
-                return None
-            flight.job = self._warm_pool.submit(work)
-            if flight.boosted:
-                flight.job.boost()
-            return await flight.job.wait()
-
     async def _read_stored(
         self, handle: Handle, offset: int, size: int
     ) -> memoryview | bytes | bytearray:
         """Bytes of an entry verified earlier in this daemon's life (and pinned); if it
         went away or cannot be read, fetched again (and stored again if it can be)."""
-        data = await self._read_file(handle, offset, size)
+        data = await self.reads.read(handle.key, offset, size, handle.pages)
         if data is not None:
             return data
-        self._not_stored(handle.key, handle.index)
+        self.known.not_stored(handle.key, handle.index)
         handle.in_memory = True
         return await self._read_memory(handle, offset, size)
-
-    async def _read_file(
-        self, handle: Handle, offset: int, size: int
-    ) -> memoryview | bytearray | bytes | None:
-        """The bytes from the store entry (entry_reads.py); None if it cannot give them."""
-        return await self.reads.read(handle.key, offset, size, handle.pages)
 
     async def _read_memory(
         self, handle: Handle, offset: int, size: int
@@ -817,7 +554,7 @@ class Engine:
         held = self.memory_cache.get(handle.memory_key)
         if held is None:
             self.metrics.memory_refills += 1
-            self._check_recent_failure(key)
+            self._decodes.check_recent_failure(key)
             with self.admission.waiting(handle.uid):
                 outcome = await self._outcome(
                     key, handle.index, Purpose.READ, may_store=handle.may_store
@@ -825,7 +562,7 @@ class Engine:
             if outcome.held is None:  # the store took it this time: read the file
                 handle.in_memory = False
                 handle.pages = outcome.pages
-                data = await self._read_file(handle, offset, size)
+                data = await self.reads.read(handle.key, offset, size, handle.pages)
                 if data is None:  # stored, then unreadable at once: the store is failing
                     raise OriginalUndecodable(f"stored entry {key} cannot be read back")
                 return data
@@ -837,7 +574,3 @@ class Engine:
             return held.data[offset : offset + size]
         finally:
             held.release()
-
-    @staticmethod
-    async def _in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:
-        return await run_in_thread(limiter, fn, *args)

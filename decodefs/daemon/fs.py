@@ -133,7 +133,7 @@ class DecodeFS(pyfuse3.Operations):
 
     @_errno_boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        usage = self._engine.store_usage()
+        usage = self._engine.store.usage()
         data = pyfuse3.StatvfsData()
         data.f_bsize = data.f_frsize = 4096
         data.f_blocks = usage.bytes // 4096

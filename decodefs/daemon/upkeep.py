@@ -1,0 +1,69 @@
+"""The store's upkeep while the daemon serves: hits' access times recorded for LRU
+eviction, and the store checked for being removed or made again.
+
+Both run on the store-write threads (a write that finds the store gone checks it
+at once) and never raise: a failure is logged. Knows the store and what is known
+of it (known.py); not reads, decodes or FUSE.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+import trio
+
+from ..common.metrics import LogThrottle
+from ..store import Store
+from .known import KnownEntries
+from .threads import run_in_thread
+
+__all__ = ["ACCESS_FLUSH_SECONDS", "STORE_CHECK_SECONDS", "StoreUpkeep"]
+
+log = logging.getLogger(__name__)
+
+# How often hits' access times go to the catalog (LRU), and the store is checked.
+ACCESS_FLUSH_SECONDS: Final = 30.0
+STORE_CHECK_SECONDS: Final = 5.0
+
+
+class StoreUpkeep:
+    def __init__(
+        self, store: Store, known: KnownEntries, write_limiter: trio.CapacityLimiter
+    ) -> None:
+        self._store = store
+        self._known = known
+        self._write_limiter = write_limiter
+        self._throttle = LogThrottle(log)
+
+    async def flush_accesses(self) -> None:
+        """Write hits' access times to the catalog, for LRU eviction (``flush_accesses_forever``
+        calls it); a failure is logged, never raised: LRU order is not worth more."""
+        try:
+            await run_in_thread(self._write_limiter, self._store.flush_accesses)
+        except Exception as exc:
+            self._throttle.log(
+                logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc
+            )
+
+    async def check_store(self) -> None:
+        """Notice a store removed at runtime, and use it again once it is made again
+        (``watch_store_forever`` calls it, and the engine when a write finds the store
+        gone)."""
+        try:
+            await run_in_thread(self._write_limiter, self._store.check)
+        except Exception as exc:
+            self._throttle.log(logging.ERROR, "store-check", "cannot check the store: %r", exc)
+        self._known.notice_store_generation()
+
+    async def flush_accesses_forever(self, interval: float = ACCESS_FLUSH_SECONDS) -> None:
+        """Write hits' access times to the catalog every ``interval``, for LRU eviction."""
+        while True:
+            await trio.sleep(interval)
+            await self.flush_accesses()
+
+    async def watch_store_forever(self, interval: float = STORE_CHECK_SECONDS) -> None:
+        """Notice a store removed at runtime, and use it again once it is made again."""
+        while True:
+            await trio.sleep(interval)
+            await self.check_store()
