@@ -61,7 +61,7 @@ def run_mount(args: argparse.Namespace) -> int:
     if args.mkdir:
         with contextlib.suppress(OSError):  # a stale mount there is dealt with below
             os.makedirs(mountpoint, exist_ok=True)
-    from .. import daemon
+    from .. import daemon  # here alone: it loads pyfuse3 and trio, which no other command needs
 
     if log_file is not None:
         logging.basicConfig(

@@ -39,7 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"decodefs {package_version()}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    for add_arguments in (_mount, _umount, _warm, _adopt, _verify, _stats, _make_sample):
+    for add_arguments in (
+        _mount_arguments,
+        _umount_arguments,
+        _warm_arguments,
+        _adopt_arguments,
+        _verify_arguments,
+        _stats_arguments,
+        _make_sample_arguments,
+    ):
         add_arguments(commands.add_parser)
     return parser
 
@@ -64,7 +72,7 @@ def _config_option(command: argparse.ArgumentParser) -> None:
     command.add_argument("--config", type=Path, default=None, help=_CONFIG_HELP)
 
 
-def _mount(add_command: AddCommand) -> None:
+def _mount_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs mount`."""
     mount = add_command("mount", help="mount the filesystem (returns once it is live)")
     mount.add_argument(
@@ -95,7 +103,7 @@ def _mount(add_command: AddCommand) -> None:
     mount.set_defaults(run=run_mount)
 
 
-def _umount(add_command: AddCommand) -> None:
+def _umount_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs umount`."""
     umount = add_command("umount", help="unmount and wait for the daemon to exit")
     umount.add_argument(
@@ -113,7 +121,7 @@ def _umount(add_command: AddCommand) -> None:
     umount.set_defaults(run=run_umount)
 
 
-def _warm(add_command: AddCommand) -> None:
+def _warm_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs warm`."""
     warm = add_command(
         "warm",
@@ -145,7 +153,7 @@ def _warm(add_command: AddCommand) -> None:
     warm.set_defaults(run=run_warm, parser=warm)
 
 
-def _adopt(add_command: AddCommand) -> None:
+def _adopt_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs adopt`."""
     adopt = add_command(
         "adopt",
@@ -183,7 +191,7 @@ def _adopt(add_command: AddCommand) -> None:
     adopt.set_defaults(run=run_adopt)
 
 
-def _verify(add_command: AddCommand) -> None:
+def _verify_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs verify`."""
     verify = add_command("verify", help="check every stored entry offline")
     verify.add_argument(
@@ -197,7 +205,7 @@ def _verify(add_command: AddCommand) -> None:
     verify.set_defaults(run=run_verify)
 
 
-def _stats(add_command: AddCommand) -> None:
+def _stats_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs stats`."""
     stats = add_command("stats", help="print a mounted daemon's counters")
     stats.add_argument("mountpoint", type=Path)
@@ -209,7 +217,7 @@ def _stats(add_command: AddCommand) -> None:
     stats.set_defaults(run=run_stats)
 
 
-def _make_sample(add_command: AddCommand) -> None:
+def _make_sample_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs make-sample`."""
     sample = add_command(
         "make-sample",
