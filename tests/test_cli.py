@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decodefs.cli.commands import format_stats, main
+from decodefs.cli import main
+from decodefs.cli.status import format_stats
 
 
 def test_the_stats_table_shows_every_counter_a_user_acts_on() -> None:

@@ -37,7 +37,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 # `python -m decodefs` runs the command.
 ENTRY_POINT = ("__main__", "cli")
 # The command's one function that may load the daemon (lazily: `decodefs mount`).
-DAEMON_LOADER = ("cli", "_mount")
+DAEMON_LOADER = ("cli", "run_mount")
 
 
 @dataclass(frozen=True)
@@ -171,8 +171,8 @@ def test_the_shared_vocabulary_imports_nothing_else_of_decodefs() -> None:
         ("store.store", "daemon", ("serve",), None, True),  # upwards
         ("client.reader", "store", ("Store",), None, True),  # sideways
         ("common.entry", "store", ("Store",), None, True),  # the vocabulary imports nothing
-        ("cli.commands", "daemon", ("serve",), "_mount", False),
-        ("cli.commands", "daemon", ("serve",), "_stats", True),  # only to mount
+        ("cli.commands", "daemon", ("serve",), "run_mount", False),
+        ("cli.commands", "daemon", ("serve",), "run_stats", True),  # only to mount
         ("cli.commands", "daemon", ("serve",), None, True),  # never at import
         ("client.keys", "common.protocol", ("STATUS_DIR",), None, False),
         ("client.keys", "common.nothing", ("X",), None, True),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decodefs.cli.commands import format_all_stats, format_stats
+from decodefs.cli.status import format_all_stats, format_stats
 from decodefs.cluster.backends import open_backend
 from decodefs.cluster.tier import L2Metrics, L2Tier
 from decodefs.common.config import parse_config

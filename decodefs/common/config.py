@@ -266,12 +266,17 @@ class _Parser:
 
     A check that fails yields a stand-in value (the default) so that the keys
     after it are still checked; the stand-ins are never used, because a parse
-    with problems raises.
+    with problems raises. Problems are listed in the order the keys are checked
+    below. ``integer``, ``number``, ``byte_size`` and ``path`` raise ConfigError
+    for their caller to choose the stand-in (``check``); the others record the
+    mistake themselves.
     """
 
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
         self.problems: list[str] = []
+        self.defaults = Config(store=Path(), versions={})
+        self.version_defaults = VersionConfig(name="", source=Path())
 
     def check(self, compute: Callable[[], T], fallback: T) -> T:
         try:
@@ -280,99 +285,31 @@ class _Parser:
             self.problems.extend(exc.problems)
             return fallback
 
-    def config(self, raw: Mapping[str, Any], path: Path | None) -> Config | None:
-        self.reject_unknown(raw, _TOP_KEYS, prefix="")
-        defaults = Config(store=Path(), versions={})
-        version_defaults = VersionConfig(name="", source=Path())
-        store: Path | None = None
-        if "store" not in raw:
-            self.problems.append("store: missing (the directory on flash where arrays are kept)")
-        else:
-            store = self.check(lambda: self.store(raw["store"]), None)
-        min_size = self.check(
-            lambda: self.integer(raw, "min_size", defaults.min_size, low=1, high=SIZE_LIMIT),
-            None,
-        )
-        max_size = self.check(
-            lambda: self.integer(raw, "max_size", defaults.max_size, low=1, high=SIZE_LIMIT),
-            None,
-        )
-        if min_size is not None and max_size is not None and min_size > max_size:
-            self.problems.append(f"min_size: {min_size} is larger than max_size ({max_size})")
-            min_size = max_size = None
-        # Without usable bounds, sizes are checked against the widest ones
-        # (no follow-on complaint about a bound that is itself the mistake).
-        low = 1 if min_size is None else min_size
-        high = SIZE_LIMIT if max_size is None else max_size
-        default_sizes = self.sizes(
-            raw.get("sizes", list(version_defaults.sizes)), "sizes", low, high
-        )
+    # -- the top-level keys, in the order their problems are listed --
 
-        versions_raw = raw.get("versions")
-        versions: dict[str, VersionConfig] = {}
-        if not isinstance(versions_raw, Mapping) or not versions_raw:
-            self.problems.append(
-                "versions: missing; add at least one [versions.<name>] table with a source"
-            )
-        else:
-            for name, table in versions_raw.items():
-                version = self.version(name, table, default_sizes, low, high)
-                if version is not None:
-                    versions[name] = version
-        log_level: str = self.check(
-            lambda: self.choice(raw, "log_level", defaults.log_level, LOG_LEVELS),
-            str(defaults.log_level),
+    def config(self, raw: Mapping[str, Any], path: Path | None) -> Config | None:
+        """The whole file; None if any key of it is a mistake."""
+        defaults = self.defaults
+        self.reject_unknown(raw, _TOP_KEYS, prefix="")
+        store = self.required_store(raw)
+        low, high = self.size_bounds(raw)
+        default_sizes = self.sizes(
+            raw.get("sizes", list(self.version_defaults.sizes)), "sizes", low, high
         )
-        max_store_bytes = None
-        if "max_store_bytes" in raw:
-            max_store_bytes = self.check(lambda: self.byte_size(raw, "max_store_bytes", 0), None)
-            if max_store_bytes is not None and max_store_bytes <= 0:
-                self.problems.append(
-                    "max_store_bytes: must be positive (leave it out for no limit)"
-                )
-        min_free_fraction: float | None = defaults.min_free_fraction
-        if "min_free_fraction" in raw:
-            fraction = self.check(lambda: self.number(raw, "min_free_fraction", 0.0), None)
-            min_free_fraction = fraction or None
-            if min_free_fraction is not None and not 0 < min_free_fraction < 1:
-                self.problems.append(
-                    f"min_free_fraction: {min_free_fraction} is not between 0 and 1 "
-                    "(e.g. 0.1; 0 for no such limit)"
-                )
+        versions = self.versions(raw, default_sizes, low, high)
+        log_level = self.choice(raw, "log_level", defaults.log_level, LOG_LEVELS)
+        max_store_bytes, min_free_fraction = self.store_limits(raw)
         mountpoint = None
         if "mountpoint" in raw:
             mountpoint = self.check(lambda: self.path(raw["mountpoint"], "mountpoint"), None)
-        allow_other = self.check(
-            lambda: self.boolean(raw, "allow_other", defaults.allow_other, None),
-            defaults.allow_other,
-        )
+        allow_other = self.boolean(raw, "allow_other", defaults.allow_other, None)
         decode_workers = self.workers(raw, "decode_workers", defaults.decode_workers)
         io_workers = self.workers(raw, "io_workers", defaults.io_workers)
-        memory_cache_bytes = self.check(
-            lambda: self.byte_size(raw, "memory_cache_bytes", defaults.memory_cache_bytes),
-            defaults.memory_cache_bytes,
+        memory_cache_bytes, decode_memory_bytes = self.memory_budgets(raw)
+        unlisted_sizes = self.choice(
+            raw, "unlisted_sizes", defaults.unlisted_sizes, get_args(UnlistedSizes)
         )
-        decode_memory_bytes = self.check(
-            lambda: self.byte_size(raw, "decode_memory_bytes", defaults.decode_memory_bytes),
-            defaults.decode_memory_bytes,
-        )
-        unlisted_sizes = self.check(
-            lambda: self.choice(
-                raw, "unlisted_sizes", defaults.unlisted_sizes, get_args(UnlistedSizes)
-            ),
-            str(defaults.unlisted_sizes),
-        )
-        # Pillow's Image.open refuses more than twice its default on its own.
-        max_pixels = self.check(
-            lambda: self.integer(
-                raw, "max_pixels", defaults.max_pixels, low=1, high=2 * DEFAULT_MAX_PIXELS
-            ),
-            defaults.max_pixels,
-        )
-        error_cache_seconds = self.check(
-            lambda: self.number(raw, "error_cache_seconds", defaults.error_cache_seconds),
-            defaults.error_cache_seconds,
-        )
+        max_pixels, error_cache_seconds = self.decode_limits(raw)
         l2 = l2_config(self, raw)
         if self.problems or store is None:
             return None
@@ -397,12 +334,107 @@ class _Parser:
             l2=l2,
         )
 
+    def required_store(self, raw: Mapping[str, Any]) -> Path | None:
+        """``store``, which every config must set."""
+        if "store" not in raw:
+            self.problems.append("store: missing (the directory on flash where arrays are kept)")
+            return None
+        return self.check(lambda: self.store(raw["store"]), None)
+
     def store(self, value: object) -> Path:
         store = self.path(value, "store")
         reason = _never_a_directory(store)
         if reason is not None:
             raise ConfigError(f"store: {store} can never be a directory: {reason}")
         return store
+
+    def size_bounds(self, raw: Mapping[str, Any]) -> tuple[int, int]:
+        """``min_size`` and ``max_size``; the widest bounds stand in for a mistake in either."""
+        defaults = self.defaults
+        min_size = self.check(
+            lambda: self.integer(raw, "min_size", defaults.min_size, low=1, high=SIZE_LIMIT),
+            None,
+        )
+        max_size = self.check(
+            lambda: self.integer(raw, "max_size", defaults.max_size, low=1, high=SIZE_LIMIT),
+            None,
+        )
+        if min_size is not None and max_size is not None and min_size > max_size:
+            self.problems.append(f"min_size: {min_size} is larger than max_size ({max_size})")
+            min_size = max_size = None
+        # Without usable bounds, sizes are checked against the widest ones
+        # (no follow-on complaint about a bound that is itself the mistake).
+        low = 1 if min_size is None else min_size
+        high = SIZE_LIMIT if max_size is None else max_size
+        return low, high
+
+    def versions(
+        self, raw: Mapping[str, Any], default_sizes: tuple[int, ...], low: int, high: int
+    ) -> dict[str, VersionConfig]:
+        """The ``[versions.<name>]`` tables, at least one; those without a mistake."""
+        versions_raw = raw.get("versions")
+        versions: dict[str, VersionConfig] = {}
+        if not isinstance(versions_raw, Mapping) or not versions_raw:
+            self.problems.append(
+                "versions: missing; add at least one [versions.<name>] table with a source"
+            )
+            return versions
+        for name, table in versions_raw.items():
+            version = self.version(name, table, default_sizes, low, high)
+            if version is not None:
+                versions[name] = version
+        return versions
+
+    def store_limits(self, raw: Mapping[str, Any]) -> tuple[int | None, float | None]:
+        """``max_store_bytes`` and ``min_free_fraction`` (None: no such limit)."""
+        max_store_bytes = None
+        if "max_store_bytes" in raw:
+            max_store_bytes = self.check(lambda: self.byte_size(raw, "max_store_bytes", 0), None)
+            if max_store_bytes is not None and max_store_bytes <= 0:
+                self.problems.append(
+                    "max_store_bytes: must be positive (leave it out for no limit)"
+                )
+        min_free_fraction: float | None = self.defaults.min_free_fraction
+        if "min_free_fraction" in raw:
+            fraction = self.check(lambda: self.number(raw, "min_free_fraction", 0.0), None)
+            min_free_fraction = fraction or None
+            if min_free_fraction is not None and not 0 < min_free_fraction < 1:
+                self.problems.append(
+                    f"min_free_fraction: {min_free_fraction} is not between 0 and 1 "
+                    "(e.g. 0.1; 0 for no such limit)"
+                )
+        return max_store_bytes, min_free_fraction
+
+    def memory_budgets(self, raw: Mapping[str, Any]) -> tuple[int, int]:
+        """``memory_cache_bytes`` and ``decode_memory_bytes``."""
+        defaults = self.defaults
+        memory_cache_bytes = self.check(
+            lambda: self.byte_size(raw, "memory_cache_bytes", defaults.memory_cache_bytes),
+            defaults.memory_cache_bytes,
+        )
+        decode_memory_bytes = self.check(
+            lambda: self.byte_size(raw, "decode_memory_bytes", defaults.decode_memory_bytes),
+            defaults.decode_memory_bytes,
+        )
+        return memory_cache_bytes, decode_memory_bytes
+
+    def decode_limits(self, raw: Mapping[str, Any]) -> tuple[int, float]:
+        """``max_pixels`` and ``error_cache_seconds``."""
+        defaults = self.defaults
+        # Pillow's Image.open refuses more than twice its default on its own.
+        max_pixels = self.check(
+            lambda: self.integer(
+                raw, "max_pixels", defaults.max_pixels, low=1, high=2 * DEFAULT_MAX_PIXELS
+            ),
+            defaults.max_pixels,
+        )
+        error_cache_seconds = self.check(
+            lambda: self.number(raw, "error_cache_seconds", defaults.error_cache_seconds),
+            defaults.error_cache_seconds,
+        )
+        return max_pixels, error_cache_seconds
+
+    # -- one [versions.<name>] table --
 
     def version(
         self,
@@ -412,6 +444,7 @@ class _Parser:
         min_size: int,
         max_size: int,
     ) -> VersionConfig | None:
+        """One ``[versions.<name>]`` table; None if any key of it is a mistake."""
         key = f"versions.{name}"
         before = len(self.problems)
         if not _VERSION_NAME.fullmatch(name):
@@ -423,65 +456,58 @@ class _Parser:
             self.problems.append(f"{key}: expected a table such as [versions.{name}]")
             return None
         self.reject_unknown(table, _VERSION_KEYS, prefix=f"{key}.")
-        source = None
-        if "source" not in table:
-            self.problems.append(f"{key}.source: missing (the directory of original images)")
-        else:
-            source = self.check(lambda: self.path(table["source"], f"{key}.source"), None)
-            if source is not None and not source.is_dir():
-                self.problems.append(f"{key}.source: {source} is not a directory")
+        source = self.source(table, key)
         sizes = self.sizes(
             table.get("sizes", list(default_sizes)), f"{key}.sizes", min_size, max_size
         )
-        defaults = DecodeSettings()
-        version_defaults = VersionConfig(name, Path())
-        resample: str = self.check(
-            lambda: self.choice(table, "resample", defaults.resample, tuple(RESAMPLE_FILTERS), key),
-            str(defaults.resample),
-        )
-        fit: str = self.check(
-            lambda: self.choice(table, "fit", defaults.fit, FITS, key), str(defaults.fit)
-        )
-        exif_transpose = self.check(
-            lambda: self.boolean(table, "exif_transpose", defaults.exif_transpose, key),
-            defaults.exif_transpose,
-        )
-        draft = self.check(
-            lambda: self.boolean(table, "draft", defaults.draft, key), defaults.draft
-        )
+        decode = self.decode_settings(table, key)
+        defaults = self.version_defaults
         extensions = self.extensions(
-            table.get("extensions", sorted(version_defaults.extensions)), f"{key}.extensions"
+            table.get("extensions", sorted(defaults.extensions)), f"{key}.extensions"
         )
-        duplicates: str = self.check(
-            lambda: self.choice(
-                table, "duplicates", version_defaults.duplicates, get_args(Duplicates), key
-            ),
-            str(version_defaults.duplicates),
+        duplicates = self.choice(
+            table, "duplicates", defaults.duplicates, get_args(Duplicates), key
         )
-        warm = self.check(
-            lambda: self.boolean(table, "warm", version_defaults.warm, key), version_defaults.warm
-        )
-        layout: str = self.check(
-            lambda: self.choice(table, "layout", version_defaults.layout, get_args(Layout), key),
-            str(version_defaults.layout),
-        )
+        warm = self.boolean(table, "warm", defaults.warm, key)
+        layout = self.choice(table, "layout", defaults.layout, get_args(Layout), key)
         if len(self.problems) > before or source is None:
             return None
         return VersionConfig(
             name=name,
             source=source,
             sizes=sizes,
-            decode=DecodeSettings(
-                resample=cast(Any, resample),
-                fit=cast(Any, fit),
-                exif_transpose=exif_transpose,
-                draft=draft,
-            ),
+            decode=decode,
             extensions=extensions,
             duplicates=cast(Duplicates, duplicates),
             warm=warm,
             layout=cast(Layout, layout),
         )
+
+    def source(self, table: Mapping[str, Any], key: str) -> Path | None:
+        """A version's ``source``, which must be a directory."""
+        if "source" not in table:
+            self.problems.append(f"{key}.source: missing (the directory of original images)")
+            return None
+        source = self.check(lambda: self.path(table["source"], f"{key}.source"), None)
+        if source is not None and not source.is_dir():
+            self.problems.append(f"{key}.source: {source} is not a directory")
+        return source
+
+    def decode_settings(self, table: Mapping[str, Any], key: str) -> DecodeSettings:
+        """A version's decode keys: ``resample``, ``fit``, ``exif_transpose``, ``draft``."""
+        defaults = DecodeSettings()
+        resample = self.choice(table, "resample", defaults.resample, tuple(RESAMPLE_FILTERS), key)
+        fit = self.choice(table, "fit", defaults.fit, FITS, key)
+        exif_transpose = self.boolean(table, "exif_transpose", defaults.exif_transpose, key)
+        draft = self.boolean(table, "draft", defaults.draft, key)
+        return DecodeSettings(
+            resample=cast(Any, resample),
+            fit=cast(Any, fit),
+            exif_transpose=exif_transpose,
+            draft=draft,
+        )
+
+    # -- kinds of value --
 
     def path(self, value: object, key: str) -> Path:
         if not isinstance(value, str) or not value or "\0" in value:
@@ -563,10 +589,12 @@ class _Parser:
     def boolean(
         self, table: Mapping[str, Any], name: str, default: bool, prefix: str | None
     ) -> bool:
+        """true or false; a mistake is recorded (the default stands in)."""
         value = table.get(name, default)
         if not isinstance(value, bool):
             key = f"{prefix}.{name}" if prefix else name
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            self.problems.append(f"{key}: expected true or false, got {value!r}")
+            return default
         return value
 
     def choice(
@@ -577,10 +605,12 @@ class _Parser:
         allowed: tuple[str, ...],
         prefix: str | None = None,
     ) -> str:
+        """One of ``allowed``; a mistake is recorded (the default stands in)."""
         key = f"{prefix}.{name}" if prefix else name
         value = table.get(name, default)
         if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+            self.problems.append(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+            return default
         return cast(str, value)
 
 

@@ -1,0 +1,27 @@
+"""The program `decodefs`: parses the command line, runs its command, and prints a user's
+error as one line instead of a traceback. Knows no command's arguments or work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import EXIT_ERROR, EXIT_INTERRUPTED, is_user_error, print_error
+from .parser import build_parser
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `decodefs` with ``argv`` (default: sys.argv[1:]); return its exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.run(args)
+        return result
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if not is_user_error(exc):
+            raise
+        print_error(exc)
+        return EXIT_ERROR
