@@ -53,7 +53,7 @@ class DirectHits:
             source = self._sources.get(version)
             if source is None or size not in self._sizes or source.find(uuid) is None:
                 continue
-            if not store.record_access(EntryKey(version, size, uuid), limit):
+            if not store.capacity.record_access(EntryKey(version, size, uuid), limit):
                 return  # until the next flush: the LRU order of the rest can wait
             self._metrics.direct_hits += 1
 

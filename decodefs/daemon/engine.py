@@ -141,6 +141,8 @@ class Engine:
         self.l2 = l2  # the cluster's shared tier (cluster/tier.py), asked before decoding
         self.metrics = metrics or Metrics()
         self.store = store
+        # Pins, accesses and evictions (store/capacity.py: pins are the event loop's alone).
+        self._capacity = store.capacity
         self._sources = sources
         self._clock = clock
         self._owner = os.geteuid()
@@ -195,7 +197,7 @@ class Engine:
         key = EntryKey(version, size, self._sources[version].uuids[index])
         if recheck:  # check it now, at this open, whatever was believed of it
             self.known.not_stored(key, index)
-        self.store.pin(key)
+        self._capacity.pin(key)
         try:
             return await self._open_pinned(
                 key,
@@ -205,7 +207,7 @@ class Engine:
                 uid=None if uid == self._owner else uid,
             )
         except BaseException:
-            self.store.unpin(key)
+            self._capacity.unpin(key)
             raise
 
     def open_verified(self, version: str, size: int, index: int, uid: int | None) -> Handle | None:
@@ -225,10 +227,10 @@ class Engine:
             if stored is None or not stored.bits[index >> 3] & bit:
                 return None
         key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
-        store = self.store
-        store.pin_hit(key)
-        if store.evicted or store.generation != self.known.generation:
-            store.unpin(key)  # evictions the bits do not know of: the whole way notes them
+        capacity = self._capacity
+        capacity.pin_hit(key)
+        if capacity.evicted or self.store.generation != self.known.generation:
+            capacity.unpin(key)  # evictions the bits do not know of: the whole way notes them
             return None
         if unverified:
             handle = Handle(key, index, npy_file_size(size), False, True, None)
@@ -267,7 +269,7 @@ class Engine:
         return size in self.config.versions[version].sizes
 
     def release(self, handle: Handle) -> None:
-        self.store.unpin(handle.key)
+        self._capacity.unpin(handle.key)
         # Served (or never to be read through this open): the mount's page cache holds
         # what readers need, so a copy of the entry file's that is ours goes.
         self.reads.release(handle.key, handle.pages)
@@ -298,16 +300,15 @@ class Engine:
             or key in self._decodes.failures
         ):
             return True
-        store = self.store
-        if await run_in_thread(self._read_limiter, store.would_evict, npy_file_size(size)):
+        if await run_in_thread(self._read_limiter, self._capacity.would_evict, npy_file_size(size)):
             return False
         if key in self._flights:  # a reader got there meanwhile
             return True
-        store.pin(key)
+        self._capacity.pin(key)
         try:
             flight = await self._fly(key, index, Purpose.BACKGROUND)
         finally:
-            store.unpin(key)
+            self._capacity.unpin(key)
         outcome = flight.outcome
         if outcome is not None:
             self.reads.release(key, outcome.pages)  # nobody reads it through the mount now
@@ -335,14 +336,14 @@ class Engine:
         if verified[index]:
             # Pinned before this check, so eviction cannot take the file now.
             self.metrics.hits += reading
-            self.store.record_access(key)
+            self._capacity.record_access(key)
             return handle
         if (
             purpose is not Purpose.BACKGROUND
             and self.known.stored_map(key.version, key.size)[index]
         ):
             # Believed stored: the open needs no disk; a READ verifies it first.
-            self.store.record_access(key)
+            self._capacity.record_access(key)
             handle.unverified, handle.reader = True, reading
             return handle
         if self.memory_cache.touch(handle.memory_key):
@@ -359,7 +360,7 @@ class Engine:
             self.metrics.misses += 1
         else:
             self.metrics.hits += 1
-            self.store.record_access(key)
+            self._capacity.record_access(key)
         if outcome.held is not None:
             # Kept where memory can be reclaimed, not by this handle (see the docstring).
             self.memory_cache.put(handle.memory_key, outcome.held)

@@ -70,7 +70,7 @@ class KnownEntries:
         """Forget the entries the store evicted since (and all, if the store was lost)."""
         self.notice_store_generation()
         # The store appends evicted keys from its threads; only we read them.
-        evicted = self._store.evicted
+        evicted = self._store.capacity.evicted
         while evicted:
             key = evicted.popleft()
             source = self._sources.get(key.version)  # None: a version no longer configured

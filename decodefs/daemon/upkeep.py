@@ -40,7 +40,7 @@ class StoreUpkeep:
         """Write hits' access times to the catalog, for LRU eviction (``flush_accesses_forever``
         calls it); a failure is logged, never raised: LRU order is not worth more."""
         try:
-            await run_in_thread(self._write_limiter, self._store.flush_accesses)
+            await run_in_thread(self._write_limiter, self._store.capacity.flush_accesses)
         except Exception as exc:
             self._throttle.log(
                 logging.ERROR, "flush-accesses", "cannot record hits for LRU: %r", exc

@@ -125,8 +125,8 @@ class VerifiedEntry(NamedTuple):
 
 class Store:
     """Entries on flash. Methods block (call them off the event loop) and are thread-safe;
-    the pins and ``open_cached`` never wait, and pins are the event loop's alone
-    (capacity.py). What to do with the page cache is the reader's to decide
+    ``open_cached`` never waits. Pins, accesses and evictions are ``capacity``'s
+    (capacity.py: pins are the event loop's alone). What to do with the page cache is the reader's to decide
     (daemon/entry_reads.py); the store only says what a check read in.
 
     Concurrency: callers guarantee at most one write or removal per key at a
@@ -169,17 +169,6 @@ class Store:
             unlink=self._unlink_entry,
             clock=clock,
         )
-        # Pins, accesses and evictions, for the engine: Capacity's own, bound here so
-        # that open's hot path makes no call in between (capacity.py: pins are the
-        # event loop's alone). ``evicted``: keys evicted, for the engine to forget.
-        self.pin = self.capacity.pin
-        self.pin_hit = self.capacity.pin_hit
-        self.unpin = self.capacity.unpin
-        self.pinned = self.capacity.pinned
-        self.record_access = self.capacity.record_access
-        self.flush_accesses = self.capacity.flush_accesses
-        self.would_evict = self.capacity.would_evict
-        self.evicted = self.capacity.evicted
 
     @classmethod
     def from_config(
