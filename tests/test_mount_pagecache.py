@@ -21,7 +21,7 @@ import pytest
 from decodefs import read_array
 from decodefs.common.decode import npy_file_size
 from decodefs.common.entry import EntryKey
-from decodefs.daemon.lifecycle import READAHEAD_KB
+from decodefs.daemon.process import READAHEAD_KB
 from decodefs.store.pagecache import drop, read_resident
 from tests.conftest import MountFactory, needs_root_because
 from tests.helpers import is_live_mount, reference_npy, wait_until

@@ -1,30 +1,20 @@
-"""Mount life cycle: stale-mount recovery, start-up, serving, signals, clean unmount.
+"""Mount life cycle: start-up, serving, signals, systemd, clean unmount.
 
-``serve`` runs a mount in this process until it is unmounted or signalled;
-``spawn`` starts ``serve`` in a detached child and returns once the mount is
-live. SIGUSR1 makes a running daemon log every thread's stack and its trio
-task tree, for a daemon that seems stuck. This module wires the layers
-together and runs the daemon's periodic loops (the LRU flush, the store
-check); it holds no caching policy.
+``serve`` runs a mount in this process until it is unmounted or signalled
+(spawn.py starts it in a detached child). This module wires the layers
+together and starts what runs beside the requests, each object its own loops
+(``Engine.run``); it holds no caching policy.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import errno
-import faulthandler
 import json
 import logging
 import os
-import resource
 import signal
-import subprocess
-import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 import trio
@@ -34,10 +24,9 @@ from ..common.config import Config
 from ..common.decode import quiet_pillow_warnings
 from ..common.inodes import INODE_LAYOUT
 from ..common.metrics import LogThrottle, render_prometheus
-from ..common.mounts import MountError, find_mount, lazy_unmount, mounts, prepare_mountpoint
+from ..common.mounts import MountError, find_mount, lazy_unmount, prepare_mountpoint
 from ..common.protocol import (
     CONFIG_FILE,
-    FS_TYPE,
     METRICS_FILE,
     STATS_FILE,
     STORE_FILE,
@@ -46,11 +35,14 @@ from ..common.protocol import (
 from ..common.source import scan_source
 from ..store import Store
 from .background_warm import BackgroundWarm
+from .debug import dump_on_sigusr1, stacks_on_sigusr1
 from .direct_hits import DirectHits
 from .engine import Engine
 from .fs import DecodeFS, FuseMount, MountFailed
 from .namespace import Tree, version_order
 from .notify import ServiceNotifier
+from .process import raise_open_file_limit, raise_readahead, return_large_allocations
+from .spawn import spawn
 from .stats import snapshot
 
 __all__ = [
@@ -62,9 +54,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The mount's readahead: an array of up to 591x591 (1 MiB) arrives in one READ request.
-READAHEAD_KB: Final = 1024
-_M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
 # After SIGTERM, how long readers holding an open file are still served.
 SHUTDOWN_GRACE: Final = 10.0
 # Then how long requests already running may take to finish before they are cancelled.
@@ -78,7 +67,7 @@ def serve(
     nonempty: bool = False,
 ) -> None:
     """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly."""
-    with _stacks_on_sigusr1():
+    with stacks_on_sigusr1():
         _serve_mount(config, mountpoint, on_ready, nonempty)
 
 
@@ -92,8 +81,8 @@ def _serve_mount(
     if warning is not None:
         log.warning("%s", warning)
     quiet_pillow_warnings()
-    _raise_open_file_limit()
-    _return_large_allocations()
+    raise_open_file_limit()
+    return_large_allocations()
     store = Store.from_config(config)
     store.open()
     try:
@@ -178,7 +167,7 @@ async def _serve(
     aborted = False
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal, fuse, mountpoint, notifier, stopping, serving)
-        nursery.start_soon(_dump_on_sigusr1)
+        nursery.start_soon(dump_on_sigusr1)
         engine = loops.engine
         nursery.start_soon(_once_live, loops.warm, mountpoint, on_ready, notifier, nursery)
         nursery.start_soon(engine.run)
@@ -230,77 +219,6 @@ async def _stop_on_signal(
     serving.cancel()
 
 
-@contextlib.contextmanager
-def _stacks_on_sigusr1() -> Iterator[None]:
-    """SIGUSR1 dumps every thread's stack, for the whole life of ``serve``.
-
-    faulthandler answers it from its C signal handler, which works even while
-    the main thread is stuck in a system call or a C library holding the GIL:
-    a stuck daemon still shows where it is stuck. While the trio loop runs,
-    _dump_on_sigusr1 chains trio's handler behind it to add the task tree.
-    SIG_IGN underneath means the signal never kills the daemon in the instant
-    one handler hands over to the other.
-    """
-    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-    try:
-        yield
-    finally:
-        faulthandler.unregister(signal.SIGUSR1)
-        signal.signal(signal.SIGUSR1, previous)
-
-
-async def _dump_on_sigusr1() -> None:
-    """SIGUSR1 in the loop: faulthandler dumps the threads' stacks at once, then this
-    task logs the trio task tree (when the loop gets to it: not if the loop is stuck)."""
-    # trio restores the handler it replaced when the receiver closes, and that
-    # must be a Python-level one, which faulthandler's is not: so faulthandler
-    # steps aside (to SIG_IGN) while trio installs its handler, then registers
-    # again in front of it, chaining to it.
-    faulthandler.unregister(signal.SIGUSR1)
-    try:
-        with trio.open_signal_receiver(signal.SIGUSR1) as signals:
-            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
-            try:
-                async for _ in signals:
-                    log.warning(
-                        "SIGUSR1: every thread's stack is above; the trio tasks:\n%s",
-                        "\n".join(_task_tree()),
-                    )
-            finally:
-                faulthandler.unregister(signal.SIGUSR1)
-    finally:
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-
-
-def _task_tree() -> list[str]:
-    """One line per trio task, indented by nesting: its name and where it waits.
-
-    Where = the innermost frame of its await chain outside trio itself (the
-    line of our code, or pyfuse3's, that awaits), else the innermost one.
-    """
-    trio_dir = os.path.dirname(trio.__file__) + os.sep
-    lines: list[str] = []
-
-    def walk(task: trio.lowlevel.Task, depth: int) -> None:
-        frames = list(task.iter_await_frames())
-        ours = [f for f in frames if not f[0].f_code.co_filename.startswith(trio_dir)]
-        where = ""
-        if frames:
-            frame, lineno = (ours or frames)[-1]
-            code = frame.f_code
-            where = f" at {code.co_filename}:{lineno} in {code.co_name}"
-        lines.append(f"{'  ' * depth}task {task.name}{where}")
-        for nursery in task.child_nurseries:
-            for child in sorted(nursery.child_tasks, key=lambda t: t.name):
-                walk(child, depth + 1)
-
-    root = trio.lowlevel.current_root_task()
-    if root is not None:
-        walk(root, 0)
-    return lines
-
-
 async def _once_live(
     warm: BackgroundWarm,
     mountpoint: str,
@@ -311,7 +229,7 @@ async def _once_live(
     # A statvfs answered by our own handlers proves the kernel can reach us.
     await trio.to_thread.run_sync(os.statvfs, mountpoint)
     # After the kernel's INIT, which sets the readahead to what libfuse answered.
-    await trio.to_thread.run_sync(_raise_readahead, mountpoint)
+    await trio.to_thread.run_sync(raise_readahead, mountpoint)
     log.info("mounted %s", mountpoint)
     notifier.notify("READY=1", f"STATUS=serving {mountpoint}")
     if on_ready is not None:
@@ -348,55 +266,6 @@ async def _feed_watchdog(
             else:
                 notifier.notify("WATCHDOG=1")
         await trio.sleep(interval)
-
-
-def spawn(
-    config_path: Path,
-    mountpoint: str,
-    log_file: Path,
-    log_level: str | None,
-    nonempty: bool = False,
-) -> int:
-    """Start a detached daemon and return its pid once the mount is live.
-
-    The child reports readiness through a pipe; if it exits first, the tail of
-    its log explains why and MountError carries it.
-    """
-    try:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        log_stream = open(log_file, "ab")  # noqa: SIM115 - closed below, once the child has it
-    except OSError as exc:
-        raise MountError(f"log file {log_file} cannot be written: {exc.strerror}") from None
-    read_end, write_end = os.pipe()
-    command = [
-        sys.executable, "-m", "decodefs", "mount", mountpoint,
-        "--config", str(config_path), "--foreground", "--ready-fd", str(write_end),
-    ]  # fmt: skip
-    if log_level:
-        command += ["--log-level", log_level]
-    if nonempty:
-        command.append("--nonempty")
-    with log_stream:
-        child = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_stream,
-            stderr=log_stream,
-            pass_fds=(write_end,),
-            start_new_session=True,
-        )
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as ready:
-        message = ready.read()  # EOF when the child exits or closes the fd
-    if message.startswith(b"ready"):
-        return child.pid
-    code = child.wait()
-    if message.startswith(b"error: "):
-        raise MountError(message[len(b"error: ") :].decode(errors="replace"))
-    tail = "\n".join(f"    {line}" for line in _tail(log_file).splitlines())
-    raise MountError(
-        f"daemon exited with status {code} before the mount was live; {log_file} ends:\n{tail}"
-    )
 
 
 def _l2_tier(config: Config) -> L2Tier | None:
@@ -451,66 +320,5 @@ def store_warning(config: Config) -> str | None:
     )
 
 
-def _raise_open_file_limit() -> None:
-    """Many readers at once must not run the daemon out of descriptors (soft limit 1024)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == hard:
-        return
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:  # an unlimited hard limit cannot be the soft one
-        log.debug("open-file limit stays %d: %s", soft, exc)
-    else:
-        log.debug("open-file limit raised from %d to %d", soft, hard)
-
-
-def _return_large_allocations() -> None:
-    """Give the memory of a large decode back to the system when it is freed.
-
-    glibc serves allocations above a threshold with their own mmap and unmaps
-    them on free, but raises that threshold (up to 32 MiB) each time such a
-    block is freed, after which Pillow's 16 MiB image blocks come from the
-    heap and stay with the process: one 9000x9000 decode left the daemon at
-    ~660 MiB. A fixed threshold of 1 MiB (mallopt disables the adjustment)
-    returns them at once, measured back to ~40 MiB, for one mmap per large
-    block, which is nothing next to a decode.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20) != 1:
-            log.debug("mallopt(M_MMAP_THRESHOLD) refused; large decodes may stay resident")
-    except (OSError, AttributeError) as exc:  # not glibc
-        log.debug("cannot set malloc's mmap threshold: %s", exc)
-
-
-def _raise_readahead(mountpoint: str) -> None:
-    """Let the kernel read an array ahead in one READ request (READAHEAD_KB), not in
-    pieces of its default 128 KiB: each request is a round trip through the daemon.
-
-    The mount's readahead is its backing device's (/sys/class/bdi/MAJOR:MINOR), which
-    FUSE caps at INIT to what libfuse answers (the kernel's default); only root may
-    raise it, once the mount is live. Found through the mount table.
-    """
-    ours = [m for m in mounts() if m.mountpoint == mountpoint and m.fstype == FS_TYPE]
-    if not ours:
-        return
-    major, minor = ours[-1].device
-    path = f"/sys/class/bdi/{major}:{minor}/read_ahead_kb"
-    try:
-        with open(path, "r+", encoding="ascii") as f:
-            if int(f.read()) < READAHEAD_KB:
-                f.seek(0)
-                f.write(str(READAHEAD_KB))
-    except (OSError, ValueError) as exc:
-        log.debug("cannot raise the readahead of %s (%s): %s", mountpoint, path, exc)
-
-
 def _json(value: object) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return f"(no log at {path})"

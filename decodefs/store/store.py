@@ -126,8 +126,9 @@ class VerifiedEntry(NamedTuple):
 class Store:
     """Entries on flash. Methods block (call them off the event loop) and are thread-safe;
     ``open_cached`` never waits. Pins, accesses and evictions are ``capacity``'s
-    (capacity.py: pins are the event loop's alone). What to do with the page cache is the reader's to decide
-    (daemon/entry_reads.py); the store only says what a check read in.
+    (capacity.py: pins are the event loop's alone). What to do with the page
+    cache is the reader's to decide (daemon/entry_reads.py); the store only says
+    what a check read in.
 
     Concurrency: callers guarantee at most one write or removal per key at a
     time (the engine's single flight). Capacity (capacity.py) has its own

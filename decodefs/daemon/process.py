@@ -1,0 +1,81 @@
+"""The daemon process's own tuning: open-file limit, large allocations given back to
+the system, and the mount's readahead.
+
+Each is best effort: a failure is logged, never raised. Knows nothing of serving.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import resource
+from typing import Final
+
+from ..common.mounts import mounts
+from ..common.protocol import FS_TYPE
+
+__all__ = ["READAHEAD_KB", "raise_open_file_limit", "raise_readahead", "return_large_allocations"]
+
+log = logging.getLogger(__name__)
+
+
+# The mount's readahead: an array of up to 591x591 (1 MiB) arrives in one READ request.
+READAHEAD_KB: Final = 1024
+
+
+_M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def raise_open_file_limit() -> None:
+    """Many readers at once must not run the daemon out of descriptors (soft limit 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # an unlimited hard limit cannot be the soft one
+        log.debug("open-file limit stays %d: %s", soft, exc)
+    else:
+        log.debug("open-file limit raised from %d to %d", soft, hard)
+
+
+def return_large_allocations() -> None:
+    """Give the memory of a large decode back to the system when it is freed.
+
+    glibc serves allocations above a threshold with their own mmap and unmaps
+    them on free, but raises that threshold (up to 32 MiB) each time such a
+    block is freed, after which Pillow's 16 MiB image blocks come from the
+    heap and stay with the process: one 9000x9000 decode left the daemon at
+    ~660 MiB. A fixed threshold of 1 MiB (mallopt disables the adjustment)
+    returns them at once, measured back to ~40 MiB, for one mmap per large
+    block, which is nothing next to a decode.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        if libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20) != 1:
+            log.debug("mallopt(M_MMAP_THRESHOLD) refused; large decodes may stay resident")
+    except (OSError, AttributeError) as exc:  # not glibc
+        log.debug("cannot set malloc's mmap threshold: %s", exc)
+
+
+def raise_readahead(mountpoint: str) -> None:
+    """Let the kernel read an array ahead in one READ request (READAHEAD_KB), not in
+    pieces of its default 128 KiB: each request is a round trip through the daemon.
+
+    The mount's readahead is its backing device's (/sys/class/bdi/MAJOR:MINOR), which
+    FUSE caps at INIT to what libfuse answers (the kernel's default); only root may
+    raise it, once the mount is live. Found through the mount table.
+    """
+    ours = [m for m in mounts() if m.mountpoint == mountpoint and m.fstype == FS_TYPE]
+    if not ours:
+        return
+    major, minor = ours[-1].device
+    path = f"/sys/class/bdi/{major}:{minor}/read_ahead_kb"
+    try:
+        with open(path, "r+", encoding="ascii") as f:
+            if int(f.read()) < READAHEAD_KB:
+                f.seek(0)
+                f.write(str(READAHEAD_KB))
+    except (OSError, ValueError) as exc:
+        log.debug("cannot raise the readahead of %s (%s): %s", mountpoint, path, exc)

@@ -1,0 +1,72 @@
+"""Starting a detached daemon: `decodefs mount` without --foreground returns once the
+mount is live, or with the reason the daemon gave (its log's tail).
+
+Knows the command line of the daemon, not what it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..common.mounts import MountError
+
+__all__ = ["spawn"]
+
+
+def spawn(
+    config_path: Path,
+    mountpoint: str,
+    log_file: Path,
+    log_level: str | None,
+    nonempty: bool = False,
+) -> int:
+    """Start a detached daemon and return its pid once the mount is live.
+
+    The child reports readiness through a pipe; if it exits first, the tail of
+    its log explains why and MountError carries it.
+    """
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_stream = open(log_file, "ab")  # noqa: SIM115 - closed below, once the child has it
+    except OSError as exc:
+        raise MountError(f"log file {log_file} cannot be written: {exc.strerror}") from None
+    read_end, write_end = os.pipe()
+    command = [
+        sys.executable, "-m", "decodefs", "mount", mountpoint,
+        "--config", str(config_path), "--foreground", "--ready-fd", str(write_end),
+    ]  # fmt: skip
+    if log_level:
+        command += ["--log-level", log_level]
+    if nonempty:
+        command.append("--nonempty")
+    with log_stream:
+        child = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_stream,
+            stderr=log_stream,
+            pass_fds=(write_end,),
+            start_new_session=True,
+        )
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as ready:
+        message = ready.read()  # EOF when the child exits or closes the fd
+    if message.startswith(b"ready"):
+        return child.pid
+    code = child.wait()
+    if message.startswith(b"error: "):
+        raise MountError(message[len(b"error: ") :].decode(errors="replace"))
+    tail = "\n".join(f"    {line}" for line in _tail(log_file).splitlines())
+    raise MountError(
+        f"daemon exited with status {code} before the mount was live; {log_file} ends:\n{tail}"
+    )
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
