@@ -235,6 +235,15 @@ MUTANTS = [
         "if entry.is_file(follow_symlinks=False):",
         ("tests/test_l2.py", "tests/test_leases.py"),
     ),
+    Mutant(
+        "resident-rounds-pages-down",
+        "residency counts the pages of a range rounded down (a range with nothing "
+        "resident reads as resident, so pages brought in are never dropped)",
+        "decodefs/pagecache.py",
+        "    pages = -(-(offset + length - start) // _PAGE)\n",
+        "    pages = (offset + length - start) // _PAGE\n",
+        ("tests/test_pagecache.py",),
+    ),
 ]
 
 

@@ -26,12 +26,14 @@ from decodefs.pagecache import (
     open_cached,
     read_resident,
 )
+from decodefs.pagecache import resident as pages_resident
 from tests.conftest import DaemonFactory
 from tests.helpers import reference_npy
 from tests.inprocess import InProcess
 
 SIZE = 128
 UUID = "chelsea-444"
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def nowait_supported(directory: Path) -> bool:
@@ -119,6 +121,28 @@ def test_read_resident_reads_only_what_is_in_the_page_cache(tmp_path: Path, on_d
         assert read_resident(fd, 0, len(data)) == bytearray(data)
         assert read_resident(fd, 150_000, 100_000) == bytearray(data[150_000:])  # short: the end
         assert read_resident(fd, len(data), 10) == bytearray()
+    finally:
+        os.close(fd)
+
+
+def test_resident_counts_every_page_a_range_touches(tmp_path: Path) -> None:
+    """No eviction needed: a file's hole is no page in the page cache (nothing reads
+    it in), a written page is one."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 3 * PAGE)  # three pages long, all hole: none is resident
+        if pages_resident(fd, 0, 1) is None:
+            pytest.skip("this kernel has no cachestat(2) (Linux 6.5): resident() cannot say")
+        assert pages_resident(fd, 0, 3 * PAGE) is False
+        assert pages_resident(fd, 0, 1) is False  # less than a page, none of it resident
+        assert pages_resident(fd, PAGE + 10, 100) is False
+        os.pwrite(fd, b"x" * PAGE, 0)  # the first page written: in the page cache
+        assert pages_resident(fd, 0, PAGE) is True
+        assert pages_resident(fd, 10, 100) is True
+        assert pages_resident(fd, PAGE, 100) is False  # in the second page: still a hole
+        assert pages_resident(fd, 100, PAGE) is False  # the end of the first, the second's start
+        assert pages_resident(fd, PAGE - 1, 2) is False  # a byte of each
+        assert pages_resident(fd, 0, 3 * PAGE) is False
     finally:
         os.close(fd)
 
