@@ -244,6 +244,15 @@ MUTANTS = [
         "    pages = (offset + length - start) // _PAGE\n",
         ("tests/test_pagecache.py",),
     ),
+    Mutant(
+        "unknown-residency-owner-flipped",
+        "where the store cannot check residency (a tmpfs), a verified hit's pages are "
+        "dropped and those the daemon wrote are kept",
+        "decodefs/serving.py",
+        "ours = pages is not Pages.NOT_OURS or cached is False",
+        "ours = pages is Pages.NOT_OURS or cached is False",
+        ("tests/test_pagecache.py",),
+    ),
 ]
 
 

@@ -4,13 +4,17 @@ loop), a worker thread only when the pages are not resident, one page-cache
 copy (the daemon drops the entry pages it brought in, never a direct reader's),
 opens of stored arrays that need no disk (their first READ verifies), and short
 or vanished entries. A real store in tmp_path (ext4 here; a tmpfs cannot read
-without waiting, so the tests of residency say so and skip there), real
+without waiting, so the tests of residency say so and skip there; one test puts
+its store on a tmpfs on purpose, where the daemon cannot look first), real
 decodes, the drops' delays on trio's MockClock."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,6 +81,23 @@ def evict_pages(path: Path) -> None:
 def on_disk(tmp_path: Path) -> None:
     if not nowait_supported(tmp_path):
         pytest.skip(f"{tmp_path} is a tmpfs: its page cache is the store itself")
+
+
+@pytest.fixture
+def blind_store() -> Iterator[Path]:
+    """A store's path on a tmpfs (/dev/shm, so no root is needed): there the daemon
+    cannot look whether an entry's pages are resident before it reads them (no
+    RWF_NOWAIT reads), and only what an open knows says whose they are."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip(f"{shm} is missing: no tmpfs to put a store on without root")
+    base = Path(tempfile.mkdtemp(prefix="decodefs-test-", dir=shm))
+    try:
+        if nowait_supported(base):
+            pytest.skip(f"{shm} answers RWF_NOWAIT reads: a store there can check residency")
+        yield base / "store"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
@@ -252,6 +273,26 @@ async def test_a_direct_readers_pages_are_left_in_the_page_cache(
     clock.jump(WRITTEN_DROP_DELAY)
     await d.engine.reads.drop_due()
     assert d.stats()["page_drops"] == 0 and resident(path)
+
+
+async def test_where_residency_cannot_be_checked_the_open_says_whose_the_pages_are(
+    blind_store: Path, daemons: DaemonFactory, originals: Path
+) -> None:
+    d = daemons({"v1": originals}, store=blind_store)
+    key = d.key("v1", SIZE, UUID)
+    handle = await d.open("v1", SIZE, UUID)  # a miss: this daemon writes the entry
+    assert await d.read_all(handle) == reference(originals)  # from the bytes it wrote
+    assert d.store.read_cached(key, 0, handle.length) is True, "the store could look"
+    # The kernel asks again (its pages of the mount's file went): the entry's pages are
+    # the daemon's own, read in a thread and dropped.
+    assert await d.read_all(handle) == reference(originals)
+    d.engine.release(handle)
+    stats = d.stats()
+    assert (stats["store_reads_threaded"], stats["page_drops"]) == (1, 1)
+    # A verified hit: the pages may be a direct reader's (read_array): read, left alone.
+    assert await d.array("v1", SIZE, UUID) == reference(originals)
+    stats = d.stats()
+    assert (stats["store_reads_threaded"], stats["page_drops"]) == (2, 1)
 
 
 async def test_a_written_entry_is_read_from_memory_and_dropped_after_its_writeback(
