@@ -253,6 +253,15 @@ MUTANTS = [
         "ours = pages is Pages.NOT_OURS or cached is False",
         ("tests/test_pagecache.py",),
     ),
+    Mutant(
+        "dropper-not-woken-for-a-sooner-drop",
+        "a drop due sooner than the one the dropper sleeps for does not wake it (read-in "
+        "pages go after 2 s, not 0.5 s)",
+        "decodefs/serving.py",
+        "            if before is None or (after is not None and after < before):",
+        "            if before is None:",
+        ("tests/test_pagecache.py",),
+    ),
 ]
 
 

@@ -10,10 +10,12 @@ decodes, the drops' delays on trio's MockClock."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,12 +33,14 @@ from decodefs.pagecache import (
     read_resident,
 )
 from decodefs.pagecache import resident as pages_resident
+from decodefs.serving import Pages
 from tests.conftest import DaemonFactory
-from tests.helpers import reference_npy
+from tests.helpers import WAIT_SECONDS, reference_npy
 from tests.inprocess import InProcess
 
 SIZE = 128
 UUID = "chelsea-444"
+OTHER = "coffee-webp"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -125,6 +129,20 @@ def fresh(
 
 def reference(originals: Path) -> bytes:
     return reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
+
+
+async def dropper_settled(d: InProcess, drops: int) -> None:
+    """Wait until ``drops`` page drops are counted, or until the dropper sleeps without
+    them (a later drop's deadline pending, none being dropped). Checkpoints, never
+    sleeps: trio's MockClock stands still while a drop's worker thread runs in real
+    time, so the time a drop is seen at is the time it was due at."""
+    await trio.testing.wait_all_tasks_blocked()  # the dropper took whatever was due
+    deadline = time.monotonic() + WAIT_SECONDS
+    while (seen := d.stats()["page_drops"]) < drops:
+        if trio.lowlevel.current_statistics().seconds_to_next_deadline < math.inf:
+            return  # asleep until a drop due later: none is under way
+        assert time.monotonic() < deadline, f"waited for {drops} page drops; saw {seen}"
+        await trio.lowlevel.checkpoint()
 
 
 # -- the module's pieces ---------------------------------------------------------------
@@ -293,6 +311,29 @@ async def test_where_residency_cannot_be_checked_the_open_says_whose_the_pages_a
     assert await d.array("v1", SIZE, UUID) == reference(originals)
     stats = d.stats()
     assert (stats["store_reads_threaded"], stats["page_drops"]) == (2, 1)
+
+
+async def test_a_drop_due_sooner_than_the_one_awaited_wakes_the_dropper(
+    daemons: DaemonFactory, originals: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    earlier = daemons({"v1": originals})
+    await earlier.array("v1", SIZE, OTHER)  # stored by an earlier daemon
+    earlier.close()
+    d = daemons({"v1": originals})
+    await d.array("v1", SIZE, UUID)  # a miss: its written pages are due to go in 2 s
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(d.engine.reads.drop_forever)
+        await trio.testing.wait_all_tasks_blocked()  # asleep until the written pages are due
+        # An open that read OTHER's entry in from the disk is released: due in 0.5 s.
+        d.engine.reads.release(d.key("v1", SIZE, OTHER), Pages.READ_IN)
+        await trio.sleep_until(start + READ_DROP_DELAY + 0.01)
+        await dropper_settled(d, drops=1)
+        assert d.stats()["page_drops"] == 1, "the pages read in were not dropped at 0.5 s"
+        await trio.sleep_until(start + WRITTEN_DROP_DELAY + 0.01)
+        await dropper_settled(d, drops=2)
+        assert d.stats()["page_drops"] == 2  # and the written ones after theirs
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_written_entry_is_read_from_memory_and_dropped_after_its_writeback(
