@@ -270,6 +270,14 @@ MUTANTS = [
         '    return EntryCheck(Verdict.OK, "", length)',
         ("tests/test_entry.py",),
     ),
+    Mutant(
+        "one-more-waiting-per-user",
+        "another user may have one request more than its share waiting for decodes",
+        "decodefs/admission.py",
+        "if self._waiting_by[uid] >= self.per_user:",
+        "if self._waiting_by[uid] > self.per_user:",
+        ("tests/test_admission.py", "tests/test_engine.py"),
+    ),
 ]
 
 
