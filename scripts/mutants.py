@@ -39,7 +39,7 @@ MUTANTS = [
     Mutant(
         "index-cache-never-reused",
         "the cached source index is never loaded",
-        "decodefs/source.py",
+        "decodefs/common/source.py",
         "index = _load_cache(version, cache, key, root_real, layout) if cache else None",
         "index = None",
         ("tests/test_source.py", "tests/test_engine.py"),
@@ -47,7 +47,7 @@ MUTANTS = [
     Mutant(
         "negative-cache-never-answers",
         "a recent decode failure is never answered from the negative cache",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "reason = self._failures.get(key)",
         "reason = None",
         ("tests/test_engine.py", "tests/test_fs.py"),
@@ -55,7 +55,7 @@ MUTANTS = [
     Mutant(
         "single-flight-off",
         "every opener of a cold key runs its own decode",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "flight = self._flights.get(key)\n",
         "flight = None\n",
         ("tests/test_engine.py",),
@@ -63,7 +63,7 @@ MUTANTS = [
     Mutant(
         "checksum-not-compared",
         "a file read in pieces: the trailer's checksum is never compared with the payload's",
-        "decodefs/entry.py",
+        "decodefs/common/entry.py",
         "        offset += len(piece)\n    if hasher.intdigest() != fields[4]:",
         "        offset += len(piece)\n    if False:",
         ("tests/test_entry.py", "tests/test_store.py", "tests/test_engine.py"),
@@ -71,7 +71,7 @@ MUTANTS = [
     Mutant(
         "checksum-not-compared-in-pieces",
         "read_array_into's check: the trailer's checksum is never compared with the payload's",
-        "decodefs/entry.py",
+        "decodefs/common/entry.py",
         "        hasher.update(piece)\n    if hasher.intdigest() != fields[4]:",
         "        hasher.update(piece)\n    if False:",
         ("tests/test_entry.py", "tests/test_mount_reader.py"),
@@ -79,7 +79,7 @@ MUTANTS = [
     Mutant(
         "checksum-not-compared-whole",
         "the trailer's checksum is never compared for an entry read whole (up to 1 MiB)",
-        "decodefs/entry.py",
+        "decodefs/common/entry.py",
         "if key.checksum(payload) != fields[4]:",
         "if False:",
         ("tests/test_entry.py", "tests/test_store.py"),
@@ -87,7 +87,7 @@ MUTANTS = [
     Mutant(
         "pinned-entry-evictable",
         "eviction ignores pins",
-        "decodefs/capacity.py",
+        "decodefs/store/capacity.py",
         "        if self._pins.get(key):  # a read of one key",
         "        if False:  # a read of one key",
         ("tests/test_engine.py", "tests/test_store.py"),
@@ -96,7 +96,7 @@ MUTANTS = [
     Mutant(
         "eviction-stops-a-byte-short",
         "eviction stops while the store is still one byte over its limit",
-        "decodefs/capacity.py",
+        "decodefs/store/capacity.py",
         "while self._shortfall(incoming) > 0:",
         "while self._shortfall(incoming) > 1:",
         ("tests/test_engine.py",),
@@ -104,7 +104,7 @@ MUTANTS = [
     Mutant(
         "warm-trips-on-a-failure",
         "the background warm reads the outcome of a decode that failed (and dies)",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "if outcome is not None and outcome.held is not None:\n"
         "            outcome.held.release()  # nobody reads it",
         "if outcome is None and outcome.held is not None:\n"
@@ -114,7 +114,7 @@ MUTANTS = [
     Mutant(
         "warm-retries-fresh-failures",
         "the background warm decodes originals that just failed again",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "            or key in self._flights\n            or key in self._failures\n",
         "            or key in self._flights\n            and key in self._failures\n",
         ("tests/test_engine.py",),
@@ -122,7 +122,7 @@ MUTANTS = [
     Mutant(
         "verified-bit-of-another-entry",
         "verifying one entry marks another as verified",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "self.bits[index >> 3] |= 1 << (index & 7)",
         "self.bits[index >> 4] |= 1 << (index & 7)",
         ("tests/test_engine.py",),
@@ -130,7 +130,7 @@ MUTANTS = [
     Mutant(
         "check-reads-past-the-payload",
         "an entry over 1 MiB is hashed with its trailer's bytes (so never verifies)",
-        "decodefs/entry.py",
+        "decodefs/common/entry.py",
         "piece = os.pread(fd, min(_PIECE, length - offset), offset)",
         "piece = os.pread(fd, min(_PIECE, length + offset), offset)",
         ("tests/test_entry.py", "tests/test_engine.py"),
@@ -138,7 +138,7 @@ MUTANTS = [
     Mutant(
         "queued-decodes-never-counted-down",
         "a decode that leaves the queue still counts as queued",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "                self.metrics.queued_decodes -= 1\n                queued = False",
         "                queued = False",
         ("tests/test_engine.py",),
@@ -146,7 +146,7 @@ MUTANTS = [
     Mutant(
         "evictions-not-forgotten",
         "an evicted entry stays verified, so its next open is a hit on a missing file",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "            if index is not None:\n                self._not_stored(key, index)",
         "            if index is not None:\n                pass",
         ("tests/test_engine.py",),
@@ -154,7 +154,7 @@ MUTANTS = [
     Mutant(
         "reclaim-drops-one-at-a-time",
         "reclaiming memory stops after dropping one cached array",
-        "decodefs/memory.py",
+        "decodefs/daemon/memory.py",
         "        self._items.popitem()\n        return True",
         "        self._items.popitem()\n        return False",
         ("tests/test_engine.py",),
@@ -162,7 +162,7 @@ MUTANTS = [
     Mutant(
         "one-unpin-frees-every-pin",
         "releasing one of two handles on an entry unpins it for both",
-        "decodefs/capacity.py",
+        "decodefs/store/capacity.py",
         "        if count > 0:\n            pins[key] = count",
         "        if count > 1:\n            pins[key] = count",
         ("tests/test_engine.py",),
@@ -170,7 +170,7 @@ MUTANTS = [
     Mutant(
         "max-pixels-ignored",
         "the configured max_pixels is not passed to the decode",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "array = decode_image(path, key.size, settings, max_pixels=max_pixels)",
         "array = decode_image(path, key.size, settings)",
         ("tests/test_engine.py",),
@@ -178,7 +178,7 @@ MUTANTS = [
     Mutant(
         "layout-not-checked",
         "an intact entry of another .npy layout is served",
-        "decodefs/entry.py",
+        "decodefs/common/entry.py",
         "problem = npy_layout_problem(head, length, key.size)",
         "problem = None",
         ("tests/test_entry.py", "tests/test_engine.py"),
@@ -186,7 +186,7 @@ MUTANTS = [
     Mutant(
         "fingerprint-change-keeps-entries",
         "a new fingerprint does not discard the version's stored arrays",
-        "decodefs/markers.py",
+        "decodefs/store/markers.py",
         "        if recorded is not None:\n            log.warning(",
         "        if False:\n            log.warning(",
         ("tests/test_engine.py", "tests/test_store.py"),
@@ -194,7 +194,7 @@ MUTANTS = [
     Mutant(
         "open-files-hold-memory",
         "an open file keeps its array's memory until closed (the hold-and-wait)",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "            outcome.held.release()\n            handle.in_memory = True",
         "            handle.in_memory = True",
         ("tests/test_engine.py",),
@@ -202,7 +202,7 @@ MUTANTS = [
     Mutant(
         "waiting-per-user-unbounded",
         "another user may have any number of requests waiting for decodes",
-        "decodefs/admission.py",
+        "decodefs/daemon/admission.py",
         "if self._waiting_by[uid] >= self.per_user:",
         "if False:",
         ("tests/test_engine.py",),
@@ -210,7 +210,7 @@ MUTANTS = [
     Mutant(
         "refill-never-stores",
         "an array fetched again for an open file is never stored, even when the store has room",
-        "decodefs/engine.py",
+        "decodefs/daemon/engine.py",
         "key, handle.index, Purpose.READ, may_store=handle.may_store",
         "key, handle.index, Purpose.READ, may_store=False",
         ("tests/test_engine.py",),
@@ -221,7 +221,7 @@ MUTANTS = [
         "claim-array-to-the-first-at",
         "a claim's array is its name up to the first @ (a mirror file img@2x.png renews "
         "under another name and deletes its own live claim)",
-        "decodefs/leases.py",
+        "decodefs/cluster/leases.py",
         'return self.name[len(LEASES) + 1 : self.name.rindex("@")]',
         'return self.name[len(LEASES) + 1 : self.name.index("@")]',
         ("tests/test_leases.py",),
@@ -230,7 +230,7 @@ MUTANTS = [
         "posix-list-ignores-the-prefix",
         "a shared directory lists every object beside the prefix (another array's claim "
         "of the same name length counts as this array's)",
-        "decodefs/l2.py",
+        "decodefs/cluster/backends.py",
         "if entry.name.startswith(start) and entry.is_file(follow_symlinks=False):",
         "if entry.is_file(follow_symlinks=False):",
         ("tests/test_l2.py", "tests/test_leases.py"),
@@ -239,7 +239,7 @@ MUTANTS = [
         "resident-rounds-pages-down",
         "residency counts the pages of a range rounded down (a range with nothing "
         "resident reads as resident, so pages brought in are never dropped)",
-        "decodefs/pagecache.py",
+        "decodefs/store/pagecache.py",
         "    pages = -(-(offset + length - start) // _PAGE)\n",
         "    pages = (offset + length - start) // _PAGE\n",
         ("tests/test_pagecache.py",),
@@ -248,7 +248,7 @@ MUTANTS = [
         "unknown-residency-owner-flipped",
         "where the store cannot check residency (a tmpfs), a verified hit's pages are "
         "dropped and those the daemon wrote are kept",
-        "decodefs/serving.py",
+        "decodefs/daemon/entry_reads.py",
         "ours = pages is not Pages.NOT_OURS or cached is False",
         "ours = pages is Pages.NOT_OURS or cached is False",
         ("tests/test_pagecache.py",),
@@ -257,7 +257,7 @@ MUTANTS = [
         "dropper-not-woken-for-a-sooner-drop",
         "a drop due sooner than the one the dropper sleeps for does not wake it (read-in "
         "pages go after 2 s, not 0.5 s)",
-        "decodefs/serving.py",
+        "decodefs/daemon/entry_reads.py",
         "            if before is None or (after is not None and after < before):",
         "            if before is None:",
         ("tests/test_pagecache.py",),
@@ -265,7 +265,7 @@ MUTANTS = [
     Mutant(
         "pieces-layout-not-checked",
         "an entry read in pieces (read_array) is served in another .npy layout",
-        "decodefs/entry.py",
+        "decodefs/common/entry.py",
         '    return _checked_layout(key, memoryview(payload[0]) if payload else b"", length)',
         '    return EntryCheck(Verdict.OK, "", length)',
         ("tests/test_entry.py",),
@@ -273,7 +273,7 @@ MUTANTS = [
     Mutant(
         "one-more-waiting-per-user",
         "another user may have one request more than its share waiting for decodes",
-        "decodefs/admission.py",
+        "decodefs/daemon/admission.py",
         "if self._waiting_by[uid] >= self.per_user:",
         "if self._waiting_by[uid] > self.per_user:",
         ("tests/test_admission.py", "tests/test_engine.py"),

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodefs.admission import WAITING_PER_USER, Admission, UserBusy
-from decodefs.metrics import Metrics
+from decodefs.daemon.admission import WAITING_PER_USER, Admission, UserBusy
+from decodefs.common.metrics import Metrics
 
 USER, OTHER_USER = 60001, 60002
 

@@ -18,11 +18,11 @@ import trio
 import trio.testing
 from PIL import Image
 
-from decodefs.admission import UserBusy
-from decodefs.daemon import flush_accesses_forever, watch_store_forever
-from decodefs.decode import DecodeSettings, decode_image, npy_bytes, npy_file_size
-from decodefs.engine import OriginalNotFound, OriginalUndecodable
-from decodefs.protocol import TRAILER_SIZE
+from decodefs.daemon.admission import UserBusy
+from decodefs.daemon.lifecycle import flush_accesses_forever, watch_store_forever
+from decodefs.common.decode import DecodeSettings, decode_image, npy_bytes, npy_file_size
+from decodefs.daemon.engine import OriginalNotFound, OriginalUndecodable
+from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import DaemonFactory, Tmpfs, needs_root
 from tests.helpers import reference_npy, wait_for
 
@@ -819,7 +819,7 @@ async def test_the_background_warm_decodes_configured_versions_only(
         overrides={"warmed": {"warm": True}},
     )
     uuids = uuids_of(originals)
-    caplog.set_level(logging.INFO, logger="decodefs.background_warm")
+    caplog.set_level(logging.INFO, logger="decodefs.daemon.background_warm")
     await d.warm_in_background()
     done = [r.getMessage() for r in caplog.records if "background warm" in r.getMessage()]
     assert [m.split(" in ")[0] for m in done] == [
@@ -850,7 +850,7 @@ async def test_the_background_warm_stops_rather_than_evict(
     )
     first = uuids_of(originals)[-1]
     await d.array("v1", SIZE, first)  # a reader's entry
-    caplog.set_level(logging.INFO, logger="decodefs.background_warm")
+    caplog.set_level(logging.INFO, logger="decodefs.daemon.background_warm")
     await d.warm_in_background()
     stats = d.stats()
     assert stats["store_entries"] == 3 and stats["evictions"] == 0

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodefs.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_header
-from decodefs.entry import (
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_header
+from decodefs.common.entry import (
     STALE,
     EntryCheck,
     EntryKey,
@@ -26,7 +26,7 @@ from decodefs.entry import (
     encode_trailer,
     layout_problem,
 )
-from decodefs.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+from decodefs.common.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
 
 DIGEST = decoder_fingerprint(DecodeSettings()).digest
 OTHER = decoder_fingerprint(DecodeSettings(resample="nearest")).digest

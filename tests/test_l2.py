@@ -20,19 +20,19 @@ import pytest
 import trio
 import trio.testing
 
-from decodefs.breaker import CircuitBreaker
-from decodefs.cluster import L2Tier, Start, verify_object
-from decodefs.cluster_warm import WarmSpec, publish_entry, warm_batch
-from decodefs.config import ConfigError, parse_config
-from decodefs.decode import decoder_fingerprint, npy_bytes, quiet_pillow_warnings
-from decodefs.engine import Engine
-from decodefs.entry import EntryKey, encode_trailer
-from decodefs.l2 import L2Backend, L2Error, PosixL2, object_name, open_backend
-from decodefs.leases import Claim, claim_name, claims, release, renew, take
-from decodefs.metrics import render_prometheus
-from decodefs.source import SourceIndex, scan_source
-from decodefs.stats import snapshot
-from decodefs.store import Store
+from decodefs.cluster.breaker import CircuitBreaker
+from decodefs.cluster.tier import L2Tier, Start, verify_object
+from decodefs.cluster.dask_warm import WarmSpec, publish_entry, warm_batch
+from decodefs.common.config import ConfigError, parse_config
+from decodefs.common.decode import decoder_fingerprint, npy_bytes, quiet_pillow_warnings
+from decodefs.daemon.engine import Engine
+from decodefs.common.entry import EntryKey, encode_trailer
+from decodefs.cluster.backends import L2Backend, L2Error, PosixL2, object_name, open_backend
+from decodefs.cluster.leases import Claim, claim_name, claims, release, renew, take
+from decodefs.common.metrics import render_prometheus
+from decodefs.common.source import SourceIndex, scan_source
+from decodefs.daemon.stats import snapshot
+from decodefs.store.store import Store
 from tests.helpers import reference_npy, wait_for
 from tests.servers import S3_ENV, SeaweedFS, seaweed  # noqa: F401 - a fixture
 
@@ -170,7 +170,7 @@ def entry_of(key: EntryKey, payload: bytes) -> bytes:
 
 
 def decoder_fingerprint_v1() -> Any:
-    from decodefs.decode import DecodeSettings
+    from decodefs.common.decode import DecodeSettings
 
     return decoder_fingerprint(DecodeSettings())
 
@@ -971,7 +971,7 @@ async def test_l2_keys_have_defaults_and_are_validated(tmp_path: Path) -> None:
 
 async def test_importing_decodefs_needs_neither_boto3_nor_dask() -> None:
     code = (
-        "import sys, decodefs, decodefs.engine, decodefs.cluster, decodefs.daemon, decodefs.cli\n"
+        "import sys, decodefs, decodefs.daemon.engine, decodefs.cluster.tier, decodefs.daemon.lifecycle, decodefs.cli.commands\n"
         "loaded = [m for m in ('boto3', 'botocore', 'dask', 'distributed') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )

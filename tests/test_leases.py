@@ -10,10 +10,10 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from decodefs.decode import DecodeSettings, decoder_fingerprint
-from decodefs.entry import EntryKey
-from decodefs.l2 import PosixL2, object_name
-from decodefs.leases import Claim, claim_name, claims, renew, take
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint
+from decodefs.common.entry import EntryKey
+from decodefs.cluster.backends import PosixL2, object_name
+from decodefs.cluster.leases import Claim, claim_name, claims, renew, take
 
 SIZE = 32
 FINGERPRINT = decoder_fingerprint(DecodeSettings()).hex

@@ -23,8 +23,8 @@ import pytest
 import trio
 import trio.testing
 
-from decodefs.entry import EntryKey
-from decodefs.pagecache import (
+from decodefs.common.entry import EntryKey
+from decodefs.store.pagecache import (
     READ_DROP_DELAY,
     WRITTEN_DROP_DELAY,
     PendingDrops,
@@ -32,8 +32,8 @@ from decodefs.pagecache import (
     open_cached,
     read_resident,
 )
-from decodefs.pagecache import resident as pages_resident
-from decodefs.serving import Pages
+from decodefs.store.pagecache import resident as pages_resident
+from decodefs.daemon.entry_reads import Pages
 from tests.conftest import DaemonFactory
 from tests.helpers import WAIT_SECONDS, reference_npy
 from tests.inprocess import InProcess
