@@ -47,8 +47,8 @@ MUTANTS = [
     Mutant(
         "negative-cache-never-answers",
         "a recent decode failure is never answered from the negative cache",
-        "decodefs/daemon/engine.py",
-        "reason = self._failures.get(key)",
+        "decodefs/daemon/decodes.py",
+        "reason = self.failures.get(key)",
         "reason = None",
         ("tests/test_engine.py", "tests/test_fs.py"),
     ),
@@ -115,14 +115,14 @@ MUTANTS = [
         "warm-retries-fresh-failures",
         "the background warm decodes originals that just failed again",
         "decodefs/daemon/engine.py",
-        "            or key in self._flights\n            or key in self._failures\n",
+        "            or key in self._flights\n            or key in self._decodes.failures\n",
         "            or key in self._flights\n            and key in self._failures\n",
         ("tests/test_engine.py",),
     ),
     Mutant(
         "verified-bit-of-another-entry",
         "verifying one entry marks another as verified",
-        "decodefs/daemon/engine.py",
+        "decodefs/daemon/known.py",
         "self.bits[index >> 3] |= 1 << (index & 7)",
         "self.bits[index >> 4] |= 1 << (index & 7)",
         ("tests/test_engine.py",),
@@ -138,16 +138,16 @@ MUTANTS = [
     Mutant(
         "queued-decodes-never-counted-down",
         "a decode that leaves the queue still counts as queued",
-        "decodefs/daemon/engine.py",
-        "                self.metrics.queued_decodes -= 1\n                queued = False",
+        "decodefs/daemon/decodes.py",
+        "                self._metrics.queued_decodes -= 1\n                queued = False",
         "                queued = False",
         ("tests/test_engine.py",),
     ),
     Mutant(
         "evictions-not-forgotten",
         "an evicted entry stays verified, so its next open is a hit on a missing file",
-        "decodefs/daemon/engine.py",
-        "            if index is not None:\n                self._not_stored(key, index)",
+        "decodefs/daemon/known.py",
+        "            if index is not None:\n                self.not_stored(key, index)",
         "            if index is not None:\n                pass",
         ("tests/test_engine.py",),
     ),
@@ -170,7 +170,7 @@ MUTANTS = [
     Mutant(
         "max-pixels-ignored",
         "the configured max_pixels is not passed to the decode",
-        "decodefs/daemon/engine.py",
+        "decodefs/daemon/decodes.py",
         "array = decode_image(path, key.size, settings, max_pixels=max_pixels)",
         "array = decode_image(path, key.size, settings)",
         ("tests/test_engine.py",),
@@ -214,6 +214,69 @@ MUTANTS = [
         "key, handle.index, Purpose.READ, may_store=handle.may_store",
         "key, handle.index, Purpose.READ, may_store=False",
         ("tests/test_engine.py",),
+    ),
+    # Let through by the tests of their units (the last one caught only as a 120 s hang),
+    # killed since by focused tests:
+    Mutant(
+        "claim-array-to-the-first-at",
+        "a claim's array is its name up to the first @ (a mirror file img@2x.png renews "
+        "under another name and deletes its own live claim)",
+        "decodefs/cluster/leases.py",
+        'return self.name[len(LEASES) + 1 : self.name.rindex("@")]',
+        'return self.name[len(LEASES) + 1 : self.name.index("@")]',
+        ("tests/test_leases.py",),
+    ),
+    Mutant(
+        "posix-list-ignores-the-prefix",
+        "a shared directory lists every object beside the prefix (another array's claim "
+        "of the same name length counts as this array's)",
+        "decodefs/cluster/backends.py",
+        "if entry.name.startswith(start) and entry.is_file(follow_symlinks=False):",
+        "if entry.is_file(follow_symlinks=False):",
+        ("tests/test_l2.py", "tests/test_leases.py"),
+    ),
+    Mutant(
+        "resident-rounds-pages-down",
+        "residency counts the pages of a range rounded down (a range with nothing "
+        "resident reads as resident, so pages brought in are never dropped)",
+        "decodefs/store/pagecache.py",
+        "    pages = -(-(offset + length - start) // _PAGE)\n",
+        "    pages = (offset + length - start) // _PAGE\n",
+        ("tests/test_pagecache.py",),
+    ),
+    Mutant(
+        "unknown-residency-owner-flipped",
+        "where the store cannot check residency (a tmpfs), a verified hit's pages are "
+        "dropped and those the daemon wrote are kept",
+        "decodefs/daemon/entry_reads.py",
+        "ours = pages is not Pages.NOT_OURS or read_ahead",
+        "ours = pages is Pages.NOT_OURS or read_ahead",
+        ("tests/test_pagecache.py",),
+    ),
+    Mutant(
+        "dropper-not-woken-for-a-sooner-drop",
+        "a drop due sooner than the one the dropper sleeps for does not wake it (read-in "
+        "pages go after 2 s, not 0.5 s)",
+        "decodefs/daemon/entry_reads.py",
+        "            if before is None or (after is not None and after < before):",
+        "            if before is None:",
+        ("tests/test_pagecache.py",),
+    ),
+    Mutant(
+        "pieces-layout-not-checked",
+        "an entry read in pieces (read_array) is served in another .npy layout",
+        "decodefs/common/entry.py",
+        '    return _checked_layout(key, memoryview(payload[0]) if payload else b"", length)',
+        '    return EntryCheck(Verdict.OK, "", length)',
+        ("tests/test_entry.py",),
+    ),
+    Mutant(
+        "one-more-waiting-per-user",
+        "another user may have one request more than its share waiting for decodes",
+        "decodefs/daemon/admission.py",
+        "if self._waiting_by[uid] >= self.per_user:",
+        "if self._waiting_by[uid] > self.per_user:",
+        ("tests/test_admission.py", "tests/test_engine.py"),
     ),
 ]
 

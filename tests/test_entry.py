@@ -3,16 +3,18 @@ through a descriptor alike."""
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_header
 from decodefs.common.entry import (
     STALE,
     EntryCheck,
@@ -20,6 +22,7 @@ from decodefs.common.entry import (
     Verdict,
     check_entry,
     check_entry_file,
+    check_entry_pieces,
     encode_trailer,
     layout_problem,
 )
@@ -57,6 +60,22 @@ def both(key: EntryKey, data: bytes, digest: bytes = DIGEST) -> EntryCheck:
     with opened(data) as fd:
         assert check_entry_file(fd, key, digest) == in_memory
     return in_memory
+
+
+def in_pieces(key: EntryKey, data: bytes, digest: bytes = DIGEST) -> EntryCheck:
+    """The check of ``data`` read as ``read_array`` reads an entry file: its .npy
+    header, its array (into the caller's memory) and its trailer, apart."""
+    length = len(data) - TRAILER_SIZE
+    header = len(npy_header(key.size))
+    view = memoryview(data)
+    return check_entry_pieces(key, [view[:header], view[header:length]], data[length:], digest)
+
+
+def saved(array: npt.NDArray[np.uint8]) -> bytes:
+    """What numpy.save writes for ``array``, whatever its layout."""
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
 
 
 def test_an_intact_entry_is_ok_with_its_header_and_length() -> None:
@@ -97,6 +116,43 @@ def test_a_valid_trailer_over_the_wrong_layout_is_corrupt() -> None:
     assert checked.verdict is Verdict.CORRUPT and "layout" in checked.reason
     assert layout_problem(KEY, data, len(data)) == checked.reason
     assert layout_problem(KEY, payload(), len(payload())) is None
+
+
+@pytest.mark.parametrize(
+    ("what", "npy"),
+    [
+        ("its array in Fortran order", saved(np.asfortranarray(np.zeros((8, 8, 3), np.uint8)))),
+        ("another shape of as many bytes", saved(np.zeros((8, 3, 8), np.uint8))),
+    ],
+)
+def test_an_intact_entry_of_another_npy_layout_is_corrupt_read_whole_or_in_pieces(
+    what: str, npy: bytes
+) -> None:
+    assert len(npy) == len(payload()), what  # the same length: only the header tells
+    data = npy + encode_trailer(KEY, npy, DIGEST)  # its trailer and checksum intact
+    whole = both(KEY, data)
+    assert whole.verdict is Verdict.CORRUPT and "layout" in whole.reason, what
+    assert in_pieces(KEY, data) == whole, what
+
+
+def test_an_entry_read_in_pieces_is_checked_as_one_read_whole() -> None:
+    assert in_pieces(KEY, entry()) == both(KEY, entry()) and in_pieces(KEY, entry()).ok
+    for data, digest in [
+        (entry(digest=OTHER), DIGEST),  # stale
+        (entry(), OTHER),
+        (entry(EntryKey("v1", 8, "abcdeg")), DIGEST),  # another key's file
+        (payload() + bytes(TRAILER_SIZE), DIGEST),  # no trailer
+    ]:
+        assert in_pieces(KEY, data, digest) == check_entry(KEY, data, digest)
+        assert not in_pieces(KEY, data, digest).ok
+
+
+@given(position=st.integers(0, len(entry()) - 1), bit=st.integers(0, 7))
+def test_no_flipped_bit_read_in_pieces_is_ok(position: int, bit: int) -> None:
+    damaged = bytearray(entry())
+    damaged[position] ^= 1 << bit
+    checked = in_pieces(KEY, bytes(damaged))
+    assert not checked.ok and checked == check_entry(KEY, bytes(damaged), DIGEST)
 
 
 def test_bytes_that_shrank_while_being_read_are_corrupt() -> None:

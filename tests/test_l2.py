@@ -202,6 +202,21 @@ async def test_objects_are_created_once_and_never_replaced(cluster: Cluster) -> 
     assert backend.create("v1/x/1/ab/abc.npy", b"third")  # a verified-bad one is replaced so
 
 
+async def test_objects_are_listed_only_if_their_names_begin_with_the_prefix(
+    cluster: Cluster,
+) -> None:
+    backend = cluster.backend()
+    # Claims of two arrays whose names are as long, side by side (leases.py).
+    wanted = ["v1/x/1/ab/ab0001.npy@1", "v1/x/1/ab/ab0001.npy@2"]
+    others = ["v1/x/1/ab/ab0002.npy@1", "v1/x/1/ab/ab0001.npy", "v1/x/1/cd/ab0001.npy@1"]
+    for name in wanted + others:
+        assert backend.create(name, b"{}")
+    assert backend.list("v1/x/1/ab/ab0001.npy@", 10) == wanted
+    assert backend.list("v1/x/1/ab/ab0003.npy@", 10) == []
+    assert backend.list("v1/x/1/ef/ab0001.npy@", 10) == []  # no such directory
+    assert len(backend.list("v1/x/1/ab/ab0001.npy@", 1)) == 1  # at most the limit
+
+
 async def test_a_posix_l2_follows_no_symlink_planted_in_it(tmp_path: Path) -> None:
     root, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
     root.mkdir()

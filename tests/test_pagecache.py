@@ -4,13 +4,19 @@ loop), a worker thread only when the pages are not resident, one page-cache
 copy (the daemon drops the entry pages it brought in, never a direct reader's),
 opens of stored arrays that need no disk (their first READ verifies), and short
 or vanished entries. A real store in tmp_path (ext4 here; a tmpfs cannot read
-without waiting, so the tests of residency say so and skip there), real
+without waiting, so the tests of residency say so and skip there; one test puts
+its store on a tmpfs on purpose, where the daemon cannot look first), real
 decodes, the drops' delays on trio's MockClock."""
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +24,8 @@ import trio
 import trio.testing
 
 from decodefs.common.entry import EntryKey
+from decodefs.daemon.entry_reads import Pages
+from decodefs.store import pagecache
 from decodefs.store.pagecache import (
     READ_DROP_DELAY,
     WRITTEN_DROP_DELAY,
@@ -26,12 +34,15 @@ from decodefs.store.pagecache import (
     open_cached,
     read_resident,
 )
+from decodefs.store.pagecache import resident as pages_resident
 from tests.conftest import DaemonFactory
-from tests.helpers import reference_npy
+from tests.helpers import WAIT_SECONDS, reference_npy
 from tests.inprocess import InProcess
 
 SIZE = 128
 UUID = "chelsea-444"
+OTHER = "coffee-webp"
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def nowait_supported(directory: Path) -> bool:
@@ -78,6 +89,23 @@ def on_disk(tmp_path: Path) -> None:
 
 
 @pytest.fixture
+def blind_store() -> Iterator[Path]:
+    """A store's path on a tmpfs (/dev/shm, so no root is needed): there the daemon
+    cannot look whether an entry's pages are resident before it reads them (no
+    RWF_NOWAIT reads), and only what an open knows says whose they are."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip(f"{shm} is missing: no tmpfs to put a store on without root")
+    base = Path(tempfile.mkdtemp(prefix="decodefs-test-", dir=shm))
+    try:
+        if nowait_supported(base):
+            pytest.skip(f"{shm} answers RWF_NOWAIT reads: a store there can check residency")
+        yield base / "store"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
 def clock() -> trio.testing.MockClock:
     """The engine's clock, moved by hand (the drops' delays)."""
     return trio.testing.MockClock()
@@ -104,6 +132,20 @@ def reference(originals: Path) -> bytes:
     return reference_npy(next(originals.glob(f"{UUID}.*")), SIZE)
 
 
+async def dropper_settled(d: InProcess, drops: int) -> None:
+    """Wait until ``drops`` page drops are counted, or until the dropper sleeps without
+    them (a later drop's deadline pending, none being dropped). Checkpoints, never
+    sleeps: trio's MockClock stands still while a drop's worker thread runs in real
+    time, so the time a drop is seen at is the time it was due at."""
+    await trio.testing.wait_all_tasks_blocked()  # the dropper took whatever was due
+    deadline = time.monotonic() + WAIT_SECONDS
+    while (seen := d.stats()["page_drops"]) < drops:
+        if trio.lowlevel.current_statistics().seconds_to_next_deadline < math.inf:
+            return  # asleep until a drop due later: none is under way
+        assert time.monotonic() < deadline, f"waited for {drops} page drops; saw {seen}"
+        await trio.lowlevel.checkpoint()
+
+
 # -- the module's pieces ---------------------------------------------------------------
 
 
@@ -119,6 +161,28 @@ def test_read_resident_reads_only_what_is_in_the_page_cache(tmp_path: Path, on_d
         assert read_resident(fd, 0, len(data)) == bytearray(data)
         assert read_resident(fd, 150_000, 100_000) == bytearray(data[150_000:])  # short: the end
         assert read_resident(fd, len(data), 10) == bytearray()
+    finally:
+        os.close(fd)
+
+
+def test_resident_counts_every_page_a_range_touches(tmp_path: Path) -> None:
+    """No eviction needed: a file's hole is no page in the page cache (nothing reads
+    it in), a written page is one."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 3 * PAGE)  # three pages long, all hole: none is resident
+        if pages_resident(fd, 0, 1) is None:
+            pytest.skip("this kernel has no cachestat(2) (Linux 6.5): resident() cannot say")
+        assert pages_resident(fd, 0, 3 * PAGE) is False
+        assert pages_resident(fd, 0, 1) is False  # less than a page, none of it resident
+        assert pages_resident(fd, PAGE + 10, 100) is False
+        os.pwrite(fd, b"x" * PAGE, 0)  # the first page written: in the page cache
+        assert pages_resident(fd, 0, PAGE) is True
+        assert pages_resident(fd, 10, 100) is True
+        assert pages_resident(fd, PAGE, 100) is False  # in the second page: still a hole
+        assert pages_resident(fd, 100, PAGE) is False  # the end of the first, the second's start
+        assert pages_resident(fd, PAGE - 1, 2) is False  # a byte of each
+        assert pages_resident(fd, 0, 3 * PAGE) is False
     finally:
         os.close(fd)
 
@@ -228,6 +292,56 @@ async def test_a_direct_readers_pages_are_left_in_the_page_cache(
     clock.jump(WRITTEN_DROP_DELAY)
     await d.engine.reads.drop_due()
     assert d.stats()["page_drops"] == 0 and resident(path)
+
+
+async def test_where_residency_cannot_be_checked_the_open_says_whose_the_pages_are(
+    blind_store: Path, daemons: DaemonFactory, originals: Path
+) -> None:
+    d = daemons({"v1": originals}, store=blind_store)
+    key = d.key("v1", SIZE, UUID)
+    handle = await d.open("v1", SIZE, UUID)  # a miss: this daemon writes the entry
+    assert await d.read_all(handle) == reference(originals)  # from the bytes it wrote
+    entry = d.store.open_cached(key)  # the event loop's try: a tmpfs cannot answer it
+    assert entry is not None
+    try:
+        with pytest.raises(OSError) as refused:
+            pagecache.read_resident(entry, 0, handle.length)
+        assert pagecache.nowait_unsupported(refused.value), "the store could look"
+    finally:
+        os.close(entry)
+    # The kernel asks again (its pages of the mount's file went): the entry's pages are
+    # the daemon's own, read in a thread and dropped.
+    assert await d.read_all(handle) == reference(originals)
+    d.engine.release(handle)
+    stats = d.stats()
+    assert (stats["store_reads_threaded"], stats["page_drops"]) == (1, 1)
+    # A verified hit: the pages may be a direct reader's (read_array): read, left alone.
+    assert await d.array("v1", SIZE, UUID) == reference(originals)
+    stats = d.stats()
+    assert (stats["store_reads_threaded"], stats["page_drops"]) == (2, 1)
+
+
+async def test_a_drop_due_sooner_than_the_one_awaited_wakes_the_dropper(
+    daemons: DaemonFactory, originals: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    earlier = daemons({"v1": originals})
+    await earlier.array("v1", SIZE, OTHER)  # stored by an earlier daemon
+    earlier.close()
+    d = daemons({"v1": originals})
+    await d.array("v1", SIZE, UUID)  # a miss: its written pages are due to go in 2 s
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(d.engine.reads.drop_forever)
+        await trio.testing.wait_all_tasks_blocked()  # asleep until the written pages are due
+        # An open that read OTHER's entry in from the disk is released: due in 0.5 s.
+        d.engine.reads.release(d.key("v1", SIZE, OTHER), Pages.READ_IN)
+        await trio.sleep_until(start + READ_DROP_DELAY + 0.01)
+        await dropper_settled(d, drops=1)
+        assert d.stats()["page_drops"] == 1, "the pages read in were not dropped at 0.5 s"
+        await trio.sleep_until(start + WRITTEN_DROP_DELAY + 0.01)
+        await dropper_settled(d, drops=2)
+        assert d.stats()["page_drops"] == 2  # and the written ones after theirs
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_written_entry_is_read_from_memory_and_dropped_after_its_writeback(
