@@ -134,6 +134,7 @@ async def test_stats_report_every_figure(daemons: DaemonFactory, originals: Path
     uuid = uuids_of(originals)[0]
     await d.array("v1", SIZE, uuid)
     await d.array("v1", SIZE, uuid)
+    d.store.wait_for_usage()  # the catalog's fill scan runs in the background
     stats = d.stats()
     assert set(stats) == {
         "hits", "misses", "decodes", "decode_errors", "coalesced", "corrupt_entries",
