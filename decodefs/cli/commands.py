@@ -28,12 +28,11 @@ from ..common.config import DEFAULT_CONFIG_PATH, LOG_LEVELS, Config, ConfigError
 from ..common.protocol import (
     CONFIG_FILE,
     FS_TYPE,
-    STATS,
     STATS_FILE,
     STATUS_DIR,
     STORE_MARKER,
-    Stat,
 )
+from ..common.stats_schema import STATS, Stat
 from ..common.version import package_version
 from ..store import DEFAULT_SAMPLE
 

@@ -16,6 +16,7 @@ __all__ = [
     "mounts",
     "protocol",
     "source",
+    "stats_schema",
     "trusted",
     "version",
 ]
