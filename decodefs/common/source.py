@@ -33,6 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
+from .trusted import CREATE_FLAGS
+
 __all__ = [
     "NAME_MAX",
     "Folder",
@@ -464,9 +466,9 @@ def _save_cache(
     if index.mirror is not None:
         value["folders"] = index.mirror.paths
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(tmp, flags, 0o600)  # the daemon's alone, whatever the umask
+        # The daemon's alone, whatever the umask.
+        fd = os.open(tmp, os.O_WRONLY | CREATE_FLAGS, 0o600)
         with open(fd, "w", encoding="utf-8") as f:
             os.fchmod(fd, 0o600)
             json.dump(value, f)  # ensure_ascii: non-UTF-8 names survive as \udcXX escapes

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Final, Protocol
 
-from ..common.trusted import DIRECTORY_FLAGS as _DIR
+from ..common.trusted import DIRECTORY_FLAGS
 from .root import read_small, set_file_mode, set_mode, write_json_at
 
 __all__ = [
@@ -105,7 +105,7 @@ def check_fingerprint(
             discard_rows(version)
         with contextlib.suppress(FileExistsError):
             os.mkdir(version, dir_mode, dir_fd=root)
-        directory = os.open(version, _DIR, dir_fd=root)
+        directory = os.open(version, DIRECTORY_FLAGS, dir_fd=root)
         try:
             set_mode(directory, dir_mode)
             value = {"digest": expected.hex, "description": dict(expected.description)}
@@ -134,7 +134,7 @@ def start_trash_cleanup(root: int) -> None:
 def _to_trash(root: int, version: str) -> None:
     with contextlib.suppress(FileExistsError):
         os.mkdir(TRASH, 0o700, dir_fd=root)
-    trash = os.open(TRASH, _DIR, dir_fd=root)
+    trash = os.open(TRASH, DIRECTORY_FLAGS, dir_fd=root)
     try:
         os.rename(version, f"{version}.{time.time_ns()}", src_dir_fd=root, dst_dir_fd=trash)
     finally:

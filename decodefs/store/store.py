@@ -45,12 +45,12 @@ from ..common.entry import (
 )
 from ..common.protocol import ACCESS_SOCKET, TRAILER_SIZE
 from ..common.trusted import DIRECTORY_FLAGS as _DIR
+from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
 from .markers import Fingerprint, check_fingerprint, start_trash_cleanup
 from .movein import CannotMove
-from .root import READ as _READ
 from .root import (
     StoreError,
     StoreInUse,
