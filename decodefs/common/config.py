@@ -23,9 +23,9 @@ from .decode import (
     FITS,
     RESAMPLE_FILTERS,
     DecodeSettings,
-    Fingerprint,
     decoder_fingerprint,
 )
+from .fingerprint import Fingerprint
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",

@@ -41,15 +41,15 @@ from ..common.entry import (
     check_entry,
     check_entry_file,
     encode_trailer,
-    iter_entries,
 )
+from ..common.fingerprint import Fingerprint
 from ..common.protocol import ACCESS_SOCKET, TRAILER_SIZE
 from ..common.trusted import DIRECTORY_FLAGS as _DIR
 from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .markers import Fingerprint, check_fingerprint, start_trash_cleanup
+from .markers import check_fingerprint, start_trash_cleanup
 from .movein import CannotMove
 from .root import (
     StoreError,
@@ -60,6 +60,7 @@ from .root import (
     set_file_mode,
     set_mode,
 )
+from .walk import iter_entries
 
 if TYPE_CHECKING:
     from ..common.config import Config

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..common.entry import STALE, EntryKey, check_entry_file, iter_entries
+from ..common.entry import STALE, EntryKey, check_entry_file
 from ..common.trusted import NAMED_DIRECTORY_FLAGS, READ_FLAGS
 from .catalog import Catalog
 from .markers import recorded_digest
 from .store import CATALOG_FILE, StoreInUse, lock_store
+from .walk import iter_entries
 
 __all__ = ["StoreBusy", "VerifyReport", "recorded_digests", "verify_store"]
 
