@@ -23,6 +23,7 @@ __all__ = [
     "FS_NAME",
     "FS_TYPE",
     "METRICS_FILE",
+    "NAME_MAX",
     "RECHECK_FLAG",
     "STATS_FILE",
     "STATUS_DIR",
@@ -44,6 +45,9 @@ __all__ = [
 
 FS_NAME: Final = "decodefs"  # the mount's fsname and subtype
 FS_TYPE: Final = f"fuse.{FS_NAME}"  # as /proc/self/mountinfo names a decodefs mount
+# The longest name, in bytes, of one path component in the mount and in the store
+# (Linux's NAME_MAX): a longer name does not exist, and no source's key makes one.
+NAME_MAX: Final = 255
 
 # -- status files: <mount>/.decodefs/<name> -----------------------------------------------
 
@@ -52,6 +56,8 @@ STATS_FILE: Final = "stats.json"  # live counters (JSON)
 METRICS_FILE: Final = "metrics"  # the same, in Prometheus text format
 CONFIG_FILE: Final = "config.json"  # the effective config
 STORE_FILE: Final = "store.json"  # where the store is, for read_array (see reader.py)
+# Every status file, as the status directory lists them: a file's inode number
+# follows from its place here (namespace.py), the same in every serving process.
 STATUS_FILES: Final = (STATS_FILE, METRICS_FILE, CONFIG_FILE, STORE_FILE)
 
 
