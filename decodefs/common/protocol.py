@@ -25,6 +25,7 @@ __all__ = [
     "METRICS_FILE",
     "NAME_MAX",
     "RECHECK_FLAG",
+    "SIZE_NAME",
     "STATS_FILE",
     "STATUS_DIR",
     "STATUS_FILES",
@@ -48,6 +49,9 @@ FS_TYPE: Final = f"fuse.{FS_NAME}"  # as /proc/self/mountinfo names a decodefs m
 # The longest name, in bytes, of one path component in the mount and in the store
 # (Linux's NAME_MAX): a longer name does not exist, and no source's key makes one.
 NAME_MAX: Final = 255
+# A size as a name (``<version>/<size>/``, an access report's size): canonical decimal,
+# no sign, no leading zero, no spaces; its bounds are the config's.
+SIZE_NAME: Final = re.compile(rb"[1-9][0-9]{0,4}")
 
 # -- status files: <mount>/.decodefs/<name> -----------------------------------------------
 
@@ -141,7 +145,6 @@ TRAILER_SIZE: Final = TRAILER.size
 
 ACCESS_SOCKET: Final = ".access.sock"  # in the store; a unix datagram socket
 ACCESS_REPORT_MAX: Final = 65536  # bytes per datagram the daemon reads
-_CANONICAL_SIZE: Final = re.compile(rb"[1-9][0-9]{0,4}")
 
 
 def encode_access(version: str, size: int, uuid: str) -> bytes:
@@ -153,5 +156,5 @@ def parse_access_report(report: bytes) -> Iterator[tuple[str, int, str]]:
     """The well-formed lines of a datagram; anything else is skipped (anyone may send)."""
     for line in report.splitlines():
         fields = line.split(b"\t")
-        if len(fields) == 3 and _CANONICAL_SIZE.fullmatch(fields[1]) is not None:
+        if len(fields) == 3 and SIZE_NAME.fullmatch(fields[1]) is not None:
             yield os.fsdecode(fields[0]), int(fields[1]), os.fsdecode(fields[2])

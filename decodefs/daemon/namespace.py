@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import sys
 import time
@@ -41,7 +40,7 @@ from ..common.inodes import (
     Node,
 )
 from ..common.npy import npy_file_size
-from ..common.protocol import NAME_MAX, STATUS_DIR, STATUS_FILES
+from ..common.protocol import NAME_MAX, SIZE_NAME, STATUS_DIR, STATUS_FILES
 from ..common.source import Folder, MirrorFolders, SourceIndex
 
 __all__ = [
@@ -57,7 +56,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SIZE_NAME = re.compile(rb"[1-9][0-9]{0,4}")
 _NPY: Final = b".npy"
 _STATUS_DIR_NAME: Final = STATUS_DIR.encode()
 _FS_ENCODING: Final = sys.getfilesystemencoding()
@@ -142,7 +140,7 @@ class Tree:
             return None
         if parent.kind == Kind.VERSION:
             size = self._parse_size(name)
-            if size is None and _SIZE_NAME.fullmatch(name):
+            if size is None and SIZE_NAME.fullmatch(name):
                 config = self._config  # a size, but out of bounds: say why, not bare ENOENT
                 self._throttle.log(
                     logging.WARNING,
@@ -335,7 +333,7 @@ class Tree:
         return self._sources[entry.version].uuids[entry.number]
 
     def _parse_size(self, name: bytes) -> int | None:
-        if not _SIZE_NAME.fullmatch(name):
+        if not SIZE_NAME.fullmatch(name):
             return None
         size = int(name)
         return size if size in self._sizes else None
