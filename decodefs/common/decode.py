@@ -23,8 +23,9 @@ from PIL import Image, ImageOps, features
 
 from .fingerprint import Fingerprint
 
-# Compatibility: the .npy layout moved to npy.py. Modules not yet switched to it
-# (client/reader.py, daemon/engine.py, cluster/tier.py) take it from here meanwhile.
+# Compatibility, to go: the .npy layout is npy.py's and Fingerprint is fingerprint.py's;
+# modules not yet switched (client/reader.py, daemon/engine.py, cluster/tier.py) take
+# them from here meanwhile.
 from .npy import npy_bytes, npy_file_size, npy_header, npy_layout_problem
 
 __all__ = [

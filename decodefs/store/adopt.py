@@ -39,8 +39,9 @@ import PIL
 from tqdm import tqdm
 
 from ..common.config import Config
-from ..common.decode import DecodeError, decode_image, npy_bytes, npy_file_size
+from ..common.decode import DecodeError, decode_image
 from ..common.entry import EntryKey, check_entry, layout_problem
+from ..common.npy import npy_bytes, npy_file_size
 from ..common.protocol import TRAILER_SIZE
 from ..common.source import OriginalMissing, SourceIndex, scan_source
 from ..common.trusted import (
