@@ -11,19 +11,21 @@ straight from the verified store when it can::
 
     from decodefs import read_array
     array = read_array("/mnt/decoded/v1/224/abc.npy")
+
+Decode and the config load Pillow, so their names are imported at their first
+use: a training process that only reads arrays (``decodefs.client``) never
+loads Pillow.
 """
 
+from typing import TYPE_CHECKING, Final
+
 from .client import class_labels, list_keys, read_array
-from .common.config import Config, ConfigError, VersionConfig, load_config
-from .common.decode import (
-    DecodeError,
-    DecodeSettings,
-    decode_image,
-    npy_bytes,
-    npy_file_size,
-    npy_header,
-)
+from .common.npy import npy_bytes, npy_file_size, npy_header
 from .common.version import package_version
+
+if TYPE_CHECKING:
+    from .common.config import Config, ConfigError, VersionConfig, load_config
+    from .common.decode import DecodeError, DecodeSettings, decode_image
 
 __version__ = package_version()
 
@@ -43,3 +45,26 @@ __all__ = [
     "npy_header",
     "read_array",
 ]
+
+_CONFIG_NAMES: Final = frozenset({"Config", "ConfigError", "VersionConfig", "load_config"})
+_DECODE_NAMES: Final = frozenset({"DecodeError", "DecodeSettings", "decode_image"})
+
+
+def __getattr__(name: str) -> object:
+    """The names of decode and the config, imported at their first use (PEP 562)."""
+    if name in _CONFIG_NAMES:
+        from .common import config
+
+        value: object = getattr(config, name)
+    elif name in _DECODE_NAMES:
+        from .common import decode
+
+        value = getattr(decode, name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later uses are plain attributes of the module
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

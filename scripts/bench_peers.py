@@ -58,8 +58,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from decodefs import read_array
 from decodefs.client.reader import read_array_into
-from decodefs.common.decode import DecodeSettings, decode_image, npy_file_size
+from decodefs.common.decode import DecodeSettings, decode_image
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8

@@ -57,8 +57,8 @@ import numpy as np
 from benchlib import DECODEFS, VERSION, WORK, BenchMount
 
 from decodefs import read_array
-from decodefs.common.decode import npy_file_size
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 

@@ -29,7 +29,7 @@ import PIL
 from benchlib import DECODEFS, VERSION, WORK, BenchMount, mounted
 
 from decodefs import decode_image, npy_bytes
-from decodefs.common.decode import npy_file_size
+from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 

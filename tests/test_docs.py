@@ -28,6 +28,7 @@ import pytest
 from PIL import Image
 
 from decodefs.common.config import load_config, parse_config
+from decodefs.common.protocol import STATUS_FILES
 from decodefs.sample import make_sample_corpus, photo_like
 from tests.helpers import decodefs, is_mounted, unmount_quietly
 
@@ -118,6 +119,23 @@ def test_every_link_between_the_documents_leads_somewhere() -> None:
                 assert anchor in anchors(linked), (
                     f"{document.relative_to(REPO)}: {target}: no such heading in {path}"
                 )
+
+
+# A documented tree's line for the status directory: "/.decodefs/   live status files: ...".
+_STATUS_LINE = re.compile(r"\s*/?\.decodefs/\s+\S")
+
+
+def test_every_documented_tree_names_the_status_files_the_mount_serves() -> None:
+    lines = [
+        (document.relative_to(REPO), line)
+        for document in DOCUMENTS
+        for line in document.read_text().splitlines()
+        if _STATUS_LINE.match(line)
+    ]
+    assert lines, "no documented tree shows the status directory"
+    for where, line in lines:
+        named = set(re.findall(r"[\w.]+\.json|\bmetrics\b", line))
+        assert named == set(STATUS_FILES), f"{where}: {line.strip()!r} is not {STATUS_FILES}"
 
 
 def anchors(document: Path) -> set[str]:

@@ -18,7 +18,8 @@ import trio
 import trio.testing
 from PIL import Image
 
-from decodefs.common.decode import DecodeSettings, decode_image, npy_bytes, npy_file_size
+from decodefs.common.decode import DecodeSettings, decode_image
+from decodefs.common.npy import npy_bytes, npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.daemon.admission import UserBusy
 from decodefs.daemon.engine import OriginalNotFound, OriginalUndecodable

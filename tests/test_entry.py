@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_header
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import (
     STALE,
     EntryCheck,
@@ -26,6 +26,7 @@ from decodefs.common.entry import (
     encode_trailer,
     layout_problem,
 )
+from decodefs.common.npy import npy_bytes, npy_header
 from decodefs.common.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
 
 DIGEST = decoder_fingerprint(DecodeSettings()).digest

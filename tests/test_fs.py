@@ -17,8 +17,8 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
-from decodefs.common.decode import npy_file_size
 from decodefs.common.inodes import Kind, Node
+from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import RECHECK_FLAG, TRAILER_SIZE, WARM_FLAG
 from tests.conftest import DaemonFactory
 from tests.helpers import reference_npy, write_bad_originals

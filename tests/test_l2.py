@@ -26,9 +26,10 @@ from decodefs.cluster.dask_warm import WarmSpec, publish_entry, warm_batch
 from decodefs.cluster.leases import Claim, claim_name, claims, release, renew, take
 from decodefs.cluster.tier import L2Miss, L2Tier, verify_object
 from decodefs.common.config import ConfigError, parse_config
-from decodefs.common.decode import decoder_fingerprint, npy_bytes, quiet_pillow_warnings
+from decodefs.common.decode import decoder_fingerprint, quiet_pillow_warnings
 from decodefs.common.entry import EntryKey, encode_trailer
 from decodefs.common.metrics import render_prometheus
+from decodefs.common.npy import npy_bytes
 from decodefs.common.source import SourceIndex, scan_source
 from decodefs.daemon.engine import Engine
 from decodefs.daemon.stats import snapshot

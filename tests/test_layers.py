@@ -254,3 +254,58 @@ def test_stats_warm_verify_and_umount_of_a_live_mount_run_without_pyfuse3_or_tri
     assert mount.process is not None and mount.process.wait(timeout=30) == 0
     verified = without_daemon("verify", "--remove", mount.config)  # no daemon holds it now
     assert verified.returncode == 0 and "0 corrupt" in verified.stdout, verified.stderr
+
+
+# Imports the client in a fresh interpreter where Pillow cannot be imported, and reads an
+# array with it: a training process that reads arrays never loads Pillow.
+_WITHOUT_PILLOW = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] == "PIL":
+                raise ModuleNotFoundError(f"test_layers refuses {name}", name=name)
+            return None
+
+    sys.meta_path.insert(0, Refuse())
+    import numpy as np
+    import decodefs.client
+    from decodefs import npy_file_size
+
+    array = np.arange(4 * 4 * 3, dtype=np.uint8).reshape(4, 4, 3)
+    np.save(sys.argv[1], array)
+    assert (decodefs.client.read_array(sys.argv[1]) == array).all()
+    assert npy_file_size(4) == 128 + 4 * 4 * 3
+    loaded = sorted(m for m in sys.modules if m.partition(".")[0] == "PIL")
+    assert not loaded, loaded
+    """
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="client/reader.py still takes npy_file_size and npy_header from common.decode "
+    "(Pillow); they are common.npy's",
+)
+def test_the_client_loads_and_reads_without_pillow(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PILLOW, str(tmp_path / "array.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_face_gives_decode_and_the_config_at_their_first_use() -> None:
+    import decodefs
+    from decodefs.common import config, decode
+
+    for name in decodefs.__all__:
+        assert getattr(decodefs, name) is not None, name
+    assert decodefs.decode_image is decode.decode_image
+    assert decodefs.load_config is config.load_config
+    assert set(decodefs.__all__) <= set(dir(decodefs))
+    with pytest.raises(AttributeError):
+        _ = decodefs.no_such_name

@@ -16,13 +16,15 @@ import trio
 
 from decodefs.client.warm import read_uuid_list
 from decodefs.common.config import DEFAULT_EXTENSIONS, ConfigError, load_config, parse_config
-from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_file_size
-from decodefs.common.entry import EntryKey, iter_entries
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint
+from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_bytes, npy_file_size
 from decodefs.common.protocol import StoreStatus
 from decodefs.common.source import SourceError, SourceIndex, scan_source
 from decodefs.daemon.engine import Engine
 from decodefs.daemon.namespace import ROOT, Kind, Node, Tree
 from decodefs.store.store import CorruptEntry, Store
+from decodefs.store.walk import iter_entries
 from tests.helpers import SKIMAGE_DATA, reference_npy
 
 V1 = decoder_fingerprint(DecodeSettings())

@@ -7,7 +7,7 @@ import os
 import threading
 from pathlib import Path
 
-from decodefs.common.decode import npy_file_size
+from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import reference_npy

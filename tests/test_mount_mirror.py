@@ -19,8 +19,8 @@ import pytest
 from decodefs import read_array
 from decodefs.client import reader
 from decodefs.common.config import DEFAULT_EXTENSIONS
-from decodefs.common.decode import npy_file_size
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory
 from tests.helpers import Mount, decodefs, errno_of, reference_npy, wait_until

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from decodefs import read_array
-from decodefs.common.decode import npy_file_size
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_file_size
 from decodefs.daemon.process import READAHEAD_KB
 from decodefs.store.pagecache import drop, read_resident
 from tests.conftest import MountFactory, needs_root_because

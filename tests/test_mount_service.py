@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from decodefs.common.config import parse_config
-from decodefs.common.protocol import STATS
+from decodefs.common.stats_schema import STATS
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
     decodefs,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from decodefs.common.decode import npy_file_size
+from decodefs.common.npy import npy_file_size
 from tests.conftest import MountFactory
 from tests.helpers import Mount, errno_of
 

@@ -16,8 +16,9 @@ from typing import Final
 import numpy as np
 import pytest
 
-from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes, npy_header
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_bytes, npy_header
 from decodefs.store.store import Store
 from scripts.reliability.checks import (
     StoreAccount,

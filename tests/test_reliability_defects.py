@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import trio
 
-from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_bytes
 from decodefs.common.protocol import STORE_FORMAT
 from decodefs.daemon.pools import LowPriorityPool
 from decodefs.store.store import Store

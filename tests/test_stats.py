@@ -1,4 +1,4 @@
-"""One stats schema (protocol.STATS): stats.json, the Prometheus text, `decodefs stats
+"""One stats schema (stats_schema.STATS): stats.json, the Prometheus text, `decodefs stats
 --all`, docs/operations.md's table and the counters behind them all name the same figures."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from decodefs.cluster.backends import open_backend
 from decodefs.cluster.tier import L2Metrics, L2Tier
 from decodefs.common.config import parse_config
 from decodefs.common.metrics import Metrics, render_prometheus
-from decodefs.common.protocol import STATS
 from decodefs.common.source import scan_source
+from decodefs.common.stats_schema import STATS
 from decodefs.daemon.engine import Engine
 from decodefs.daemon.stats import snapshot
 from decodefs.store.store import Store

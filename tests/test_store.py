@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from decodefs.common.config import parse_config
-from decodefs.common.decode import DecodeSettings, decoder_fingerprint, npy_bytes
+from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_bytes
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.common.source import scan_source
 from decodefs.store.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError

@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from decodefs import class_labels, list_keys, read_array
-from decodefs.common.decode import npy_header
 from decodefs.common.entry import EntryKey
+from decodefs.common.npy import npy_header
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8
 from tests.conftest import MountFactory

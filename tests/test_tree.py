@@ -23,7 +23,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from decodefs.common.inodes import Kind, Node
-from decodefs.daemon.namespace import NAME_MAX, ROOT, STATUS_DIR
+from decodefs.common.protocol import NAME_MAX
+from decodefs.daemon.namespace import ROOT, STATUS_DIR_NODE
 from tests import inprocess
 from tests.inprocess import CTX, InProcess
 
@@ -89,10 +90,10 @@ class Model:
             return None
         if parent == ROOT:
             if name == b".decodefs":
-                return STATUS_DIR
+                return STATUS_DIR_NODE
             names = [v.encode() for v in self.versions]
             return Node(Kind.VERSION, names.index(name)) if name in names else None
-        if parent == STATUS_DIR:
+        if parent == STATUS_DIR_NODE:
             names = [s.encode() for s in self.status]
             return Node(Kind.SPECIAL, number=3 + names.index(name)) if name in names else None
         if parent.kind == Kind.VERSION:
@@ -113,7 +114,7 @@ class Model:
     def exists(self, node: Node) -> bool:
         """Exactly the nodes a walk from the root by name reaches."""
         if node.kind == Kind.SPECIAL:
-            return node in (ROOT, STATUS_DIR) or node in [
+            return node in (ROOT, STATUS_DIR_NODE) or node in [
                 Node(Kind.SPECIAL, number=3 + i) for i in range(len(self.status))
             ]
         if node.version >= len(self.versions):
@@ -131,13 +132,13 @@ class Model:
         return node.number < len(self.uuids[self.versions[node.version]])
 
     def is_dir(self, node: Node) -> bool:
-        return node in (ROOT, STATUS_DIR) or node.kind in (Kind.VERSION, Kind.SIZE, Kind.SHARD)
+        return node in (ROOT, STATUS_DIR_NODE) or node.kind in (Kind.VERSION, Kind.SIZE, Kind.SHARD)
 
     def parent(self, node: Node) -> Node:
-        if node in (ROOT, STATUS_DIR) or node.kind == Kind.VERSION:
+        if node in (ROOT, STATUS_DIR_NODE) or node.kind == Kind.VERSION:
             return ROOT
         if node.kind == Kind.SPECIAL:
-            return STATUS_DIR
+            return STATUS_DIR_NODE
         if node.kind == Kind.SIZE:
             return Node(Kind.VERSION, node.version)
         return Node(Kind.SIZE, node.version, node.size)
@@ -244,7 +245,7 @@ def parents(hostile: Hostile) -> list[Node]:
     """A node at every level: root, status, versions, listed and unlisted sizes,
     every shard, an entry, and nodes that name nothing."""
     model = hostile.model
-    found = [ROOT, STATUS_DIR, Node(Kind.VERSION, 0), Node(Kind.VERSION, 1)]
+    found = [ROOT, STATUS_DIR_NODE, Node(Kind.VERSION, 0), Node(Kind.VERSION, 1)]
     for size in (224, 64, 8, 4096, 333):
         found.append(Node(Kind.SIZE, 0, size))
         found += [Node(Kind.SHARD, 0, size, i) for i in model.shards(0).values()]
@@ -336,9 +337,9 @@ def test_the_root_status_and_version_directories_list_their_children(hostile: Ho
     for offset, name, node in root:
         assert tree.lookup(ROOT, name) == node
         assert list(tree.children(ROOT, offset)) == root[offset:]  # resumes after it
-    status = list(tree.children(STATUS_DIR, 0))
+    status = list(tree.children(STATUS_DIR_NODE, 0))
     assert [name for _, name, _ in status] == [s.encode() for s in model.status]
-    assert all(tree.lookup(STATUS_DIR, name) == node for _, name, node in status)
+    assert all(tree.lookup(STATUS_DIR_NODE, name) == node for _, name, node in status)
     sizes = list(tree.children(Node(Kind.VERSION, 0), 0))
     assert [name for _, name, _ in sizes] == [b"64", b"224"]  # as configured (sorted)
     assert all(tree.lookup(Node(Kind.VERSION, 0), n) == node for _, n, node in sizes)
@@ -382,7 +383,7 @@ def test_a_shard_lists_its_entries_only(hostile: Hostile) -> None:
 
 def test_attributes_and_parents(hostile: Hostile) -> None:
     tree = hostile.daemon.tree
-    for node in (ROOT, STATUS_DIR, Node(Kind.VERSION, 1), Node(Kind.SIZE, 0, 64)):
+    for node in (ROOT, STATUS_DIR_NODE, Node(Kind.VERSION, 1), Node(Kind.SIZE, 0, 64)):
         attrs = tree.attributes(node)
         assert stat.S_ISDIR(attrs.mode) and stat.S_IMODE(attrs.mode) == 0o555
     entry = tree.attributes(Node(Kind.ENTRY, 0, 64, 0))
@@ -405,7 +406,7 @@ def fuse_errno(fn: object, *args: object) -> tuple[int, pyfuse3.EntryAttributes 
 
 
 @given(
-    parent=st.one_of(st.sampled_from([n.ino for n in (ROOT, STATUS_DIR)]), INODES),
+    parent=st.one_of(st.sampled_from([n.ino for n in (ROOT, STATUS_DIR_NODE)]), INODES),
     name=HOSTILE_NAMES,
 )
 @example(parent=Node(Kind.SIZE, 0, 64).ino, name=b"a\xf4\x8f\xbf\xbf")

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 from typing import Final
 
-from ..common.protocol import CONFIG_FILE, STATS, STATS_FILE, STATUS_DIR, Stat
+from ..common.protocol import CONFIG_FILE, STATS_FILE, STATUS_DIR
+from ..common.stats_schema import STATS, Stat
 
 __all__ = [
     "counter",
@@ -105,7 +106,7 @@ def format_stats(stats: dict[str, object]) -> str:
     """The human table printed by `decodefs stats`: every counter a user acts on."""
 
     def n(key: str) -> int:
-        assert key in _STAT_NAMES, key  # every figure shown is one of protocol.STATS
+        assert key in _STAT_NAMES, key  # every figure shown is one of stats_schema.STATS
         return counter(stats, key)
 
     reads = n("hits") + n("direct_hits") + n("misses")
@@ -179,7 +180,7 @@ def format_stats(stats: dict[str, object]) -> str:
 
 
 def format_all_stats(stats: dict[str, object]) -> str:
-    """`decodefs stats --all`: every figure of protocol.STATS the daemon reported, one a
+    """`decodefs stats --all`: every figure of stats_schema.STATS the daemon reported, one a
     line: its name, its value with its unit, and what it means."""
     rows = [
         (stat.name, _figure_text(stat, stats[stat.name]), stat.help)

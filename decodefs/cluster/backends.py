@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from ..common.entry import EntryKey
+from ..common.trusted import CREATE_FLAGS, DIRECTORY_FLAGS, NAMED_DIRECTORY_FLAGS, READ_FLAGS
 
 if TYPE_CHECKING:
     from ..common.config import L2Config
@@ -224,9 +225,6 @@ def _s3_errors() -> Iterator[None]:
 
 # -- a shared POSIX directory -------------------------------------------------------------
 
-_DIR: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _RENAME_NOREPLACE: Final = 1
 _NO_LINKS: Final = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK})
 
@@ -253,7 +251,7 @@ class PosixL2:
                 return None
             try:
                 try:
-                    fd = os.open(leaf, _READ, dir_fd=parent)
+                    fd = os.open(leaf, READ_FLAGS, dir_fd=parent)
                 except FileNotFoundError:
                     return None
                 except OSError as exc:
@@ -295,7 +293,7 @@ class PosixL2:
             assert parent is not None
             tmp = f".{leaf}.{secrets.token_hex(6)}.tmp"
             try:
-                fd = os.open(tmp, _CREATE, 0o644, dir_fd=parent)
+                fd = os.open(tmp, os.O_WRONLY | CREATE_FLAGS, 0o644, dir_fd=parent)
                 try:
                     view = memoryview(data)
                     while view:
@@ -346,18 +344,18 @@ class PosixL2:
         """A descriptor of the directory holding ``name`` (None if it does not exist and
         ``create`` is False) and the last component."""
         *dirs, leaf = name.split("/")
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(self.root, NAMED_DIRECTORY_FLAGS)
         try:
             for part in dirs:
                 try:
-                    child = os.open(part, _DIR, dir_fd=fd)
+                    child = os.open(part, DIRECTORY_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     if not create:
                         os.close(fd)
                         return None, leaf
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o755, dir_fd=fd)
-                    child = os.open(part, _DIR, dir_fd=fd)
+                    child = os.open(part, DIRECTORY_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = child
         except BaseException:

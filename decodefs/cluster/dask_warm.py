@@ -37,10 +37,10 @@ from ..common.decode import (
     DecodeSettings,
     decode_image,
     decoder_fingerprint,
-    npy_bytes,
 )
-from ..common.decode import npy_file_size as _npy_file_size
 from ..common.entry import EntryKey, encode_trailer
+from ..common.npy import npy_bytes
+from ..common.npy import npy_file_size as _npy_file_size
 from ..common.protocol import TRAILER_SIZE
 from ..common.source import OriginalMissing, scan_source
 from . import leases

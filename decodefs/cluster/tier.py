@@ -47,9 +47,10 @@ from typing import Final, TypeVar, cast
 import trio
 
 from ..common.config import L2Config
-from ..common.decode import Fingerprint, npy_file_size
 from ..common.entry import EntryKey, Verdict, check_entry, encode_trailer
+from ..common.fingerprint import Fingerprint
 from ..common.metrics import Histogram, LogThrottle, figures
+from ..common.npy import npy_file_size
 from ..common.protocol import TRAILER_SIZE
 from . import leases
 from .backends import L2Backend, L2Error, object_name
@@ -87,7 +88,7 @@ class L2Unavailable(Exception):
 @dataclass
 class L2Metrics:
     """What this node's L2 tier has done: each field is the figure ``l2_<field>`` of
-    protocol.STATS (tests/test_stats.py checks it). See docs/operations.md, "Status files"."""
+    stats_schema.STATS (tests/test_stats.py checks it). See docs/operations.md, "Status files"."""
 
     hits: int = 0  # arrays fetched from L2 and verified (instead of decoding)
     misses: int = 0  # arrays L2 could not give (absent, bad, unreachable): decoded here
@@ -193,7 +194,7 @@ class L2Tier:
                 nursery.start_soon(self._renewer, nursery)
 
     def stats(self) -> dict[str, object]:
-        """The tier's figures of stats.json (protocol.STATS, those with ``l2``)."""
+        """The tier's figures of stats.json (stats_schema.STATS, those with ``l2``)."""
         return {
             "l2": self.backend.description,
             "l2_state": self._breaker.state,

@@ -1,21 +1,25 @@
 """The shared vocabulary: what every process of decodefs agrees on, defined once.
 
 Names and status files (protocol), the stats schema, the inode layout, the entry
-format, decode, config, the source index, trusted opens, the mount table,
-metrics. Imports nothing of decodefs outside this folder, and nothing heavy
-here: each room is imported by name (``from decodefs.common.config import
-Config``), so a client that needs the ``.npy`` layout does not load Pillow.
+format, the ``.npy`` layout, decode and the decoder fingerprint, config, the
+source index, trusted opens, the mount table, metrics. Imports nothing of
+decodefs outside this folder, and nothing heavy here: each room is imported by
+name (``from decodefs.common.config import Config``), so a client that needs
+the ``.npy`` layout (npy) does not load Pillow (decode).
 """
 
 __all__ = [
     "config",
     "decode",
     "entry",
+    "fingerprint",
     "inodes",
     "metrics",
     "mounts",
+    "npy",
     "protocol",
     "source",
+    "stats_schema",
     "trusted",
     "version",
 ]

@@ -23,9 +23,11 @@ from .decode import (
     FITS,
     RESAMPLE_FILTERS,
     DecodeSettings,
-    Fingerprint,
     decoder_fingerprint,
 )
+from .fingerprint import Fingerprint
+from .inodes import SIZE_LIMIT
+from .source import Duplicates, Layout
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -43,8 +45,6 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/decodefs/config.toml")
 DEFAULT_EXTENSIONS: Final = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
-# The inode layout (see tree.py) has 13 bits for the size.
-SIZE_LIMIT: Final = 8191
 # The most threads of one kind a config may ask for (decode_workers, io_workers, l2_workers).
 WORKERS_MAX: Final = 256
 # A version name is a path component both in the mount and in the store.
@@ -52,8 +52,6 @@ _VERSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 _BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-Duplicates = Literal["error", "skip"]
-Layout = Literal["uuid", "mirror"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 UnlistedSizes = Literal["owner", "everyone"]
 LOG_LEVELS: Final[tuple[LogLevel, ...]] = get_args(LogLevel)

@@ -1,17 +1,16 @@
-"""Original image -> uint8 [size, size, 3] array -> .npy bytes.
+"""Original image -> uint8 [size, size, 3] array, and the fingerprint of what made it.
 
 Pure functions: no daemon state, no caching policy, no I/O beyond reading the
 original. The daemon, the tests and a user's live training path all call
-`decode_image`, so the mount serves exactly what it returns.
+`decode_image`, so the mount serves exactly what it returns. The only room
+of the vocabulary that imports Pillow; the ``.npy`` layout of an array is
+npy.py's, the fingerprint's value fingerprint.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import io
-import json
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -21,6 +20,13 @@ from typing import IO, Final, Literal
 import numpy as np
 import numpy.typing as npt
 from PIL import Image, ImageOps, features
+
+from .fingerprint import Fingerprint
+
+# Compatibility, to go: the .npy layout is npy.py's and Fingerprint is fingerprint.py's;
+# modules not yet switched (client/reader.py, daemon/engine.py, cluster/tier.py) take
+# them from here meanwhile.
+from .npy import npy_bytes, npy_file_size, npy_header, npy_layout_problem
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -183,60 +189,6 @@ def _fit(rgb: Image.Image, size: int, settings: DecodeSettings) -> Image.Image:
     return canvas
 
 
-@functools.cache
-def npy_header(size: int) -> bytes:
-    """The exact header ``numpy.save`` writes for a uint8 (size, size, 3) array."""
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buffer,
-        {
-            "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
-            "fortran_order": False,
-            "shape": (size, size, 3),
-        },
-    )
-    return buffer.getvalue()
-
-
-@functools.cache
-def npy_file_size(size: int) -> int:
-    """Length of the .npy file for a (size, size, 3) uint8 array, without decoding."""
-    return len(npy_header(size)) + size * size * 3
-
-
-def npy_layout_problem(head: bytes | bytearray | memoryview, length: int, size: int) -> str | None:
-    """Why a file of ``length`` bytes starting with ``head`` is not the .npy file of
-    a (size, size, 3) uint8 array, or None. ``head`` may be the whole file."""
-    header = npy_header(size)
-    if length != npy_file_size(size) or bytes(head[: len(header)]) != header:
-        return "payload is not the expected .npy layout"
-    return None
-
-
-def npy_bytes(array: npt.NDArray[np.uint8]) -> bytes:
-    """Exactly what ``numpy.save`` writes for a decoded (size, size, 3) array."""
-    size = array.shape[0]
-    if array.shape != (size, size, 3) or array.dtype != np.uint8:
-        raise ValueError(f"expected uint8 (size, size, 3), got {array.dtype}{array.shape}")
-    return npy_header(size) + np.ascontiguousarray(array).tobytes()
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """What produced a version's arrays: settings plus decoding libraries.
-
-    ``digest`` changes whenever anything here could change a pixel, so arrays
-    decoded under other settings or another Pillow are never served as new.
-    """
-
-    digest: bytes
-    description: Mapping[str, object]
-
-    @property
-    def hex(self) -> str:
-        return self.digest.hex()
-
-
 def decoder_fingerprint(settings: DecodeSettings, *, keys: str = "uuid") -> Fingerprint:
     """The fingerprint of arrays decoded with ``settings`` by this Pillow, stored
     under ``keys`` (a version's layout: which original a key names). The
@@ -250,8 +202,7 @@ def decoder_fingerprint(settings: DecodeSettings, *, keys: str = "uuid") -> Fing
         # "0001" is the stem of an original anywhere in a uuid version, but the
         # top-level 0001.jpg in a mirror: a changed layout must not serve one as the other.
         description["keys"] = keys
-    canonical = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
-    return Fingerprint(hashlib.sha256(canonical).digest()[:16], description)
+    return Fingerprint.of(description)
 
 
 @functools.cache

@@ -9,8 +9,8 @@ array). Every reader of entries and L2 objects (the store, ``decodefs verify``,
 ``adopt``, ``read_array``, the cluster tier) checks them here, and nowhere
 else: ``check_entry`` (bytes in hand) and ``check_entry_file`` (a descriptor)
 give one ``EntryCheck`` whose verdict is ok, corrupt, foreign or stale. This
-module reads only through a descriptor it is given, and knows nothing of
-images beyond the .npy layout.
+module reads only through a descriptor it is given, takes the .npy layout
+from npy.py, and knows nothing of images or of walking a store (store/walk.py).
 
 Where an entry lives: ``<version>/<size>/<shard>/<file name>``. A key without
 ``/`` (a uuid) has shard ``uuid[:2]`` and file name ``<uuid>.npy``. A key with
@@ -23,23 +23,20 @@ and every file name gives back its key (``EntryKey.from_store_path``).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 import xxhash
 
-from .decode import npy_layout_problem
+from .npy import HEADER_BOUND, npy_layout_problem
 from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
-from .trusted import DIRECTORY_FLAGS as _DIR
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
-    "HEADER_BOUND",
     "STALE",
     "EntryCheck",
     "EntryKey",
@@ -48,11 +45,9 @@ __all__ = [
     "check_entry_file",
     "check_entry_pieces",
     "encode_trailer",
-    "iter_entries",
     "layout_problem",
 ]
 
-HEADER_BOUND: Final = 4096  # the most bytes a .npy header of ours takes
 STALE: Final = "decoded with other settings or libraries"  # the reason of a stale entry
 _CHECKSUM_MISMATCH: Final = "checksum mismatch (damaged, or another entry's file)"
 _PIECE: Final = 1 << 20
@@ -259,65 +254,3 @@ def _check_trailer(
     if recorded_length != length:
         return Verdict.CORRUPT, f"length {length}, trailer says {recorded_length}"
     return None
-
-
-# -- walking a store's entries ----------------------------------------------------------
-
-
-def iter_entries(
-    root: int, versions: Mapping[str, object]
-) -> Iterator[tuple[EntryKey, os.stat_result]]:
-    """Every entry file in the store open at ``root`` for ``versions``, with its stat;
-    no symlink is followed."""
-    for version in versions:
-        for size_name, size_fd in _subdirs(root, version):
-            try:
-                if not size_name.isdigit():
-                    continue
-                for shard, shard_fd in _subdirs(size_fd, None):
-                    try:
-                        found = list(_entry_files(shard_fd))
-                    finally:
-                        os.close(shard_fd)
-                    for name, st in found:
-                        key = EntryKey.from_store_path(version, int(size_name), shard, name)
-                        if key is not None:
-                            yield key, st
-            finally:
-                os.close(size_fd)
-
-
-def _entry_files(directory: int) -> Iterator[tuple[str, os.stat_result]]:
-    """(name, stat) of each regular ``*.npy`` file in ``directory``; one removed
-    while being listed is skipped."""
-    try:
-        with os.scandir(directory) as it:
-            for entry in it:
-                if entry.name.endswith(".npy") and entry.is_file(follow_symlinks=False):
-                    with contextlib.suppress(OSError):
-                        yield entry.name, entry.stat(follow_symlinks=False)
-    except OSError:
-        return
-
-
-def _subdirs(parent: int, name: str | None) -> Iterator[tuple[str, int]]:
-    """(name, descriptor) of each directory in ``parent``/``name`` not starting with '.';
-    the caller closes each descriptor."""
-    try:
-        fd = os.open(name, _DIR, dir_fd=parent) if name is not None else os.dup(parent)
-    except OSError:
-        return
-    try:
-        with os.scandir(fd) as it:
-            names = [
-                e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
-            ]
-        for child in names:
-            try:
-                yield child, os.open(child, _DIR, dir_fd=fd)
-            except OSError:
-                continue
-    except OSError:
-        return
-    finally:
-        os.close(fd)

@@ -4,7 +4,9 @@
     bits 35-47  size      bits  0-34  number: original index (or shard start index,
                                       or a mirror version's folder index)
 
-Shared by the daemon's namespace (tree.py) and the client reader (reader.py),
+Shared by the daemon's namespace (namespace.py, whose hot paths take the
+fields apart with the shifts and masks below rather than make a Node), the
+config (the largest size a field holds) and the client reader (reader.py),
 which learns an array's version and size from the inode the kernel reports.
 A change to the layout must change INODE_LAYOUT, which the daemon publishes
 in store.json: a reader of another layout then reads through the mount.
@@ -15,9 +17,27 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Final, NamedTuple
 
-__all__ = ["INODE_LAYOUT", "Kind", "Node"]
+__all__ = [
+    "INODE_LAYOUT",
+    "KIND_SHIFT",
+    "NUMBER_MASK",
+    "SIZE_LIMIT",
+    "SIZE_MASK",
+    "SIZE_SHIFT",
+    "VERSION_MASK",
+    "VERSION_SHIFT",
+    "Kind",
+    "Node",
+]
 
 INODE_LAYOUT: Final = 1
+KIND_SHIFT: Final = 60
+VERSION_SHIFT: Final = 48
+VERSION_MASK: Final = (1 << (KIND_SHIFT - VERSION_SHIFT)) - 1  # 12 bits
+SIZE_SHIFT: Final = 35
+SIZE_MASK: Final = (1 << (VERSION_SHIFT - SIZE_SHIFT)) - 1  # 13 bits
+NUMBER_MASK: Final = (1 << SIZE_SHIFT) - 1  # 35 bits
+SIZE_LIMIT: Final = SIZE_MASK  # the largest size an inode number holds (8191)
 
 
 class Kind(IntEnum):
@@ -43,14 +63,19 @@ class Node(NamedTuple):
 
     @property
     def ino(self) -> int:
-        return (self.kind << 60) | (self.version << 48) | (self.size << 35) | self.number
+        return (
+            (self.kind << KIND_SHIFT)
+            | (self.version << VERSION_SHIFT)
+            | (self.size << SIZE_SHIFT)
+            | self.number
+        )
 
     @classmethod
     def from_ino(cls, ino: int) -> Node:
         """The node of ``ino``; raises IndexError for a kind no node has."""
         return cls(
-            _KINDS[ino >> 60],
-            (ino >> 48) & 0xFFF,
-            (ino >> 35) & 0x1FFF,
-            ino & ((1 << 35) - 1),
+            _KINDS[ino >> KIND_SHIFT],
+            (ino >> VERSION_SHIFT) & VERSION_MASK,
+            (ino >> SIZE_SHIFT) & SIZE_MASK,
+            ino & NUMBER_MASK,
         )

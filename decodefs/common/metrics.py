@@ -24,7 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .protocol import STATS, Stat
+from .stats_schema import STATS, Stat
 
 __all__ = [
     "DECODE_SECONDS_BUCKETS",
@@ -66,8 +66,9 @@ class Histogram:
 
 @dataclass
 class Metrics:
-    """What the daemon has done since it started: each field is the figure of protocol.STATS
-    of the same name (tests/test_stats.py checks it). See docs/operations.md, "Status files"."""
+    """What the daemon has done since it started: each field is the figure of
+    stats_schema.STATS of the same name (tests/test_stats.py checks it). See
+    docs/operations.md, "Status files"."""
 
     hits: int = 0  # opens served from a stored (or memory-cached) array
     misses: int = 0  # opens that needed a decode, including ones that joined another's
@@ -150,7 +151,7 @@ class LogThrottle:
 
 class _StatsCollector(Collector):
     """Prometheus families from one stats snapshot (the dict behind stats.json), one per
-    figure of protocol.STATS that the snapshot holds."""
+    figure of stats_schema.STATS that the snapshot holds."""
 
     def __init__(self, stats: Mapping[str, Any]) -> None:
         self._stats = stats

@@ -33,9 +33,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
+from .protocol import NAME_MAX
+from .trusted import CREATE_FLAGS
+
 __all__ = [
-    "NAME_MAX",
+    "Duplicates",
     "Folder",
+    "Layout",
     "MirrorFolders",
     "OriginalMissing",
     "SourceError",
@@ -45,7 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-NAME_MAX: Final = 255
 _NPY: Final = ".npy"
 _NPY_SUFFIX_LEN: Final = len(_NPY)
 _CACHE_FORMAT: Final = 1
@@ -54,7 +57,11 @@ _CACHE_FORMAT: Final = 1
 _MTIME_SLACK_NS: Final = 2_000_000_000
 
 
+# A version's layout: "uuid" keys an original by its file stem, "mirror" by its
+# relative path without the extension. Its duplicates: stems found twice in a
+# uuid version are an error, or are skipped.
 Layout = Literal["uuid", "mirror"]
+Duplicates = Literal["error", "skip"]
 
 
 class SourceError(Exception):
@@ -220,7 +227,7 @@ def scan_source(
     version: str,
     root: os.PathLike[str] | str,
     extensions: Iterable[str],
-    duplicates: Literal["error", "skip"] = "error",
+    duplicates: Duplicates = "error",
     cache_dir: str | None = None,
     layout: Layout = "uuid",
 ) -> SourceIndex:
@@ -261,7 +268,7 @@ def _walk(
     version: str,
     root: str,
     extensions: frozenset[str],
-    duplicates: Literal["error", "skip"],
+    duplicates: Duplicates,
     layout: Layout = "uuid",
 ) -> tuple[SourceIndex, dict[str, list[int]], bool]:
     """The index, the directories it depends on, and whether every listing succeeded."""
@@ -464,9 +471,9 @@ def _save_cache(
     if index.mirror is not None:
         value["folders"] = index.mirror.paths
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(tmp, flags, 0o600)  # the daemon's alone, whatever the umask
+        # The daemon's alone, whatever the umask.
+        fd = os.open(tmp, os.O_WRONLY | CREATE_FLAGS, 0o600)
         with open(fd, "w", encoding="utf-8") as f:
             os.fchmod(fd, 0o600)
             json.dump(value, f)  # ensure_ascii: non-UTF-8 names survive as \udcXX escapes

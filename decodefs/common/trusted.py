@@ -1,10 +1,12 @@
-"""Opening a directory as root on a shared machine without trusting anyone else.
+"""Opening files as root on a shared machine without trusting anyone else.
 
 ``open_trusted_dir`` walks a path from ``/`` with ``O_NOFOLLOW``, one
 component at a time, and accepts only what no other user controls; the
 descriptor it returns is then used for everything below that directory, so a
 path swapped later changes nothing. Used for the store and the lock
-directory. This module knows nothing of what the directory holds.
+directory. The open flags for what lies below such a descriptor, and the one
+test of "this user's alone" (``owned_alone``), are defined here for every
+room that opens files. This module knows nothing of what the directory holds.
 """
 
 from __future__ import annotations
@@ -16,9 +18,27 @@ import os
 import stat
 from typing import Final
 
-__all__ = ["DIRECTORY_FLAGS", "UntrustedPath", "open_trusted_dir", "owned_alone_problem"]
+__all__ = [
+    "CREATE_FLAGS",
+    "DIRECTORY_FLAGS",
+    "NAMED_DIRECTORY_FLAGS",
+    "READ_FLAGS",
+    "UntrustedPath",
+    "open_trusted_dir",
+    "owned_alone",
+    "owned_alone_problem",
+]
 
+# Below a directory descriptor, nothing is reached through a symlink: a name someone
+# planted cannot send the opener elsewhere, and no descriptor leaks into a child process.
 DIRECTORY_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A new file, never one that exists: with O_WRONLY or O_RDWR.
+CREATE_FLAGS: Final = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# A directory a user names (a cache to adopt, a store to verify, a shared L2 root):
+# its path resolves as the user's shell resolves it, symlinks included; what lies
+# below it is opened with the flags above.
+NAMED_DIRECTORY_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _MAX_SYMLINKS: Final = 40  # as the kernel's own limit (ELOOP)
 
 
@@ -107,9 +127,14 @@ def _untrusted(directory: str, st: os.stat_result, path: str) -> str:
     )
 
 
+def owned_alone(st: os.stat_result, owner: int) -> bool:
+    """Whether the file ``st`` describes belongs to ``owner`` and no one else may write it."""
+    return st.st_uid == owner and not st.st_mode & 0o022
+
+
 def owned_alone_problem(path: str, st: os.stat_result) -> str | None:
     """Why ``path`` (with ``st``) is not this user's alone, or None if it is."""
-    if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+    if owned_alone(st, os.geteuid()):
         return None
     return (
         f"{path} belongs to uid {st.st_uid} with mode {stat.filemode(st.st_mode)}; "

@@ -24,15 +24,10 @@ import trio
 
 from ..cluster import L2Miss
 from ..common.config import Config
-from ..common.decode import (
-    DecodeError,
-    decode_image,
-    decode_peak_bytes,
-    image_dimensions,
-    npy_bytes,
-)
+from ..common.decode import DecodeError, decode_image, decode_peak_bytes, image_dimensions
 from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
+from ..common.npy import npy_bytes
 from ..common.source import OriginalMissing, SourceIndex
 from .memory import MemoryBudget
 from .pools import Job, LowPriorityPool

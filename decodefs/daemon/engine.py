@@ -42,9 +42,9 @@ import trio
 
 from ..cluster import L2Tier
 from ..common.config import Config
-from ..common.decode import npy_file_size
 from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
+from ..common.npy import npy_file_size
 from ..common.source import SourceIndex
 from ..store import (
     CorruptEntry,

@@ -1,6 +1,6 @@
 """pyfuse3: the session (FuseMount) and the Operations (DecodeFS) that answer it.
 
-Thin by design: names and inodes live in tree.py, caching policy in
+Thin by design: names and inodes live in namespace.py, caching policy in
 engine.py. This is the only module that imports pyfuse3 or raises FUSEError,
 and every handler runs behind ``_errno_boundary``: an unexpected exception
 becomes EIO for that one request instead of ending pyfuse3's main loop.
@@ -20,10 +20,10 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 import pyfuse3
 
 from ..common.metrics import LogThrottle, Metrics
-from ..common.protocol import FS_NAME, RECHECK_FLAG, WARM_FLAG, OpenRequest
+from ..common.protocol import FS_NAME, NAME_MAX, RECHECK_FLAG, WARM_FLAG, OpenRequest
 from .admission import WAITING_PER_USER, UserBusy
 from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
-from .namespace import NAME_MAX, Attributes, Kind, Node, Tree
+from .namespace import Attributes, Kind, Node, Tree
 
 __all__ = ["DecodeFS", "FuseMount", "MountFailed"]
 
@@ -129,7 +129,7 @@ class DecodeFS(pyfuse3.Operations):
         return self._entry(self._node(inode))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        pass  # inode numbers are computed (tree.py); there is nothing to release
+        pass  # inode numbers are computed (inodes.py); there is nothing to release
 
     @_errno_boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -140,7 +140,7 @@ class DecodeFS(pyfuse3.Operations):
         data.f_bfree = data.f_bavail = 0
         data.f_files = usage.entries
         data.f_ffree = data.f_favail = 0
-        data.f_namemax = 255
+        data.f_namemax = NAME_MAX
         return data
 
     # -- directories --------------------------------------------------------

@@ -119,7 +119,7 @@ def _serve_mount(
             CONFIG_FILE: lambda: _json(config.as_dict()),
             STORE_FILE: status.to_json,  # what read_array() needs (reader.py)
         }
-        tree = Tree(config, sources, list(status_files))
+        tree = Tree(config, sources)  # lists protocol.STATUS_FILES, the keys above
         operations = DecodeFS(tree, engine, status_files)
         loops = _Loops(
             engine,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import sys
 import time
@@ -28,28 +27,45 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from ..common import metrics, protocol
+from ..common import metrics
 from ..common.config import Config
-from ..common.decode import npy_file_size
-from ..common.inodes import Kind, Node
+from ..common.inodes import (
+    KIND_SHIFT,
+    NUMBER_MASK,
+    SIZE_MASK,
+    SIZE_SHIFT,
+    VERSION_MASK,
+    VERSION_SHIFT,
+    Kind,
+    Node,
+)
+from ..common.npy import npy_file_size
+from ..common.protocol import NAME_MAX, SIZE_NAME, STATUS_DIR, STATUS_FILES
 from ..common.source import Folder, MirrorFolders, SourceIndex
 
-__all__ = ["ROOT", "STATUS_DIR", "ArrayRows", "Attributes", "Kind", "Node", "Tree", "version_order"]
+__all__ = [
+    "ROOT",
+    "STATUS_DIR_NODE",
+    "ArrayRows",
+    "Attributes",
+    "Kind",
+    "Node",
+    "Tree",
+    "version_order",
+]
 
 log = logging.getLogger(__name__)
 
-NAME_MAX: Final = 255
-_SIZE_NAME = re.compile(rb"[1-9][0-9]{0,4}")
 _NPY: Final = b".npy"
-_STATUS_DIR_NAME: Final = protocol.STATUS_DIR.encode()
+_STATUS_DIR_NAME: Final = STATUS_DIR.encode()
 _FS_ENCODING: Final = sys.getfilesystemencoding()
 _SIZE_KIND: Final = int(Kind.SIZE)
 _ENTRY_KIND: Final = int(Kind.ENTRY)
-_NUMBER_MASK: Final = (1 << 35) - 1
+_BELOW_KIND: Final = (1 << KIND_SHIFT) - 1  # an inode number's version, size and number
 
 
 ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1
-STATUS_DIR: Final = Node(Kind.SPECIAL, number=2)
+STATUS_DIR_NODE: Final = Node(Kind.SPECIAL, number=2)  # protocol.STATUS_DIR, in the root
 _FIRST_STATUS_FILE: Final = 3
 _DIRECTORY_KINDS: Final = (Kind.VERSION, Kind.SIZE, Kind.SHARD, Kind.FOLDER)
 
@@ -84,8 +100,14 @@ class Tree:
     """Resolves names and lists directories from the config and the sources' indexes."""
 
     def __init__(
-        self, config: Config, sources: Mapping[str, SourceIndex], status_files: Sequence[str]
+        self,
+        config: Config,
+        sources: Mapping[str, SourceIndex],
+        status_files: Sequence[str] = STATUS_FILES,
     ) -> None:
+        """``status_files``: what the status directory lists, in order (a file's inode
+        number follows from its place); every serving process of a mount lists
+        protocol.STATUS_FILES, the default."""
         self._config = config
         self._throttle = metrics.LogThrottle(log)  # sizes out of bounds: said, not flooded
         self._versions = version_order(config)
@@ -107,10 +129,10 @@ class Tree:
             return None
         if parent == ROOT:
             if name == _STATUS_DIR_NAME:
-                return STATUS_DIR
+                return STATUS_DIR_NODE
             index = self._version_index.get(name)
             return Node(Kind.VERSION, version=index) if index is not None else None
-        if parent == STATUS_DIR:
+        if parent == STATUS_DIR_NODE:
             if name in self._status_files:
                 return Node(
                     Kind.SPECIAL, number=_FIRST_STATUS_FILE + self._status_files.index(name)
@@ -118,7 +140,7 @@ class Tree:
             return None
         if parent.kind == Kind.VERSION:
             size = self._parse_size(name)
-            if size is None and _SIZE_NAME.fullmatch(name):
+            if size is None and SIZE_NAME.fullmatch(name):
                 config = self._config  # a size, but out of bounds: say why, not bare ENOENT
                 self._throttle.log(
                     logging.WARNING,
@@ -152,9 +174,10 @@ class Tree:
         """The inode of ``<uuid>.npy`` in the size directory ``parent_ino`` of a uuid
         version, or None for anything else (another directory, another name, a
         uuid with no original): ``lookup``'s hot path, without making a Node."""
-        if parent_ino >> 60 != _SIZE_KIND or parent_ino & _NUMBER_MASK:
+        if parent_ino >> KIND_SHIFT != _SIZE_KIND or parent_ino & NUMBER_MASK:
             return None
-        version, size = (parent_ino >> 48) & 0xFFF, (parent_ino >> 35) & 0x1FFF
+        version = (parent_ino >> VERSION_SHIFT) & VERSION_MASK
+        size = (parent_ino >> SIZE_SHIFT) & SIZE_MASK
         if (
             version >= len(self._counts)
             or self._mirrors[version] is not None
@@ -168,24 +191,25 @@ class Tree:
         index = self._finders[version](uuid)
         if index is None:
             return None
-        return (_ENTRY_KIND << 60) | (parent_ino & ~(0xF << 60)) | index
+        return (_ENTRY_KIND << KIND_SHIFT) | (parent_ino & _BELOW_KIND) | index
 
     def entry(self, ino: int) -> tuple[str, int, int] | None:
         """(version, size, original index) of the array ``ino`` names, or None (not an
         array's number, or one that names nothing): ``exists`` for open's hot path."""
-        if ino >> 60 != _ENTRY_KIND:  # inodes.py's layout, without a call per request
+        if ino >> KIND_SHIFT != _ENTRY_KIND:  # inodes.py's layout, without a call per request
             return None
-        version, size, index = (ino >> 48) & 0xFFF, (ino >> 35) & 0x1FFF, ino & _NUMBER_MASK
+        version = (ino >> VERSION_SHIFT) & VERSION_MASK
+        size, index = (ino >> SIZE_SHIFT) & SIZE_MASK, ino & NUMBER_MASK
         counts = self._counts
         if version < len(counts) and index < counts[version] and size in self._sizes:
             return self._versions[version], size, index
         return None
 
     def parent(self, node: Node) -> Node:
-        if node.kind == Kind.VERSION or node in (ROOT, STATUS_DIR):
+        if node.kind == Kind.VERSION or node in (ROOT, STATUS_DIR_NODE):
             return ROOT
         if node.kind == Kind.SPECIAL:
-            return STATUS_DIR
+            return STATUS_DIR_NODE
         if node.kind == Kind.SIZE:
             return Node(Kind.VERSION, node.version)
         folder = self._folder(node)
@@ -194,7 +218,7 @@ class Tree:
         return Node(Kind.SIZE, node.version, node.size)  # shard (entries: their listed parent)
 
     def is_dir(self, node: Node) -> bool:
-        return node.kind in _DIRECTORY_KINDS or node in (ROOT, STATUS_DIR)
+        return node.kind in _DIRECTORY_KINDS or node in (ROOT, STATUS_DIR_NODE)
 
     def status_file_name(self, node: Node) -> str | None:
         position = node.number - _FIRST_STATUS_FILE
@@ -207,7 +231,7 @@ class Tree:
         the numbers ``lookup`` gives out (unused fields zero, a shard by its first entry)."""
         if node.kind == Kind.SPECIAL:
             return node.version == node.size == 0 and (
-                node in (ROOT, STATUS_DIR) or self.status_file_name(node) is not None
+                node in (ROOT, STATUS_DIR_NODE) or self.status_file_name(node) is not None
             )
         if node.version >= len(self._versions):
             return False
@@ -241,7 +265,7 @@ class Tree:
                 child = self.lookup(ROOT, names[i])
                 assert child is not None
                 yield i + 1, names[i], child
-        elif node == STATUS_DIR:
+        elif node == STATUS_DIR_NODE:
             for i in range(start, len(self._status_files)):
                 yield (
                     i + 1,
@@ -309,7 +333,7 @@ class Tree:
         return self._sources[entry.version].uuids[entry.number]
 
     def _parse_size(self, name: bytes) -> int | None:
-        if not _SIZE_NAME.fullmatch(name):
+        if not SIZE_NAME.fullmatch(name):
             return None
         size = int(name)
         return size if size in self._sizes else None

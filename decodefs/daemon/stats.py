@@ -1,8 +1,8 @@
-"""The daemon's stats snapshot, the content of stats.json: every figure of protocol.STATS.
+"""The daemon's stats snapshot, the content of stats.json: every figure of the stats schema.
 
 Gathered from the engine's counters and memory budgets, the store's usage, the
 sources and the L2 tier; it reads them and decides nothing. What each figure
-means, its kind and unit are protocol.STATS's; metrics.py renders the same
+means, its kind and unit are stats_schema.STATS's; metrics.py renders the same
 snapshot as Prometheus text.
 """
 

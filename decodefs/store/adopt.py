@@ -39,18 +39,23 @@ import PIL
 from tqdm import tqdm
 
 from ..common.config import Config
-from ..common.decode import DecodeError, decode_image, npy_bytes, npy_file_size
+from ..common.decode import DecodeError, decode_image
 from ..common.entry import EntryKey, check_entry, layout_problem
+from ..common.npy import npy_bytes, npy_file_size
 from ..common.protocol import TRAILER_SIZE
 from ..common.source import OriginalMissing, SourceIndex, scan_source
-from ..common.trusted import UntrustedPath, open_trusted_dir
+from ..common.trusted import (
+    DIRECTORY_FLAGS,
+    NAMED_DIRECTORY_FLAGS,
+    READ_FLAGS,
+    UntrustedPath,
+    open_trusted_dir,
+)
 from .store import CannotMove, Store, StoreInUse, StoreWriteError, lock_store
 
 __all__ = ["DEFAULT_SAMPLE", "AdoptError", "AdoptReport", "adopt"]
 
 DEFAULT_SAMPLE = 300
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class AdoptError(Exception):
@@ -391,7 +396,7 @@ def _payload(shard: int, name: str, key: EntryKey, digest: bytes) -> tuple[bytes
     """
     length = npy_file_size(key.size)
     try:
-        fd = os.open(name, _READ, dir_fd=shard)
+        fd = os.open(name, READ_FLAGS | os.O_NONBLOCK, dir_fd=shard)  # a FIFO: no wait
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -425,7 +430,7 @@ class _ShardDirectories:
     def open(self, name: str) -> int:
         if name != self._name:
             self.close()
-            self._fd = os.open(name, _DIR, dir_fd=self._root)
+            self._fd = os.open(name, DIRECTORY_FLAGS, dir_fd=self._root)
             self._name = name
         return self._fd
 
@@ -437,7 +442,7 @@ class _ShardDirectories:
 
 @contextlib.contextmanager
 def _opened(directory: Path) -> Iterator[int]:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(directory, NAMED_DIRECTORY_FLAGS)
     try:
         yield fd
     finally:
@@ -446,7 +451,7 @@ def _opened(directory: Path) -> Iterator[int]:
 
 @contextlib.contextmanager
 def _opened_at(parent: int, name: str) -> Iterator[int]:
-    fd = os.open(name, _DIR, dir_fd=parent)
+    fd = os.open(name, DIRECTORY_FLAGS, dir_fd=parent)
     try:
         yield fd
     finally:

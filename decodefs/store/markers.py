@@ -17,16 +17,16 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Final, Protocol
+from collections.abc import Callable
+from typing import Final
 
-from ..common.trusted import DIRECTORY_FLAGS as _DIR
+from ..common.fingerprint import Fingerprint
+from ..common.trusted import DIRECTORY_FLAGS
 from .root import read_small, set_file_mode, set_mode, write_json_at
 
 __all__ = [
     "FINGERPRINT_FILE",
     "TRASH",
-    "Fingerprint",
     "check_fingerprint",
     "recorded_digest",
     "start_trash_cleanup",
@@ -36,19 +36,6 @@ log = logging.getLogger(__name__)
 
 FINGERPRINT_FILE: Final = ".fingerprint.json"
 TRASH: Final = ".trash"
-
-
-class Fingerprint(Protocol):
-    """What produced a version's payloads (decode.Fingerprint is one)."""
-
-    @property
-    def digest(self) -> bytes: ...  # 16 bytes, stored in every entry's trailer
-
-    @property
-    def hex(self) -> str: ...
-
-    @property
-    def description(self) -> Mapping[str, object]: ...
 
 
 def recorded_digest(root: int, version: str) -> bytes | None:
@@ -105,7 +92,7 @@ def check_fingerprint(
             discard_rows(version)
         with contextlib.suppress(FileExistsError):
             os.mkdir(version, dir_mode, dir_fd=root)
-        directory = os.open(version, _DIR, dir_fd=root)
+        directory = os.open(version, DIRECTORY_FLAGS, dir_fd=root)
         try:
             set_mode(directory, dir_mode)
             value = {"digest": expected.hex, "description": dict(expected.description)}
@@ -134,7 +121,7 @@ def start_trash_cleanup(root: int) -> None:
 def _to_trash(root: int, version: str) -> None:
     with contextlib.suppress(FileExistsError):
         os.mkdir(TRASH, 0o700, dir_fd=root)
-    trash = os.open(TRASH, _DIR, dir_fd=root)
+    trash = os.open(TRASH, DIRECTORY_FLAGS, dir_fd=root)
     try:
         os.rename(version, f"{version}.{time.time_ns()}", src_dir_fd=root, dst_dir_fd=trash)
     finally:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..common.entry import EntryKey, check_entry, encode_trailer
 from ..common.protocol import TRAILER_SIZE
+from ..common.trusted import owned_alone
 from .root import read_all
 
 if TYPE_CHECKING:
@@ -102,9 +103,9 @@ def _move_problem(st: os.stat_result, directory: os.stat_result, store_device: i
         return "on another filesystem than the store"
     if st.st_nlink != 1:
         return f"{st.st_nlink} links to it"
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+    if not owned_alone(st, os.geteuid()):
         return f"owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}"
-    if directory.st_uid != os.geteuid() or directory.st_mode & 0o022:
+    if not owned_alone(directory, os.geteuid()):
         return f"in a directory of uid {directory.st_uid}, mode {stat.filemode(directory.st_mode)}"
     return None
 

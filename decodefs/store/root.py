@@ -31,8 +31,14 @@ from typing import Final
 
 from ..common.entry import EntryKey
 from ..common.protocol import STORE_FORMAT, STORE_MARKER
-from ..common.trusted import DIRECTORY_FLAGS as _DIR
-from ..common.trusted import UntrustedPath, open_trusted_dir, owned_alone_problem
+from ..common.trusted import (
+    CREATE_FLAGS,
+    DIRECTORY_FLAGS,
+    READ_FLAGS,
+    UntrustedPath,
+    open_trusted_dir,
+    owned_alone_problem,
+)
 
 __all__ = [
     "HIDDEN_DIRS",
@@ -51,7 +57,6 @@ log = logging.getLogger(__name__)
 
 TMP: Final = ".tmp"
 HIDDEN_DIRS: Final = (".index", TMP, ".trash")  # the daemon's alone (0700), whatever the policy
-READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class StoreError(Exception):
@@ -187,11 +192,11 @@ class StoreRoot:
         fd = root
         for name in (key.version, str(key.size), key.shard):
             try:
-                child = os.open(name, _DIR, dir_fd=fd)
+                child = os.open(name, DIRECTORY_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, self.dir_mode, dir_fd=fd)
-                child = os.open(name, _DIR, dir_fd=fd)
+                child = os.open(name, DIRECTORY_FLAGS, dir_fd=fd)
                 set_mode(child, self.dir_mode)  # whatever the umask
             finally:
                 if fd != root:
@@ -284,7 +289,7 @@ class StoreRoot:
                         problem = owned_alone_problem(os.path.join(self.path, path), st)
                         if problem is not None:
                             raise StoreError(f"store: {problem}")
-                        child = os.open(name, _DIR, dir_fd=fd)
+                        child = os.open(name, DIRECTORY_FLAGS, dir_fd=fd)
                         if name not in HIDDEN_DIRS:
                             set_mode(child, self.dir_mode)
                         if name.startswith(".") or depth == 2:
@@ -336,7 +341,7 @@ class StoreRoot:
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(TMP, 0o700, dir_fd=root)
-            fd = os.open(TMP, _DIR, dir_fd=root)
+            fd = os.open(TMP, DIRECTORY_FLAGS, dir_fd=root)
         except OSError as exc:
             log.debug("store %s not writable: %s", self.path, exc)
             return None
@@ -442,7 +447,7 @@ def _default_lock_dir() -> str:
 
 def read_small(root: int, relpath: str) -> bytes:
     """Up to 1 MiB of the file ``relpath`` under ``root`` (a marker), no symlink followed."""
-    fd = os.open(relpath, READ, dir_fd=root)
+    fd = os.open(relpath, READ_FLAGS, dir_fd=root)
     with open(fd, "rb") as f:
         return f.read(1 << 20)
 
@@ -463,8 +468,7 @@ def read_all(fd: int, length: int, start: int = 0) -> bytes:
 def write_json_at(directory: int, name: str, value: object, mode: int) -> None:
     """Replace ``name`` in ``directory`` with ``value`` as JSON, with ``mode``, atomically."""
     tmp = f"{name}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
-                 dir_fd=directory)  # fmt: skip
+    fd = os.open(tmp, os.O_WRONLY | CREATE_FLAGS, mode, dir_fd=directory)
     try:
         with open(fd, "w", encoding="utf-8") as f:
             set_mode(f.fileno(), mode)  # whatever the umask
@@ -480,7 +484,7 @@ def write_json_at(directory: int, name: str, value: object, mode: int) -> None:
 def set_file_mode(directory: int, name: str, mode: int, *, create: bool = False) -> None:
     """Give the file ``name`` in ``directory`` the permission bits ``mode`` (``create``:
     an empty one if missing); quietly nothing if it is missing or cannot be changed."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    flags = READ_FLAGS | os.O_NONBLOCK  # a FIFO planted under the name must not block
     try:
         fd = os.open(name, flags | (os.O_CREAT if create else 0), mode, dir_fd=directory)
     except OSError:

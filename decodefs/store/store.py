@@ -41,16 +41,17 @@ from ..common.entry import (
     check_entry,
     check_entry_file,
     encode_trailer,
-    iter_entries,
 )
+from ..common.fingerprint import Fingerprint
 from ..common.protocol import ACCESS_SOCKET, TRAILER_SIZE
+from ..common.trusted import CREATE_FLAGS
 from ..common.trusted import DIRECTORY_FLAGS as _DIR
+from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .markers import Fingerprint, check_fingerprint, start_trash_cleanup
+from .markers import check_fingerprint, start_trash_cleanup
 from .movein import CannotMove
-from .root import READ as _READ
 from .root import (
     StoreError,
     StoreInUse,
@@ -60,6 +61,7 @@ from .root import (
     set_file_mode,
     set_mode,
 )
+from .walk import iter_entries
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -336,7 +338,7 @@ class Store:
             raise StoreWriteError(key, OSError(errno.EROFS, "the store is not writable"))
         trailer = encode_trailer(key, payload, self.digest(key.version))
         name = secrets.token_hex(8) + ".npy"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | CREATE_FLAGS
         try:
             fd = os.open(name, flags, self.file_mode, dir_fd=tmp_dir)
         except OSError as exc:

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..common.entry import STALE, EntryKey, check_entry_file, iter_entries
+from ..common.entry import STALE, EntryKey, check_entry_file
+from ..common.trusted import NAMED_DIRECTORY_FLAGS, READ_FLAGS
 from .catalog import Catalog
 from .markers import recorded_digest
 from .store import CATALOG_FILE, StoreInUse, lock_store
+from .walk import iter_entries
 
 __all__ = ["StoreBusy", "VerifyReport", "recorded_digests", "verify_store"]
-
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @dataclass
@@ -91,7 +91,7 @@ def verify_store(
 
 def _problem(root: int, key: EntryKey, digest: bytes) -> str | None:
     try:
-        fd = os.open(key.relpath, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+        fd = os.open(key.relpath, READ_FLAGS, dir_fd=root)
         try:
             checked = check_entry_file(fd, key, digest)
         finally:
@@ -108,7 +108,7 @@ def _catalog(root: Path) -> Catalog | None:
 
 @contextmanager
 def _opened(directory: Path) -> Iterator[int]:
-    fd = os.open(directory, _DIR)
+    fd = os.open(directory, NAMED_DIRECTORY_FLAGS)
     try:
         yield fd
     finally:
