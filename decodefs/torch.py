@@ -51,7 +51,16 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
         f"pip install -e '.[torch]' in its clone); the rest of decodefs works without it: {exc}"
     ) from exc
 
-from .client import flush_reports, missing_directory, read_array, read_array_into, read_stored_rows
+from .client import (
+    ARRAY_SUFFIX,
+    array_name,
+    flush_reports,
+    is_key,
+    missing_directory,
+    read_array,
+    read_array_into,
+    read_stored_rows,
+)
 from .common.config import Config, load_config
 from .common.decode import DecodeSettings, decode_image
 from .common.source import scan_source
@@ -64,75 +73,94 @@ Transform: TypeAlias = Callable[[Array], Any] | None
 PathLike: TypeAlias = str | os.PathLike[str]
 
 
-class _UuidDataset(Dataset[tuple[Any, Any]]):
-    """What MountDataset and LiveDataset share: keys (uuids), targets, transform.
+class _KeyDataset(Dataset[tuple[Any, Any]]):
+    """What MountDataset and LiveDataset share: keys, targets, transform.
 
     A key is an original's file stem in the uuid layout (``0a1b2c``) or its path
     without the extension in the mirror layout (``cat/0001``): ``list_keys``
     lists them.
     """
 
-    def __init__(self, uuids: Sequence[str], targets: Targets, transform: Transform) -> None:
-        if isinstance(uuids, str | bytes):
-            raise TypeError("uuids is a sequence of keys, not one string")
-        names = [os.fsencode(u) for u in uuids]
+    def __init__(self, keys: Sequence[str], targets: Targets, transform: Transform) -> None:
+        if isinstance(keys, str | bytes):
+            raise TypeError("keys is a sequence of keys, not one string")
+        names = [os.fsencode(k) for k in keys]
         for name in names:
-            if not _is_key(name):
+            if not is_key(os.fsdecode(name)):
                 raise ValueError(
                     f"{os.fsdecode(name)!r} is no key: a key is a file stem ('0a1b2c') or, "
                     "for a mirror version, a relative path without the extension "
                     "('cat/0001'); not empty, no NUL, no '.', '..' or empty path component"
                 )
         # One bytes array, not a list of str: forked workers share it untouched.
-        self._uuids = np.array(names, dtype=np.bytes_)
+        self._keys = np.array(names, dtype=np.bytes_)
         if targets is not None and not callable(targets) and len(targets) != len(names):
-            raise ValueError(f"{len(targets)} targets for {len(names)} uuids")
+            raise ValueError(f"{len(targets)} targets for {len(names)} keys")
         self.targets = targets
         self.transform = transform
 
     def __len__(self) -> int:
-        return len(self._uuids)
+        return len(self._keys)
+
+    def key(self, index: int) -> str:
+        """Item ``index``'s key."""
+        return os.fsdecode(self._keys[index])
 
     def uuid(self, index: int) -> str:
-        return os.fsdecode(self._uuids[index])
+        """``key(index)``, by its earlier name."""
+        return self.key(index)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} items")
-        uuid = self.uuid(index)
-        image: Any = self._array(index, uuid)
+        key = self.key(index)
+        image: Any = self._array(index, key)
         if self.transform is not None:
             image = self.transform(image)
-        return image, self._target(index, uuid)
+        return image, self._target(index, key)
 
     def target(self, index: int) -> Any:
         """Item ``index``'s target, without reading its array."""
-        return self._target(index, self.uuid(index))
+        return self._target(index, self.key(index))
 
-    def _target(self, index: int, uuid: str) -> Any:
+    def _target(self, index: int, key: str) -> Any:
         if self.targets is None:
-            return uuid
+            return key
         if callable(self.targets):
-            return self.targets(uuid)
+            return self.targets(key)
         return self.targets[index]
 
-    def _array(self, index: int, uuid: str) -> Array:
+    def _array(self, index: int, key: str) -> Array:
         raise NotImplementedError
 
 
-class MountDataset(_UuidDataset):
+def _keys_argument(
+    dataset: str, keys: Sequence[str] | None, uuids: Sequence[str] | None
+) -> Sequence[str]:
+    """The keys a dataset was given: ``keys``, or ``uuids`` (their earlier name, still taken)."""
+    if uuids is None:
+        if keys is None:
+            raise TypeError(f"{dataset}() missing 1 required argument: 'keys'")
+        return keys
+    if keys is not None:
+        raise TypeError(f"{dataset}() takes keys or uuids (their earlier name), not both")
+    return uuids
+
+
+class MountDataset(_KeyDataset):
     """``(image, target)`` for each key, read from ``<mountpoint>/<version>/<size>/``.
 
-    ``uuids`` are the keys to read (``decodefs.list_keys`` lists a version's):
-    file stems, or for a mirror version relative paths such as ``cat/0001``.
+    ``keys`` are the keys to read (``decodefs.list_keys`` lists a version's):
+    file stems, or for a mirror version relative paths such as ``cat/0001``
+    (``uuids=``, their earlier name, is still taken).
 
     ``image`` is the array the mount serves: a writable, C-contiguous uint8
     ``[size, size, 3]`` numpy array (HWC, RGB), read with ``read_array``, or
     whatever ``transform`` makes of that array. torchvision's ``ToTensor()``
     and ``v2.ToImage()`` take it as it is; transforms that want a PIL image
     need ``Image.fromarray`` first. ``target`` is ``targets[i]`` for a
-    sequence, ``targets(uuid)`` for a callable (a module-level function, so
-    spawn workers can unpickle it), or the uuid itself without ``targets``.
+    sequence, ``targets(key)`` for a callable (a module-level function, so
+    spawn workers can unpickle it), or the key itself without ``targets``.
 
     Works in DataLoader workers (fork or spawn, persistent or not), and across
     a restart of the daemon between epochs: ``read_array`` notices the new
@@ -146,21 +174,23 @@ class MountDataset(_UuidDataset):
         mountpoint: PathLike,
         version: str,
         size: int,
-        uuids: Sequence[str],
+        keys: Sequence[str] | None = None,
         targets: Targets = None,
         transform: Transform = None,
+        *,
+        uuids: Sequence[str] | None = None,
     ) -> None:
-        super().__init__(uuids, targets, transform)
+        super().__init__(_keys_argument("MountDataset", keys, uuids), targets, transform)
         self.size = _check_size(size)
         self.directory = os.path.join(os.fspath(mountpoint), version, str(size))
         if not os.path.isdir(self.directory):
             raise FileNotFoundError(missing_directory(os.fspath(mountpoint), version, size))
 
     def path(self, index: int) -> str:
-        return self._path(self.uuid(index))
+        return self._path(self.key(index))
 
-    def _path(self, uuid: str) -> str:
-        return os.path.join(self.directory, f"{uuid}.npy")
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, array_name(key))
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, as a DataLoader asks for a batch: without a
@@ -172,23 +202,23 @@ class MountDataset(_UuidDataset):
         for index in indices:
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} out of range for {len(self)} items")
-        uuids = [self.uuid(i) for i in indices]
-        paths = [self._path(uuid) for uuid in uuids]
+        keys = [self.key(i) for i in indices]
+        paths = [self._path(key) for key in keys]
         images = _batch_tensor((len(indices), self.size, self.size, 3))
         rows = images.numpy()
         for i in read_stored_rows(paths, rows):  # the misses, through the mount
             read_array_into(paths[i], rows[i])
         items = [
-            (rows[i], self._target(index, uuid))
-            for i, (index, uuid) in enumerate(zip(indices, uuids, strict=True))
+            (rows[i], self._target(index, key))
+            for i, (index, key) in enumerate(zip(indices, keys, strict=True))
         ]
         return _Rows(items, images)
 
-    def _array(self, index: int, uuid: str) -> Array:
-        return read_array(self._path(uuid))
+    def _array(self, index: int, key: str) -> Array:
+        return read_array(self._path(key))
 
 
-class LiveDataset(_UuidDataset):
+class LiveDataset(_KeyDataset):
     """``MountDataset``'s twin without the mount: each item decoded in the reading process.
 
     ``config`` is the daemon's config file (or a loaded ``Config``) in place of
@@ -207,11 +237,13 @@ class LiveDataset(_UuidDataset):
         config: PathLike | Config,
         version: str,
         size: int,
-        uuids: Sequence[str],
+        keys: Sequence[str] | None = None,
         targets: Targets = None,
         transform: Transform = None,
+        *,
+        uuids: Sequence[str] | None = None,
     ) -> None:
-        super().__init__(uuids, targets, transform)
+        super().__init__(_keys_argument("LiveDataset", keys, uuids), targets, transform)
         self.size = _check_size(size)
         loaded = config if isinstance(config, Config) else load_config(Path(config))
         if version not in loaded.versions:
@@ -228,9 +260,9 @@ class LiveDataset(_UuidDataset):
         )
         relpaths = []
         for i in range(len(self)):
-            position = index.find(self.uuid(i))
+            position = index.find(self.key(i))
             if position is None:
-                raise KeyError(f"{self.uuid(i)!r} is not an original of version {version!r}")
+                raise KeyError(f"{self.key(i)!r} is not an original of version {version!r}")
             relpaths.append(os.fsencode(index.relpaths[position]))
         self.settings: DecodeSettings = settings.decode
         self.max_pixels = loaded.max_pixels
@@ -245,7 +277,7 @@ class LiveDataset(_UuidDataset):
             raise FileNotFoundError(f"{path} no longer exists inside the source")
         return real
 
-    def _array(self, index: int, uuid: str) -> Array:
+    def _array(self, index: int, key: str) -> Array:
         return decode_image(
             self.original(index), self.size, self.settings, max_pixels=self.max_pixels
         )
@@ -459,7 +491,7 @@ def collate_uint8(
 ) -> tuple[torch.Tensor, Any]:
     """``(images, targets)``: the batch's HWC uint8 images stacked into one
     ``torch.uint8`` tensor ``[N, H, W, 3]``, and its targets as ``default_collate``
-    makes them (a tensor of ints, a list of uuids, ...).
+    makes them (a tensor of ints, a list of keys, ...).
 
     Each image is copied once, into a tensor allocated for the whole batch (in
     a DataLoader worker, in shared memory, so it reaches the training process
@@ -575,7 +607,7 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
     then ``transform`` and ``target_transform`` applied.
     """
 
-    extensions = (".npy",)
+    extensions = (ARRAY_SUFFIX,)
 
     def __init__(
         self,
@@ -635,14 +667,6 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
         if self.transform is not None:
             image = self.transform(image)
         return image, target if self.target_transform is None else self.target_transform(target)
-
-
-def _is_key(name: bytes) -> bool:
-    """A uuid, or a mirror key (a relative path without the extension): nothing that
-    leads outside ``<version>/<size>/``."""
-    if not name or b"\0" in name:
-        return False
-    return all(part not in (b"", b".", b"..") for part in name.split(b"/"))
 
 
 def _check_size(size: int) -> int:

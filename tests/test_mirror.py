@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 
-from decodefs.client.warm import read_uuid_list
+from decodefs.client.warm import read_key_list
 from decodefs.common.config import DEFAULT_EXTENSIONS, ConfigError, load_config, parse_config
 from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
@@ -601,11 +601,11 @@ def test_a_warm_list_takes_keys_but_nothing_that_leaves_the_size_directory(
 ) -> None:
     listing = tmp_path / "keys.txt"
     listing.write_text("cat/0001\nwild/big cats/lion 01.npy  # a comment\n\n0001\n")
-    assert read_uuid_list(listing) == ["cat/0001", "wild/big cats/lion 01", "0001"]
+    assert read_key_list(listing) == ["cat/0001", "wild/big cats/lion 01", "0001"]
     for bad in ["../x", "cat/../../x", "/etc/passwd", "cat//x", "cat/./x", "cat/", ".."]:
         listing.write_text(f"ok\n{bad}\n")
         with pytest.raises(ValueError, match=r"line 2: .* is not a uuid"):
-            read_uuid_list(listing)
+            read_key_list(listing)
 
 
 # -- what a reader learns from store.json -------------------------------------------

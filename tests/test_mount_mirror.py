@@ -17,7 +17,7 @@ import numpy.typing as npt
 import pytest
 
 from decodefs import read_array
-from decodefs.client import reader
+from decodefs.client import flush_reports
 from decodefs.common.config import DEFAULT_EXTENSIONS
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_file_size
@@ -245,7 +245,7 @@ def test_read_array_reads_stored_mirror_arrays_straight_from_the_store(
             assert as_npy(got) == want, path
     after = mount.stats()
     assert after["hits"] == before["hits"] and after["decodes"] == before["decodes"]
-    reader._reporter.flush()  # the hits, reported for LRU with their mirror keys
+    flush_reports()  # the hits, reported for LRU with their mirror keys
     wait_until(lambda: mount.stats()["direct_hits"] == 3 * len(classes), what="direct hits")
     # A symlink to an array names that array's key, wherever the link lives.
     link = tmp_path / "alias.npy"

@@ -18,7 +18,7 @@ import numpy.typing as npt
 import pytest
 
 from decodefs import read_array
-from decodefs.client import reader
+from decodefs.client import discovery, hits
 from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
@@ -78,7 +78,7 @@ def test_direct_hits_are_reported_for_lru(
     for uuid in [first, others[0], others[1]]:
         read_array(mount.path("v1", "64", f"{uuid}.npy"))
     read_array(mount.path("v1", "64", f"{first}.npy"))  # a direct hit
-    reader._reporter.flush()  # reported now, not at the reader's next report
+    hits.flush_reports()  # reported now, not at the reader's next report
     wait_until(lambda: mount.stats()["direct_hits"] >= 1, 10, "the report to arrive")
     read_array(mount.path("v1", "64", f"{others[2]}.npy"))  # a miss that evicts the oldest
     store = mount.config.parent / "store"
@@ -305,7 +305,7 @@ def test_a_store_or_entry_others_may_write_to_is_not_read_directly(
     assert mount.stats()["hits"] == hits + 1  # the first went through the daemon
 
     os.chmod(store, 0o777)
-    reader._forget_mounts()  # as a new process would: read store.json again
+    discovery.forget_mounts()  # as a new process would: read store.json again
     read_array(mount.path("v1", "64", f"{second}.npy"))
     assert mount.stats()["hits"] == hits + 2
 
@@ -353,7 +353,7 @@ def test_a_new_mount_on_a_reused_device_number_is_noticed(
     second = mounts({"v1": photos_dir}, store=tmp_path / "store-2")
     read_array(target)  # a miss in the new store: decoded and stored there
     read_array(target)  # a direct hit in store-2
-    reader._reporter.flush()
+    hits.flush_reports()
     wait_until(lambda: second.stats()["direct_hits"] >= 1, 10, "the report to the new mount")
     assert second.stats()["direct_hits"] == 1
     if os.stat(second.mountpoint).st_dev != device:
@@ -368,16 +368,11 @@ def test_reports_go_in_datagrams_the_daemon_reads_whole(tmp_path: Path) -> None:
     address = str(tmp_path / "access.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
         listener.bind(address)
-        mount = reader._Mount(
-            root=str(tmp_path), root_mtime_ns=0, owner=0, store=str(tmp_path),
-            versions=("v1",), digests={}, min_size=8, max_size=4096,
-            access_socket=address, mirrors=frozenset(),
-        )  # fmt: skip
         keys = [EntryKey("v1", 224, f"{i:032x}") for i in range(300)]
         keys.append(EntryKey("v1", 224, "deep/" * 700 + "x"))  # one line longer than a datagram
-        reporter = reader._Reporter()
+        reporter = hits.HitReporter()
         for key in keys:
-            reporter.report(mount, key)  # the 256th sends what came so far
+            reporter.report(address, key)  # the 256th sends what came so far
         reporter.flush()
         listener.setblocking(False)
         datagrams = []

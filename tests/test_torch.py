@@ -123,7 +123,7 @@ def test_targets_a_sequence_a_callable_or_the_uuid(
     assert array.dtype == np.uint8 and array.shape == (SIZE, SIZE, 3)
     assert array.flags.writeable and array.flags.c_contiguous
     assert by_list.path(0) == str(mount.path("v1", str(SIZE), f"{uuids[0]}.npy"))
-    with pytest.raises(ValueError, match="2 targets for 3 uuids"):
+    with pytest.raises(ValueError, match="2 targets for 3 keys"):
         MountDataset(mount.mountpoint, "v1", SIZE, uuids, targets=[1, 2])
     with pytest.raises(FileNotFoundError, match=r"has no version 'v9' \(it has: v1\)"):
         MountDataset(mount.mountpoint, "v9", SIZE, uuids)
@@ -136,6 +136,26 @@ def test_targets_a_sequence_a_callable_or_the_uuid(
             MountDataset(mount.mountpoint, "v1", SIZE, [bad])
     with pytest.raises(FileNotFoundError):
         MountDataset(mount.mountpoint, "v1", SIZE, ["no-such-uuid"])[0]
+
+
+def test_datasets_take_keys_by_name_and_by_their_earlier_name_uuids(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)[:2]
+    for dataset in [
+        MountDataset(mount.mountpoint, "v1", SIZE, keys=keys),
+        MountDataset(mount.mountpoint, "v1", SIZE, uuids=keys),
+        LiveDataset(mount.config, "v1", SIZE, keys=keys),
+        LiveDataset(mount.config, "v1", SIZE, uuids=keys),
+    ]:
+        assert [dataset.key(i) for i in range(len(dataset))] == keys
+        assert [dataset.uuid(i) for i in range(len(dataset))] == keys
+        assert np.array_equal(dataset[1][0], reference(photos[keys[1]]))
+    with pytest.raises(TypeError, match="missing 1 required argument: 'keys'"):
+        MountDataset(mount.mountpoint, "v1", SIZE)
+    with pytest.raises(TypeError, match="takes keys or uuids"):
+        LiveDataset(mount.config, "v1", SIZE, keys, uuids=keys)
 
 
 # -- LiveDataset: the A/B twin ---------------------------------------------------------
@@ -312,7 +332,7 @@ def test_an_unmodified_sharded_cache_dataset_runs_on_the_mount(
     assert after_warm["hits"] - after_cold["hits"] == len(photos)  # epoch 2: every read a hit
     assert after_warm["misses"] == len(photos) and after_warm["decodes"] == len(photos)
     live = LiveDataset(mount.config, "v1", SIZE, sorted(photos))
-    for i, uuid in enumerate(live.uuid(i) for i in range(len(live))):
+    for i, uuid in enumerate(live.key(i) for i in range(len(live))):
         assert np.array_equal(cold[uuid], live[i][0]), uuid
         assert np.array_equal(warm[uuid], live[i][0]), uuid
 

@@ -9,16 +9,14 @@ no config.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
-from typing import Final
 
 from ..common.protocol import CONFIG_FILE, STATUS_DIR
+from .names import key_of
+from .status import read_status
 
-__all__ = ["class_labels", "list_keys"]
-
-_NPY: Final = ".npy"
+__all__ = ["class_labels", "list_keys", "missing_directory"]
 
 
 def list_keys(
@@ -45,7 +43,8 @@ def list_keys(
         subfolders.sort()
         relative = os.path.relpath(folder, directory)
         prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
-        keys += [prefix + name[: -len(_NPY)] for name in names if name.endswith(_NPY)]
+        found = (key_of(prefix + name) for name in names)
+        keys += [key for key in found if key is not None]
     return sorted(keys)
 
 
@@ -78,8 +77,7 @@ def missing_directory(mountpoint: str, version: str, size: int) -> str:
     if version not in versions:
         return f"{mountpoint} has no version {version!r} (it has: {', '.join(versions) or 'none'})"
     try:
-        with open(os.path.join(mountpoint, STATUS_DIR, CONFIG_FILE), "rb") as f:
-            config = json.load(f)
+        config = read_status(mountpoint, CONFIG_FILE)
         bounds = f" ({config['min_size']} to {config['max_size']})"
     except (OSError, ValueError, KeyError, TypeError):
         bounds = ""

@@ -24,8 +24,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..common.protocol import WARM_FLAG
+from .names import array_name, is_array_name, is_key, key_of
 
-__all__ = ["WarmReport", "read_uuid_list", "warm"]
+__all__ = ["WarmReport", "read_key_list", "read_uuid_list", "warm"]
 
 # The daemon is gone (killed, or its connection aborted): the warm stops too.
 _DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
@@ -35,35 +36,40 @@ _DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
 class WarmReport:
     total: int
     done: int = 0
-    failed: dict[str, str] = field(default_factory=dict)  # uuid -> reason (EIO: bad original)
-    missing: list[str] = field(default_factory=list)  # uuids the version does not have
+    failed: dict[str, str] = field(default_factory=dict)  # key -> reason (EIO: bad original)
+    missing: list[str] = field(default_factory=list)  # keys the version does not have
     seconds: float = 0.0
     interrupted: bool = False
     store_full: str | None = None  # why the store stopped taking arrays, if it did
     daemon_gone: str | None = None  # why the mount stopped answering, if it did
 
 
-def read_uuid_list(path: Path) -> list[str]:
-    """One uuid per line (a mirror version's keys: relative paths such as
-    ``cat/0001``); blank lines and '#' comments skipped; "<uuid>.npy" accepted.
+def read_key_list(path: Path) -> list[str]:
+    """One key per line (a uuid, or a mirror version's relative path such as
+    ``cat/0001``); blank lines and '#' comments skipped; "<key>.npy" accepted.
 
     Raises OSError or UnicodeDecodeError for a file that cannot be read as
     UTF-8 text, ValueError naming the first line that cannot be a uuid or key:
     nothing listed may lead out of the size directory.
     """
-    uuids = []
+    keys = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        uuid = line[: -len(".npy")] if line.endswith(".npy") else line
-        if "\0" in uuid or any(name in ("", ".", "..") for name in uuid.split("/")):
+        key = key_of(line)
+        if key is None:
+            key = line
+        if not is_key(key):
             raise ValueError(
                 f"line {number}: {line!r} is not a uuid (nor a mirror version's key: "
                 "a relative path such as cat/0001, without '.' or '..')"
             )
-        uuids.append(uuid)
-    return uuids
+        keys.append(key)
+    return keys
+
+
+read_uuid_list = read_key_list  # its earlier name (`decodefs warm --uuids` reads with it)
 
 
 _REFUSALS_SECONDS = 0.25  # how often the daemon's warm_not_stored is looked at
@@ -71,21 +77,20 @@ _REFUSALS_SECONDS = 0.25  # how often the daemon's warm_not_stored is looked at
 
 def warm(
     directory: Path,
-    uuids: Iterable[str] | None,
+    keys: Iterable[str] | None,
     jobs: int,
     progress: bool = True,
     refusals: Callable[[], int] | None = None,
 ) -> WarmReport:
-    """Open every ``<directory>/<uuid>.npy`` (all there if ``uuids`` is None: every
+    """Open every ``<directory>/<key>.npy`` (all there if ``keys`` is None: every
     ``.npy`` file below it, so a mirror version's folders too; a mirror's keys are
     paths such as ``cat/0001``).
 
     ``refusals`` reads the daemon's ``warm_not_stored`` counter: once it grows,
     the store takes no more and the warm stops.
     """
-    names = _arrays_below(directory) if uuids is None else [f"{u}.npy" for u in uuids]
-    names = [n for n in names if n.endswith(".npy")]
-    report = WarmReport(total=len(names))
+    listed = _keys_below(directory) if keys is None else list(keys)
+    report = WarmReport(total=len(listed))
     started = last_look = time.monotonic()
     refused_before = refusals() if refusals is not None else 0
 
@@ -93,16 +98,16 @@ def warm(
         return refusals is not None and refusals() > refused_before
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="warm")
-    bar = tqdm(total=len(names), unit="img", disable=not progress, mininterval=0.5, smoothing=0.1)
+    bar = tqdm(total=len(listed), unit="img", disable=not progress, mininterval=0.5, smoothing=0.1)
     try:
-        futures = {pool.submit(_touch, directory / name): name for name in names}
+        futures = {pool.submit(_touch, directory / array_name(key)): key for key in listed}
         for future in concurrent.futures.as_completed(futures):
-            uuid = futures[future][: -len(".npy")]
+            key = futures[future]
             error = future.result()
             if error is None:
                 report.done += 1
             elif error.errno == errno.ENOENT:
-                report.missing.append(uuid)
+                report.missing.append(key)
             elif error.errno in _STORE_FULL:
                 report.store_full = error.strerror or str(error)
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -112,7 +117,7 @@ def warm(
                 pool.shutdown(wait=True, cancel_futures=True)
                 break
             else:
-                report.failed[uuid] = error.strerror or str(error)
+                report.failed[key] = error.strerror or str(error)
             bar.update(1)
             if time.monotonic() - last_look >= _REFUSALS_SECONDS:
                 last_look = time.monotonic()
@@ -132,15 +137,16 @@ def warm(
     return report
 
 
-def _arrays_below(directory: Path) -> list[str]:
-    """Every array's path below ``directory``, sorted; raises OSError if a listing
-    fails (the daemon gone), as one listing would. A uuid version lists no
-    subdirectories (shards are not listed), so this is one listing there."""
+def _keys_below(directory: Path) -> list[str]:
+    """The key of every array below ``directory``, by their paths sorted; raises
+    OSError if a listing fails (the daemon gone), as one listing would. A uuid
+    version lists no subdirectories (shards are not listed), so this is one
+    listing there."""
     names: list[str] = []
     for top, _, files in os.walk(directory, onerror=_raise):
         prefix = os.path.relpath(top, directory) + "/" if top != str(directory) else ""
-        names += (prefix + name for name in files if name.endswith(".npy"))
-    return sorted(names)
+        names += (prefix + name for name in files if is_array_name(name))
+    return [key for key in map(key_of, sorted(names)) if key is not None]
 
 
 def _raise(error: OSError) -> None:

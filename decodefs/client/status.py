@@ -1,0 +1,50 @@
+"""Reading a mount's status files (``<mount>/.decodefs/<name>``, protocol.STATUS_DIR): the one
+reader of them on the client side; knows where they are and that they are JSON, not their figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..common.protocol import STATUS_DIR
+
+__all__ = ["StatusElsewhere", "read_status", "read_status_bytes"]
+
+
+class StatusElsewhere(OSError):
+    """The status file is on another filesystem than the mount asked for (one mounted
+    over the mount point since the caller looked at it)."""
+
+
+def read_status_bytes(
+    mountpoint: str | os.PathLike[str], name: str, *, device: int | None = None
+) -> bytes:
+    """The bytes of ``<mountpoint>/.decodefs/<name>`` (``name``: one of protocol's
+    STATUS_FILES), read whole, unbuffered: a status file's size is not known ahead.
+
+    Raises OSError if it cannot be read (no such file, no mount there, the daemon
+    gone: ENOTCONN), and StatusElsewhere (an OSError) if ``device`` is given and
+    the file is not on it.
+    """
+    path = os.path.join(os.fspath(mountpoint), STATUS_DIR, name)
+    with open(path, "rb", buffering=0) as f:
+        if device is not None and os.fstat(f.fileno()).st_dev != device:
+            raise StatusElsewhere(f"{path} is not on the mount's filesystem")
+        return f.read()
+
+
+def read_status(mountpoint: str | os.PathLike[str], name: str) -> dict[str, object]:
+    """``<mountpoint>/.decodefs/<name>`` as the JSON object it holds.
+
+    Raises OSError as ``read_status_bytes`` does, and ValueError if the file is not
+    a JSON object (not JSON, not UTF-8, nested too deep to parse, or another value).
+    """
+    data = read_status_bytes(mountpoint, name)
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{name} is nested too deep to be a status file") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} holds a JSON {type(value).__name__}, not an object")
+    return value
