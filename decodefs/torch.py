@@ -52,10 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from .client import (
-    ARRAY_SUFFIX,
-    array_name,
     flush_reports,
-    is_key,
     missing_directory,
     read_array,
     read_array_into,
@@ -63,6 +60,7 @@ from .client import (
 )
 from .common.config import Config, load_config
 from .common.decode import DecodeSettings, decode_image
+from .common.names import ARRAY_SUFFIX, array_name, is_key
 from .common.source import scan_source
 
 __all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]

@@ -283,11 +283,6 @@ _WITHOUT_PILLOW = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client/reader.py still takes npy_file_size and npy_header from common.decode "
-    "(Pillow); they are common.npy's",
-)
 def test_the_client_loads_and_reads_without_pillow(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", _WITHOUT_PILLOW, str(tmp_path / "array.npy")],

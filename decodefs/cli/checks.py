@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Final
 
-from ..client import read_uuid_list
+from ..client import read_key_list
 from ..common.config import DEFAULT_CONFIG_PATH, Config, load_config
 from ..common.mounts import PROBE_TIMEOUT, decodefs_mount_above, find_mount, mounts, probe
 from ..common.protocol import CONFIG_FILE, FS_TYPE, STORE_MARKER
@@ -105,7 +105,7 @@ def _read_only(path: Path) -> bool:
 def read_uuids(path: Path) -> list[str]:
     """The keys of a --uuids file, one a line; a UsageError naming what is wrong with it."""
     try:
-        return read_uuid_list(path)
+        return read_key_list(path)
     except IsADirectoryError:
         raise UsageError(f"--uuids {path}: is a directory, not a file of uuids") from None
     except OSError as exc:

@@ -20,6 +20,7 @@ from ..client import warm
 from ..common.config import load_config
 from ..common.mounts import clear_stale, find_mount, prepare_mountpoint, unmount
 from ..common.protocol import FS_TYPE, STATS_FILE, STATUS_DIR
+from ..common.status import read_status_bytes
 from ..store import adopt, recorded_digests, verify_store
 from .checks import (
     check_log_file,
@@ -318,9 +319,10 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def run_stats(args: argparse.Namespace) -> int:
     """`decodefs stats`: prints a live mount's counters (a table, --all, or --json)."""
-    path = live_mount(args.mountpoint, "stats {}") / STATUS_DIR / STATS_FILE
+    mountpoint = live_mount(args.mountpoint, "stats {}")
+    path = mountpoint / STATUS_DIR / STATS_FILE
     try:
-        raw = path.read_bytes()
+        raw = read_status_bytes(mountpoint, STATS_FILE)
         stats = json.loads(raw)
     except OSError as exc:
         raise mount_failure(args.mountpoint, exc) from None

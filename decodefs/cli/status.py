@@ -4,12 +4,12 @@ tables and what `decodefs mount` says it serves. Knows no argument and no daemon
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Final
 
-from ..common.protocol import CONFIG_FILE, STATS_FILE, STATUS_DIR
+from ..common import status
+from ..common.protocol import CONFIG_FILE, STATS_FILE
 from ..common.stats_schema import STATS, Stat
 
 __all__ = [
@@ -30,10 +30,9 @@ def read_stats(mountpoint: Path) -> dict[str, object]:
 def read_status(mountpoint: Path, name: str) -> dict[str, object]:
     """One JSON status file of a mount; {} if it cannot be read or is not a JSON object."""
     try:
-        data = json.loads((mountpoint / STATUS_DIR / name).read_bytes())
+        return status.read_status(mountpoint, name)
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def counter(stats: dict[str, object], key: str) -> int:

@@ -14,9 +14,10 @@ from typing import Final
 from ..common.inodes import INODE_LAYOUT
 from ..common.mounts import mounts
 from ..common.protocol import FS_TYPE, STORE_FILE, StoreStatus
-from .status import read_status_bytes
+from ..common.status import read_status_bytes
+from ..common.trusted import owned_alone
 
-__all__ = ["Mount", "forget_mounts", "owned_alone", "readable_mount"]
+__all__ = ["Mount", "forget_mounts", "readable_mount"]
 
 # A store is trusted only when the device is a ``fuse.decodefs`` mount in this
 # process's mount table whose store.json this decodefs release understands
@@ -76,11 +77,6 @@ def forget_mounts() -> None:
     """Read every mount's store.json again (a daemon restarted with other settings)."""
     with _lock:
         _mounts.clear()
-
-
-def owned_alone(st: os.stat_result, owner: int) -> bool:
-    """Whether ``st`` belongs to ``owner`` and no one else may write to it."""
-    return st.st_uid == owner and not st.st_mode & 0o022
 
 
 _lock = threading.Lock()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from ..common.names import key_of
 from ..common.protocol import CONFIG_FILE, STATUS_DIR
-from .names import key_of
-from .status import read_status
+from ..common.status import read_status
 
 __all__ = ["class_labels", "list_keys", "missing_directory"]
 

@@ -13,13 +13,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from ..common.decode import npy_file_size, npy_header
 from ..common.entry import STALE, EntryKey, check_entry_pieces, layout_problem
 from ..common.inodes import Kind, Node
-from ..common.protocol import TRAILER_SIZE
-from .discovery import Mount, forget_mounts, owned_alone, readable_mount
+from ..common.names import key_of
+from ..common.npy import npy_file_size, npy_header
+from ..common.protocol import RECHECK_FLAG, TRAILER_SIZE
+from ..common.trusted import owned_alone
+from .discovery import Mount, forget_mounts, readable_mount
 from .hits import flush_reports, report_hit
-from .names import key_of
 
 __all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_rows"]
 
@@ -258,9 +259,9 @@ def _read_through_mount(
 ) -> npt.NDArray[np.uint8] | None:
     """``out`` holding the array read through the mount (the daemon decodes a
     miss); None if the file is not the .npy layout of ``key``'s array."""
-    # O_SYNC asks the daemon to check its stored entry again before serving it:
+    # RECHECK_FLAG asks the daemon to check its stored entry again before serving it:
     # this process just found that entry bad.
-    flags = os.O_RDONLY | (os.O_SYNC if _last_problem.get(key) is not None else 0)
+    flags = os.O_RDONLY | (RECHECK_FLAG if _last_problem.get(key) is not None else 0)
     fd = os.open(path, flags)
     with open(fd, "rb", buffering=0) as f:
         data = f.read()

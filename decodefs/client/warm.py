@@ -23,10 +23,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..common.names import array_name, is_array_name, is_key, key_of
 from ..common.protocol import WARM_FLAG
-from .names import array_name, is_array_name, is_key, key_of
 
-__all__ = ["WarmReport", "read_key_list", "read_uuid_list", "warm"]
+__all__ = ["WarmReport", "read_key_list", "warm"]
 
 # The daemon is gone (killed, or its connection aborted): the warm stops too.
 _DAEMON_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
@@ -67,9 +67,6 @@ def read_key_list(path: Path) -> list[str]:
             )
         keys.append(key)
     return keys
-
-
-read_uuid_list = read_key_list  # its earlier name (`decodefs warm --uuids` reads with it)
 
 
 _REFUSALS_SECONDS = 0.25  # how often the daemon's warm_not_stored is looked at

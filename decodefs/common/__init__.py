@@ -2,7 +2,8 @@
 
 Names and status files (protocol), the stats schema, the inode layout, the entry
 format, the ``.npy`` layout, decode and the decoder fingerprint, config, the
-source index, trusted opens, the mount table, metrics. Imports nothing of
+source index, trusted opens, the mount table and the status files, file names
+and keys, metrics. Imports nothing of
 decodefs outside this folder, and nothing heavy here: each room is imported by
 name (``from decodefs.common.config import Config``), so a client that needs
 the ``.npy`` layout (npy) does not load Pillow (decode).
@@ -16,10 +17,12 @@ __all__ = [
     "inodes",
     "metrics",
     "mounts",
+    "names",
     "npy",
     "protocol",
     "source",
     "stats_schema",
+    "status",
     "trusted",
     "version",
 ]

@@ -23,24 +23,14 @@ from PIL import Image, ImageOps, features
 
 from .fingerprint import Fingerprint
 
-# Compatibility, to go: the .npy layout is npy.py's and Fingerprint is fingerprint.py's;
-# modules not yet switched (client/reader.py, daemon/engine.py, cluster/tier.py) take
-# them from here meanwhile.
-from .npy import npy_bytes, npy_file_size, npy_header, npy_layout_problem
-
 __all__ = [
     "DEFAULT_MAX_PIXELS",
     "DecodeError",
     "DecodeSettings",
-    "Fingerprint",
     "decode_image",
     "decode_peak_bytes",
     "decoder_fingerprint",
     "image_dimensions",
-    "npy_bytes",
-    "npy_file_size",
-    "npy_header",
-    "npy_layout_problem",
     "quiet_pillow_warnings",
 ]
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 import xxhash
 
+from .names import array_name, key_of
 from .npy import HEADER_BOUND, npy_layout_problem
 from .protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
 
@@ -82,17 +83,17 @@ class EntryKey(NamedTuple):
     def file_name(self) -> str:
         """The entry's file name in its shard: one path component for any key."""
         if "/" in self.uuid:
-            return self.uuid.replace("%", "%25").replace("/", "%2F") + ".npy"
-        return f"{self.uuid}.npy"
+            return array_name(self.uuid.replace("%", "%25").replace("/", "%2F"))
+        return array_name(self.uuid)
 
     @classmethod
     def from_store_path(cls, version: str, size: int, shard: str, name: str) -> EntryKey | None:
         """The key whose entry is the file ``name`` in ``shard`` of ``<version>/<size>/``;
         None if the name is no entry's (in a shard of keys with ``/``: not the
         canonical escape of such a key, or not the shard its key hashes to)."""
-        if not name.endswith(".npy"):
+        stem = key_of(name)
+        if stem is None:
             return None
-        stem = name[: -len(".npy")]
         if len(shard) <= 2:  # a uuid's shard (which may start with "%" too)
             return cls(version, size, stem)
         uuid = _unescape(stem)

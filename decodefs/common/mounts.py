@@ -10,7 +10,6 @@ nothing of the daemon: `decodefs umount` and `stats` never load pyfuse3 or trio.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -19,7 +18,8 @@ import threading
 import time
 from typing import Final, NamedTuple
 
-from .protocol import FS_TYPE, STATS_FILE, STATUS_DIR
+from .protocol import FS_TYPE, STATS_FILE
+from .status import read_status
 
 __all__ = [
     "PROBE_TIMEOUT",
@@ -248,8 +248,7 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
 
 def _daemon_pid(mountpoint: str) -> int | None:
     try:
-        with open(os.path.join(mountpoint, STATUS_DIR, STATS_FILE), "rb") as f:
-            pid = json.load(f).get("pid")
+        pid = read_status(mountpoint, STATS_FILE).get("pid")
     except (OSError, ValueError):
         return None
     return pid if isinstance(pid, int) else None

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
+from .names import ARRAY_SUFFIX, key_of
 from .protocol import NAME_MAX
 from .trusted import CREATE_FLAGS
 
@@ -49,8 +50,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_NPY: Final = ".npy"
-_NPY_SUFFIX_LEN: Final = len(_NPY)
 _CACHE_FORMAT: Final = 1
 # A directory changed this close to the scan may have changed again within
 # its filesystem's mtime granularity (seconds on some network filesystems).
@@ -145,8 +144,8 @@ class MirrorFolders:
         )
         for holder in self.folders:
             for name, _ in holder.subfolders:
-                if name.endswith(_NPY) and len(name) > len(_NPY):
-                    stem = name[: -len(_NPY)]
+                stem = key_of(name)
+                if stem:
                     key = f"{holder.path}/{stem}" if holder.path else stem
                     at = bisect.bisect_left(keys, key, holder.files.start, holder.files.stop)
                     if at < holder.files.stop and keys[at] == key:
@@ -279,8 +278,9 @@ def _walk(
     if mirror:
         # A folder "x.npy" and an original "x.jpg" beside it would have one name in the mount.
         for folder in walker.folders:
-            if folder.endswith(_NPY) and len(folder.rpartition("/")[2]) > len(_NPY):
-                paths = walker.found.get(folder[: -len(_NPY)])
+            stem = key_of(folder)
+            if stem is not None and not stem.endswith("/") and stem:
+                paths = walker.found.get(stem)
                 if paths is not None:
                     paths.append(f"{folder}/")
     what = "key" if mirror else "uuid"
@@ -398,7 +398,7 @@ def _check_cached(cached: dict[str, object]) -> None:
     names = _joined(uuids)  # raises TypeError for anything but strings
     if "/" in names or "\0." in names or _has_empty(names) or names.startswith("."):
         raise ValueError("a uuid is not a file name decodefs lists")
-    too_long = NAME_MAX - _NPY_SUFFIX_LEN
+    too_long = NAME_MAX - len(ARRAY_SUFFIX)
     if max(map(len, uuids)) * 4 > too_long and any(  # 4: the most UTF-8 bytes per character
         len(os.fsencode(u)) > too_long for u in uuids
     ):
@@ -623,7 +623,7 @@ def _store_name_bytes(key: str) -> int:
     length = len(key) if key.isascii() else len(os.fsencode(key))
     if "/" in key:
         length += 2 * (key.count("/") + key.count("%"))
-    return length + _NPY_SUFFIX_LEN
+    return length + len(ARRAY_SUFFIX)
 
 
 def _key_of(relative: str) -> str:

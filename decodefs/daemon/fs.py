@@ -20,6 +20,7 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 import pyfuse3
 
 from ..common.metrics import LogThrottle, Metrics
+from ..common.names import ARRAY_SUFFIX_BYTES
 from ..common.protocol import FS_NAME, NAME_MAX, RECHECK_FLAG, WARM_FLAG, OpenRequest
 from .admission import WAITING_PER_USER, UserBusy
 from .engine import Engine, Handle, OriginalNotFound, OriginalUndecodable
@@ -167,7 +168,7 @@ class DecodeFS(pyfuse3.Operations):
             encoding = _FS_ENCODING  # as os.fsencode, without its per-call overhead
             for i in arrays.rows:
                 attributes.st_ino = base | i
-                name = uuids[i][strip:].encode(encoding, "surrogateescape") + b".npy"
+                name = uuids[i][strip:].encode(encoding, "surrogateescape") + ARRAY_SUFFIX_BYTES
                 if not reply(token, name, attributes, i + delta):
                     return
 

@@ -39,6 +39,7 @@ from ..common.inodes import (
     Kind,
     Node,
 )
+from ..common.names import ARRAY_SUFFIX_BYTES, key_of_bytes
 from ..common.npy import npy_file_size
 from ..common.protocol import NAME_MAX, SIZE_NAME, STATUS_DIR, STATUS_FILES
 from ..common.source import Folder, MirrorFolders, SourceIndex
@@ -56,7 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_NPY: Final = b".npy"
 _STATUS_DIR_NAME: Final = STATUS_DIR.encode()
 _FS_ENCODING: Final = sys.getfilesystemencoding()
 _SIZE_KIND: Final = int(Kind.SIZE)
@@ -182,12 +182,12 @@ class Tree:
             version >= len(self._counts)
             or self._mirrors[version] is not None
             or size not in self._sizes
-            or not name.endswith(_NPY)
+            or not name.endswith(ARRAY_SUFFIX_BYTES)  # key_of_bytes, inlined: the hot path
             or not _valid_component(name)
-            or len(name) == len(_NPY)
+            or len(name) == len(ARRAY_SUFFIX_BYTES)
         ):
             return None
-        uuid = name[: -len(_NPY)].decode(_FS_ENCODING, "surrogateescape")
+        uuid = name[: -len(ARRAY_SUFFIX_BYTES)].decode(_FS_ENCODING, "surrogateescape")
         index = self._finders[version](uuid)
         if index is None:
             return None
@@ -339,9 +339,10 @@ class Tree:
         return size if size in self._sizes else None
 
     def _lookup_entry(self, parent: Node, name: bytes) -> Node | None:
-        if not name.endswith(_NPY) or len(name) == len(_NPY):
+        stem = key_of_bytes(name)
+        if stem is None:
             return None
-        uuid = os.fsdecode(name[: -len(_NPY)])
+        uuid = os.fsdecode(stem)
         index = self._finders[parent.version](uuid)
         return Node(Kind.ENTRY, parent.version, parent.size, index) if index is not None else None
 
@@ -365,8 +366,9 @@ class Tree:
             return None
         folder = mirror.folders[parent.number]
         prefix = f"{folder.path}/" if folder.path else ""
-        if name.endswith(_NPY) and len(name) > len(_NPY):
-            key = prefix + os.fsdecode(name[: -len(_NPY)])
+        stem = key_of_bytes(name)
+        if stem is not None:
+            key = prefix + os.fsdecode(stem)
             index = self._finders[parent.version](key)
             if index is not None:
                 return Node(Kind.ENTRY, parent.version, parent.size, index)

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from ..common.config import Config
 from ..common.decode import DecodeError, decode_image
 from ..common.entry import EntryKey, check_entry, layout_problem
+from ..common.names import ARRAY_SUFFIX, is_array_name
 from ..common.npy import npy_bytes, npy_file_size
 from ..common.protocol import TRAILER_SIZE
 from ..common.source import OriginalMissing, SourceIndex, scan_source
@@ -207,7 +208,7 @@ class _Adoption:
         found = []
         for shard, name in _cache_files(self.root):
             self.report.found += 1
-            key = EntryKey(self.version, self.size, name[: -len(".npy")])
+            key = EntryKey(self.version, self.size, name[: -len(ARRAY_SUFFIX)])
             position = self.index.find(key.uuid)
             if position is None:
                 self.report.skip("unknown", key.uuid)
@@ -383,7 +384,7 @@ def _cache_files(root: int) -> Iterator[tuple[str, str]]:
         with _opened_at(root, shard) as fd, os.scandir(fd) as it:
             names = [e.name for e in it if not e.is_dir(follow_symlinks=False)]
         for name in sorted(names):
-            if name.endswith(".npy") and not name.startswith("."):
+            if is_array_name(name) and not name.startswith("."):
                 yield shard, name
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..common.protocol import STATUS_DIR
+from .protocol import STATUS_DIR
 
 __all__ = ["StatusElsewhere", "read_status", "read_status_bytes"]
 

@@ -1,5 +1,5 @@
-"""The client's one file name <-> key rule (client/names.py) and its one reader of status
-files (client/status.py), in process: no mount."""
+"""The one file name <-> key rule (common/names.py) and the one reader of status files
+(common/status.py), in process: no mount."""
 
 from __future__ import annotations
 
@@ -10,16 +10,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from decodefs.client import (
-    StatusElsewhere,
-    array_name,
-    is_array_name,
-    is_key,
-    key_of,
-    read_status,
-    read_status_bytes,
-)
+from decodefs.common.names import array_name, is_array_name, is_key, key_of
 from decodefs.common.protocol import CONFIG_FILE, STATS_FILE, STATUS_DIR
+from decodefs.common.status import StatusElsewhere, read_status, read_status_bytes
 
 component = st.text(st.characters(blacklist_characters="/\0"), min_size=1).filter(
     lambda name: name not in (".", "..")
