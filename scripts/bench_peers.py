@@ -270,7 +270,7 @@ class Decodefs(Contender):
     ) -> None:
         super().__init__(name, change, group="decodefs store", threads=threads)
         self.bench = bench
-        self.uuids = uuids
+        self.keys = uuids
 
     def prepare(self) -> None:
         subprocess.run(
@@ -282,9 +282,9 @@ class Decodefs(Contender):
     def loader(self) -> Iterable[Any]:
         directory = str(self.bench.arrays(SIZE))
         if self.name.startswith("decodefs np.load"):
-            return data_loader(NpyFiles(directory, self.uuids), None)
+            return data_loader(NpyFiles(directory, self.keys), None)
         dataset = MountDataset(
-            self.bench.mountpoint, VERSION, SIZE, self.uuids, targets=range(len(self.uuids))
+            self.bench.mountpoint, VERSION, SIZE, self.keys, targets=range(len(self.keys))
         )
         if self.threads:
             return BatchLoader(dataset, batch_size=BATCH, shuffle=True, threads=WORKERS)

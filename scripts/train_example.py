@@ -64,14 +64,14 @@ class ShardedCacheDataset(Dataset[tuple[torch.Tensor, int]]):
         self.size = size
         self.originals = originals
         self.labels = labels
-        self.uuids = sorted(originals)
+        self.keys = sorted(originals)
         self.fallbacks = fallbacks
 
     def __len__(self) -> int:
-        return len(self.uuids)
+        return len(self.keys)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        uuid = self.uuids[index]
+        uuid = self.keys[index]
         path = os.path.join(self.cache_dir, self.version, str(self.size), uuid[:2], f"{uuid}.npy")
         if os.path.exists(path):
             array = np.load(path)

@@ -15,14 +15,14 @@ def test_rows_totals_and_lru_order(tmp_path: Path) -> None:
     assert catalog.put("v1", 64, "a", 10, now=2.0)
     assert not catalog.put("v1", 224, "a", 100, now=4.0)  # a rewrite, not a new row
     assert catalog.totals() == (3, 210)
-    assert [(r.size, r.uuid) for r in catalog.oldest(10)] == [(224, "b"), (64, "a"), (224, "a")]
+    assert [(r.size, r.key) for r in catalog.oldest(10)] == [(224, "b"), (64, "a"), (224, "a")]
     catalog.touch([("v1", 224, "b", 5.0), ("v1", 224, "gone", 9.0)])
-    assert [r.uuid for r in catalog.oldest(2)] == ["a", "a"]
-    assert [r.uuid for r in catalog.oldest(10, skip=2)] == ["b"]
+    assert [r.key for r in catalog.oldest(2)] == ["a", "a"]
+    assert [r.key for r in catalog.oldest(10, skip=2)] == ["b"]
     assert catalog.remove("v1", 224, "b") == 100
     assert catalog.remove("v1", 224, "b") is None
     assert catalog.contains("v1", 64, "a") and not catalog.contains("v1", 224, "b")
-    assert catalog.uuids("v1", 224) == {"a"}
+    assert catalog.keys("v1", 224) == {"a"}
     catalog.close()
 
 
@@ -44,8 +44,8 @@ def test_non_utf8_uuids_round_trip(tmp_path: Path) -> None:
     catalog, _ = Catalog.open(str(tmp_path / "c.sqlite3"))
     odd = b"caf\xe9".decode("utf-8", "surrogateescape")  # a Latin-1 file name
     catalog.put("v1", 8, odd, 5, now=1.0)
-    assert catalog.uuids("v1", 8) == {odd}
-    assert catalog.oldest(1)[0].uuid == odd
+    assert catalog.keys("v1", 8) == {odd}
+    assert catalog.oldest(1)[0].key == odd
     catalog.close()
 
 

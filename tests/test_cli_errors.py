@@ -96,21 +96,21 @@ def _three_mistakes(s: Scene) -> Path:
 
 
 CASES: dict[str, Case] = {
-    "warm --uuids missing": Case(
-        lambda s: ["warm", s.mnt, "v1", "224", "--uuids", s.tmp / "missing.txt"],
-        lambda s: [f"--uuids {s.tmp / 'missing.txt'}: cannot read it: No such file"],
+    "warm --keys missing": Case(
+        lambda s: ["warm", s.mnt, "v1", "224", "--keys", s.tmp / "missing.txt"],
+        lambda s: [f"--keys {s.tmp / 'missing.txt'}: cannot read it: No such file"],
     ),
-    "warm --uuids a directory": Case(
-        lambda s: ["warm", s.mnt, "v1", "224", "--uuids", s.tmp],
-        lambda s: [f"--uuids {s.tmp}: is a directory"],
+    "warm --keys a directory": Case(
+        lambda s: ["warm", s.mnt, "v1", "224", "--keys", s.tmp],
+        lambda s: [f"--keys {s.tmp}: is a directory"],
     ),
-    "warm --uuids not UTF-8": Case(
-        lambda s: ["warm", s.mnt, "v1", "224", "--uuids", s.write("u.txt", b"abc\n\xff\n")],
-        lambda s: [f"--uuids {s.tmp / 'u.txt'}: byte 4 is not UTF-8 text"],
+    "warm --keys not UTF-8": Case(
+        lambda s: ["warm", s.mnt, "v1", "224", "--keys", s.write("u.txt", b"abc\n\xff\n")],
+        lambda s: [f"--keys {s.tmp / 'u.txt'}: byte 4 is not UTF-8 text"],
     ),
-    "warm --uuids a path": Case(
-        lambda s: ["warm", s.mnt, "v1", "224", "--uuids", s.write("u.txt", "abc\n../x\n")],
-        lambda s: [f"--uuids {s.tmp / 'u.txt'}: line 2: '../x' is not a uuid"],
+    "warm --keys a path": Case(
+        lambda s: ["warm", s.mnt, "v1", "224", "--keys", s.write("u.txt", "abc\n../x\n")],
+        lambda s: [f"--keys {s.tmp / 'u.txt'}: line 2: '../x' is not a uuid"],
     ),
     "warm on a directory that is not a mount": Case(
         lambda s: ["warm", s.mnt, "v1", "224"],
@@ -316,10 +316,10 @@ def test_errors_about_a_live_mount_name_what_it_lacks(
         (("warm", mnt, "v2", "224"), f"{mnt} has no version 'v2' (it has: v1)"),
         (("warm", mnt, ".decodefs", "224"), "has no version '.decodefs'"),
         (("warm", mnt, "v1", "5000"), f"{mnt} serves no size 5000 of v1 (it serves sizes 8 to"),
-        (("warm", mnt, "v1", "224", "--uuids", missing), f"--uuids {missing}: cannot read it"),
+        (("warm", mnt, "v1", "224", "--keys", missing), f"--keys {missing}: cannot read it"),
         (
-            ("warm", mnt, "v1", "224", "--uuids", unknown),
-            f"1 uuids of {unknown} are not originals of v1, e.g. 'no-such-original'",
+            ("warm", mnt, "v1", "224", "--keys", unknown),
+            f"1 keys of {unknown} are not originals of v1, e.g. 'no-such-original'",
         ),
         (
             ("warm", mnt / "v1", "v1", "224"),
@@ -400,7 +400,7 @@ def test_warm_and_stats_on_a_dead_daemon_say_it_is_gone(
     )
     for args in [
         ("warm", mount.mountpoint, "v1", "224"),
-        ("warm", mount.mountpoint, "v1", "224", "--uuids", listing),
+        ("warm", mount.mountpoint, "v1", "224", "--keys", listing),
         ("stats", mount.mountpoint),
     ]:
         assert_user_error(decodefs(*args), gone, "decodefs mount")

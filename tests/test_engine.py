@@ -893,10 +893,10 @@ async def test_a_second_start_reuses_the_index_and_serves_the_same_arrays(
     first.close()
     again = daemons({"v1": originals})
     assert again.sources["v1"].from_cache
-    assert list(again.sources["v1"].uuids) == uuids_of(originals)
+    assert list(again.sources["v1"].keys) == uuids_of(originals)
     uuid = uuids_of(originals)[3]
     assert await again.array("v1", SIZE, uuid) == reference_npy(original(originals, uuid), SIZE)
     again.close()
     (originals / "new.png").write_bytes(original(originals, "logo-alpha").read_bytes())
     changed = daemons({"v1": originals})
-    assert not changed.sources["v1"].from_cache and "new" in changed.sources["v1"].uuids
+    assert not changed.sources["v1"].from_cache and "new" in changed.sources["v1"].keys

@@ -73,7 +73,7 @@ def mirror(root: Path, **kwargs: object) -> SourceIndex:
 def test_keys_are_relative_paths_and_every_folder_is_one(tmp_path: Path) -> None:
     index = mirror(classes(tmp_path / "src"))
     assert index.layout == "mirror"
-    assert list(index.uuids) == [
+    assert list(index.keys) == [
         "0001",
         "a/b/c/x",
         "cat/0001",
@@ -107,8 +107,8 @@ def test_keys_are_relative_paths_and_every_folder_is_one(tmp_path: Path) -> None
     )
     for number, folder in enumerate(folders):
         # Each folder's originals are one run of indices, sorted by name.
-        inside = [k for k in index.uuids if k.rpartition("/")[0] == folder.path]
-        assert [index.uuids[i] for i in folder.files] == sorted(inside)
+        inside = [k for k in index.keys if k.rpartition("/")[0] == folder.path]
+        assert [index.keys[i] for i in folder.files] == sorted(inside)
         for name, child in folder.subfolders:
             assert folders[child].parent == number
             assert folders[child].path == f"{folder.path}/{name}".lstrip("/")
@@ -132,7 +132,7 @@ def test_a_clash_in_one_folder_is_an_error_or_left_out(tmp_path: Path) -> None:
     assert "key(s)" in message and "'cat/0001'" in message
     assert "cat/0001.jpg" in message and "cat/0001.png" in message
     index = mirror(root, duplicates="skip")
-    assert list(index.uuids) == ["dog/0001"]
+    assert list(index.keys) == ["dog/0001"]
     assert index.duplicates == {"cat/0001": ["cat/0001.jpg", "cat/0001.png"]}
     assert index.mirror is not None and index.mirror.paths == ["", "cat", "dog"]
 
@@ -144,7 +144,7 @@ def test_a_folder_named_like_an_original_s_array_clashes_with_it(tmp_path: Path)
     with pytest.raises(SourceError, match=r"cat/x\.npy/"):
         mirror(root)
     index = mirror(root, duplicates="skip")
-    assert list(index.uuids) == ["cat/x.npy/y"]
+    assert list(index.keys) == ["cat/x.npy/y"]
 
 
 def test_symlinked_directories_show_under_the_link_never_below_themselves(
@@ -161,7 +161,7 @@ def test_symlinked_directories_show_under_the_link_never_below_themselves(
     (root / "away").symlink_to(outside)  # outside: not followed
     (root / "best.jpg").symlink_to("cat/0001.jpg")
     index = mirror(root)
-    assert list(index.uuids) == [
+    assert list(index.keys) == [
         "best",
         "cat/0001",
         "cat/deep/0002",
@@ -183,7 +183,7 @@ def test_keys_too_long_for_a_store_file_name_are_skipped(tmp_path: Path) -> None
     touch(root / f"{fits}.jpg")
     touch(root / f"{too_long}.jpg")
     index = mirror(root)
-    assert list(index.uuids) == [fits]
+    assert list(index.keys) == [fits]
     assert index.skipped_names == 1
     key = EntryKey("v1", 16, fits)
     assert len(key.file_name) == 255
@@ -204,12 +204,12 @@ def test_the_mirror_index_is_cached_apart_from_the_uuid_index(tmp_path: Path) ->
     first = mirror(root, cache_dir=str(cache))
     again = mirror(root, cache_dir=str(cache))
     assert not first.from_cache and again.from_cache
-    assert list(again.uuids) == list(first.uuids) and list(again.relpaths) == list(first.relpaths)
+    assert list(again.keys) == list(first.keys) and list(again.relpaths) == list(first.relpaths)
     assert again.mirror is not None and first.mirror is not None
     assert again.mirror.folders == first.mirror.folders
     # The layout is part of the cache's key: the uuid index of one source is another.
     uuid = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(cache), duplicates="skip")
-    assert not uuid.from_cache and uuid.layout == "uuid" and list(uuid.uuids) == ["1", "2", "3"]
+    assert not uuid.from_cache and uuid.layout == "uuid" and list(uuid.keys) == ["1", "2", "3"]
     assert not mirror(root, cache_dir=str(cache)).from_cache
     # Retargeting a symlinked directory is a change like any other.
     assert mirror(root, cache_dir=str(cache)).from_cache
@@ -217,7 +217,7 @@ def test_the_mirror_index_is_cached_apart_from_the_uuid_index(tmp_path: Path) ->
     (root / "dog" / "kitty").symlink_to("../empty")
     os.utime(root / "dog", (time.time() - 60,) * 2)
     changed = mirror(root, cache_dir=str(cache))
-    assert not changed.from_cache and "dog/kitty/1" not in changed.uuids
+    assert not changed.from_cache and "dog/kitty/1" not in changed.keys
 
 
 @pytest.mark.parametrize(
@@ -250,7 +250,7 @@ def test_a_mirror_cache_this_code_could_not_have_written_is_ignored(
     (tmp_path / "v1.json").write_text(json.dumps(cached))
     index = mirror(root, cache_dir=str(tmp_path))
     assert not index.from_cache
-    assert list(index.uuids) == list(fresh.uuids)
+    assert list(index.keys) == list(fresh.keys)
 
 
 def test_layout_is_a_checked_per_version_setting(tmp_path: Path) -> None:
@@ -322,7 +322,7 @@ def test_keys_with_slashes_percents_and_spaces_round_trip(tmp_path: Path) -> Non
         assert EntryKey("v1", 16, "a b/c%d/x y").file_name == "a b%2Fc%25d%2Fx y.npy"
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            rebuilt = sorted(key.uuid for key, _ in iter_entries(fd, {"v1": V1}))
+            rebuilt = sorted(key.key for key, _ in iter_entries(fd, {"v1": V1}))
         finally:
             os.close(fd)
         assert rebuilt == sorted(ODD_KEYS)
@@ -341,7 +341,7 @@ def test_a_catalog_filled_from_disk_knows_mirror_keys(tmp_path: Path) -> None:
     with opened_store(root) as store:
         usage = store.wait_for_usage()
         assert usage.entries == len(ODD_KEYS)
-        assert store.stored_uuids("v1", 16) == set(ODD_KEYS)
+        assert store.stored_keys("v1", 16) == set(ODD_KEYS)
 
 
 @pytest.mark.parametrize(
@@ -381,7 +381,7 @@ def test_eviction_removes_a_mirror_entry_by_its_key(tmp_path: Path) -> None:
         assert not (root / dog.relpath).exists()
         assert (root / cat.relpath).exists() and (root / bird.relpath).exists()
         assert list(store.capacity.evicted) == [dog]
-        assert store.stored_uuids("v1", 16) == {"cat/0001", "bird/0001"}
+        assert store.stored_keys("v1", 16) == {"cat/0001", "bird/0001"}
     finally:
         store.close()
 
@@ -444,7 +444,7 @@ def listing(tree: Tree, node: Node, start: int = 0) -> list[tuple[int, str, Node
     arrays = tree.array_rows(node, start)
     if arrays is not None:
         for i in arrays.rows:
-            name = arrays.uuids[i][arrays.strip :] + ".npy"
+            name = arrays.keys[i][arrays.strip :] + ".npy"
             ino = arrays.base_ino | i
             rows.append((i + arrays.offset_delta, name, Node.from_ino(ino)))
     return rows
@@ -460,7 +460,7 @@ def test_lookup_names_the_source_s_paths(tree: tuple[Tree, Engine, Path]) -> Non
         folders, _, name = key.rpartition("/")
         node = walk(t, "m", "64", *filter(None, folders.split("/")), f"{name}.npy")
         assert node is not None and node.kind == Kind.ENTRY, key
-        assert t.uuid(node) == key
+        assert t.key(node) == key
         assert t.exists(node) and not t.is_dir(node)
         attributes = t.attributes(node)
         assert attributes.mode == stat.S_IFREG | 0o444 and attributes.size == npy_file_size(64)

@@ -228,7 +228,7 @@ def test_cluster_warm_on_dask_fills_l2_then_a_fresh_node_reads_without_decoding(
         listing = tmp_path / "uuids.txt"
         listing.write_text("\n".join(sorted(photos)) + "\n")
         again = decodefs(
-            "warm", "--cluster", address, "v1", str(SIZE), "--config", config, "--uuids", listing
+            "warm", "--cluster", address, "v1", str(SIZE), "--config", config, "--keys", listing
         )
         assert again.returncode == 0, again.stderr
         assert f"0 decoded, {good} already there" in again.stdout  # it resumes

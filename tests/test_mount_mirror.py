@@ -297,7 +297,7 @@ def test_warm_and_verify_over_a_mirror_version(
 
     listing = tmp_path / "keys.txt"
     listing.write_text("# a subset, by key\ncat/0002\nwild/big cats/lion 01.npy\ncat/9999\n")
-    subset = decodefs("warm", mount.mountpoint, "v1", "40", "--uuids", listing)
+    subset = decodefs("warm", mount.mountpoint, "v1", "40", "--keys", listing)
     assert subset.returncode == 1  # cat/9999 does not exist
     assert "warmed 2 of 3 arrays of v1/40" in subset.stdout
     assert "'cat/9999'" in subset.stderr

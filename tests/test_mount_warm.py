@@ -50,7 +50,7 @@ def test_warm_a_listed_subset_and_report_what_is_wrong(
     assert result.returncode == 1
     assert "warmed 4 of 6 arrays" in result.stdout  # wanted[0] listed twice
     assert (
-        f"decodefs: error: 1 uuids of {listing} are not originals of v1, e.g. 'no-such-uuid'"
+        f"decodefs: error: 1 keys of {listing} are not originals of v1, e.g. 'no-such-uuid'"
         in result.stderr
     )
     assert "failed: bad-truncated: Input/output error" in result.stderr

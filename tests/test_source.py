@@ -44,7 +44,7 @@ def test_recursive_scan_by_extension_any_case(tmp_path: Path) -> None:
     ]:
         touch(root / name)
     index = scan_source("v1", root, DEFAULT_EXTENSIONS)
-    assert list(index.uuids) == ["a", "b", "c", "d", "e", "f", "g", "h"]
+    assert list(index.keys) == ["a", "b", "c", "d", "e", "f", "g", "h"]
     assert index.original_path(index.find("c") or 0) == str(root / "deep/er/c.png")
     assert index.find("notes") is None and index.find("k") is None
 
@@ -53,7 +53,7 @@ def test_uuid_is_the_stem(tmp_path: Path) -> None:
     root = tmp_path / "src"
     touch(root / "2f9e.v2.final.jpg")
     index = scan_source("v1", root, DEFAULT_EXTENSIONS)
-    assert list(index.uuids) == ["2f9e.v2.final"]
+    assert list(index.keys) == ["2f9e.v2.final"]
 
 
 def test_duplicate_stems_are_an_error_naming_them(tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def test_duplicates_skip_leaves_every_clashing_uuid_out(
     touch(root / "b" / "x.png")
     touch(root / "y.jpg")
     index = scan_source("v1", root, DEFAULT_EXTENSIONS, duplicates="skip")
-    assert list(index.uuids) == ["y"]
+    assert list(index.keys) == ["y"]
     assert index.duplicates == {"x": ["a/x.jpg", "b/x.png"]}
     assert "uuid 'x' has 2 originals" in caplog.text
 
@@ -95,7 +95,7 @@ def test_symlinks_inside_are_followed_outside_are_not(tmp_path: Path) -> None:
     (root / "loop").symlink_to(root)
     (root / "dangling.jpg").symlink_to(root / "gone.jpg")
     index = scan_source("v1", root, DEFAULT_EXTENSIONS)
-    assert list(index.uuids) == ["alias", "inner"]
+    assert list(index.keys) == ["alias", "inner"]
     assert index.symlinks_outside == 2
 
 
@@ -117,7 +117,7 @@ def test_names_too_long_for_a_file_name_are_skipped(tmp_path: Path) -> None:
     touch(root / ("a" * 251 + ".jp"))  # "a"*251 + ".npy" is 255 bytes: fine
     touch(root / ("b" * 252 + ".jp"))  # would be 256
     index = scan_source("v1", root, ["jp"])
-    assert list(index.uuids) == ["a" * 251]
+    assert list(index.keys) == ["a" * 251]
     assert index.skipped_names == 1
 
 
@@ -128,14 +128,14 @@ def test_prefix_ranges_are_the_sharded_layout(tmp_path: Path) -> None:
     index = scan_source("v1", root, DEFAULT_EXTENSIONS)
 
     def shard(prefix: str) -> list[str]:
-        return [index.uuids[i] for i in index.prefix_range(prefix)]
+        return [index.keys[i] for i in index.prefix_range(prefix)]
 
     assert shard("a") == ["a"]
     assert shard("ab") == ["ab", "abc", "abd"]
     assert shard("b0") == ["b0"]
     assert shard("é1") == ["é1"]
     assert shard("zz") == [] and shard("") == [] and shard("abc") == []
-    for uuid in index.uuids:
+    for uuid in index.keys:
         assert uuid in shard(uuid[:2])
 
 
@@ -157,7 +157,7 @@ def test_the_index_is_cached_and_reused_while_the_tree_is_unchanged(tmp_path: Pa
     assert not first.from_cache and (cache / "v1.json").exists()
     again = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(cache))
     assert again.from_cache
-    assert list(again.uuids) == list(first.uuids) == ["1", "2", "3", "4"]
+    assert list(again.keys) == list(first.keys) == ["1", "2", "3", "4"]
     assert again.original_path(again.find("3") or 0) == str(root / "b/c/3.png")
     # Another key (extensions) never reuses it.
     assert not scan_source("v1", root, ["jpg"], cache_dir=str(cache)).from_cache
@@ -185,7 +185,7 @@ def test_any_change_to_the_tree_invalidates_the_cache(tmp_path: Path, change: ob
     change(root)  # type: ignore[operator]
     after = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=cache)
     assert not after.from_cache
-    assert list(after.uuids) != list(before.uuids) or list(after.relpaths) != list(before.relpaths)
+    assert list(after.keys) != list(before.keys) or list(after.relpaths) != list(before.relpaths)
 
 
 def test_a_tree_changed_just_before_the_scan_is_not_trusted(tmp_path: Path) -> None:
@@ -200,7 +200,7 @@ def test_a_damaged_cache_is_ignored(tmp_path: Path) -> None:
     touch(root / "1.jpg")
     (tmp_path / "v1.json").write_text('{"key": ')
     index = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
-    assert list(index.uuids) == ["1"] and not index.from_cache
+    assert list(index.keys) == ["1"] and not index.from_cache
 
 
 def make_old(*directories: Path) -> None:
@@ -225,7 +225,7 @@ def test_a_walk_that_could_not_list_a_directory_is_not_cached(tmp_path: Path) ->
         os.close(fd)
     make_old(root)
     first = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
-    assert list(first.uuids) == ["1"]
+    assert list(first.keys) == ["1"]
     assert not (tmp_path / "v1.json").exists()
     assert not scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
 
@@ -241,7 +241,7 @@ def test_a_symlinks_target_directory_is_watched_too(tmp_path: Path, dangling: bo
         target.unlink()
     make_old(root, root / "a", root / ".originals")
     first = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
-    assert list(first.uuids) == ([] if dangling else ["alias"])
+    assert list(first.keys) == ([] if dangling else ["alias"])
     assert scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
     if dangling:
         touch(target)  # the link now leads somewhere
@@ -249,7 +249,7 @@ def test_a_symlinks_target_directory_is_watched_too(tmp_path: Path, dangling: bo
         target.unlink()
     again = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
     assert not again.from_cache
-    assert list(again.uuids) == (["alias"] if dangling else [])
+    assert list(again.keys) == (["alias"] if dangling else [])
 
 
 @pytest.mark.parametrize(
@@ -281,7 +281,7 @@ def test_a_cache_that_this_code_could_not_have_written_is_ignored(
     cache.write_text(json.dumps(cached))
     index = scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path))
     assert not index.from_cache
-    assert list(index.uuids) == ["a", "b"] and list(index.relpaths) == ["a.jpg", "b.jpg"]
+    assert list(index.keys) == ["a", "b"] and list(index.relpaths) == ["a.jpg", "b.jpg"]
 
 
 @needs_root_because("giving a file to another user")

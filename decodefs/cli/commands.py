@@ -32,7 +32,7 @@ from .checks import (
     mounted_at,
     named_config,
     named_mountpoint,
-    read_uuids,
+    read_keys,
     require_store,
     version_size_dir,
 )
@@ -144,7 +144,7 @@ def run_warm(args: argparse.Namespace) -> int:
         return _warm_cluster(args)
     if args.mountpoint is None:
         args.parser.error("the following arguments are required: mountpoint (or --cluster)")
-    uuids = read_uuids(args.uuids) if args.uuids else None
+    keys = read_keys(args.keys) if args.keys else None
     directory = version_size_dir(
         live_mount(args.mountpoint, f"warm {{}} {args.version} {args.size}"),
         args.version,
@@ -154,7 +154,7 @@ def run_warm(args: argparse.Namespace) -> int:
     try:
         report = warm(
             directory,
-            uuids,
+            keys,
             args.jobs,
             progress=sys.stderr.isatty(),
             refusals=lambda: counter(read_stats(args.mountpoint), "warm_not_stored"),
@@ -172,11 +172,11 @@ def run_warm(args: argparse.Namespace) -> int:
         f"decodefs: warmed {report.done:,} of {report.total:,} arrays of {what} "
         f"in {report.seconds:.1f} s ({rate:,.1f}/s); the daemon decoded {decoded:,} meanwhile"
     )
-    for uuid, reason in sorted(report.failed.items())[:20]:
-        print(f"decodefs: failed: {uuid}: {reason} (the daemon log says why)", file=sys.stderr)
+    for key, reason in sorted(report.failed.items())[:20]:
+        print(f"decodefs: failed: {key}: {reason} (the daemon log says why)", file=sys.stderr)
     if report.missing:
         print(
-            f"decodefs: error: {len(report.missing):,} uuids of {args.uuids} are not "
+            f"decodefs: error: {len(report.missing):,} keys of {args.keys} are not "
             f"originals of {args.version}, e.g. {report.missing[0]!r} (`decodefs.list_keys` "
             f"or `ls {directory}` lists those it has)",
             file=sys.stderr,
@@ -204,7 +204,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
             f"size {args.size} is outside min_size..max_size "
             f"({config.min_size}..{config.max_size}) of {args.config}"
         )
-    uuids = read_uuids(args.uuids) if args.uuids else None
+    keys = read_keys(args.keys) if args.keys else None
     try:
         from ..cluster import SchedulerUnreachable, cluster_warm
     except ImportError as exc:
@@ -214,7 +214,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
         ) from None
     try:
         report = cluster_warm(
-            args.cluster, config, args.version, args.size, uuids, progress=sys.stderr.isatty()
+            args.cluster, config, args.version, args.size, keys, progress=sys.stderr.isatty()
         )
     except SchedulerUnreachable as exc:
         raise UsageError(str(exc)) from None
@@ -225,13 +225,13 @@ def _warm_cluster(args: argparse.Namespace) -> int:
         f"in {report.seconds:.1f} s ({rate:,.1f}/s): {report.decoded:,} decoded, "
         f"{report.skipped:,} already there"
     )
-    for uuid, reason in sorted(report.failed.items())[:20]:
-        print(f"decodefs: failed: {uuid}: {reason}", file=sys.stderr)
+    for key, reason in sorted(report.failed.items())[:20]:
+        print(f"decodefs: failed: {key}: {reason}", file=sys.stderr)
     if len(report.failed) > 20:
         print(f"decodefs: ... and {len(report.failed) - 20:,} more failed", file=sys.stderr)
     if report.missing:
         print(
-            f"decodefs: {len(report.missing):,} uuids are not in {args.version}, "
+            f"decodefs: {len(report.missing):,} keys are not in {args.version}, "
             f"e.g. {report.missing[0]!r}",
             file=sys.stderr,
         )

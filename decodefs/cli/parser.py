@@ -126,15 +126,21 @@ def _warm_arguments(add_command: AddCommand) -> None:
     warm = add_command(
         "warm",
         help="decode and store a version's arrays ahead of training",
-        usage="%(prog)s MOUNTPOINT VERSION SIZE [--uuids FILE] [--jobs N]\n"
-        "       %(prog)s --cluster SCHEDULER VERSION SIZE [--uuids FILE] [--config FILE]",
+        usage="%(prog)s MOUNTPOINT VERSION SIZE [--keys FILE] [--jobs N]\n"
+        "       %(prog)s --cluster SCHEDULER VERSION SIZE [--keys FILE] [--config FILE]",
     )
     warm.add_argument(
         "mountpoint", type=Path, nargs="?", help="a live decodefs mount (none with --cluster)"
     )
     warm.add_argument("version")
     warm.add_argument("size", type=_int_at_least(1))
-    warm.add_argument("--uuids", type=Path, help="a file of uuids, one a line (default: all)")
+    warm.add_argument(
+        "--keys",
+        "--uuids",  # its earlier name
+        dest="keys",
+        type=Path,
+        help="a file of keys (uuids, or a mirror version's paths), one a line (default: all)",
+    )
     warm.add_argument(
         "--jobs",
         "-j",

@@ -264,7 +264,7 @@ def cluster_warm(
     config: Config,
     version: str,
     size: int,
-    uuids: Sequence[str] | None,
+    keys: Sequence[str] | None,
     progress: bool = True,
 ) -> ClusterWarmReport:
     """Warm ``version`` at ``size`` into ``config.l2`` on the Dask cluster at ``address``."""
@@ -274,7 +274,7 @@ def cluster_warm(
     assert config.l2 is not None
     settings = config.versions[version]
     source = scan_source(version, settings.source, settings.extensions, settings.duplicates)
-    wanted = list(source.uuids) if uuids is None else list(dict.fromkeys(uuids))
+    wanted = list(source.keys) if keys is None else list(dict.fromkeys(keys))
     report = ClusterWarmReport(total=len(wanted))
     items: list[tuple[str, str]] = []
     for uuid in wanted:

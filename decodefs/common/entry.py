@@ -61,10 +61,10 @@ class EntryKey(NamedTuple):
 
     version: str
     size: int
-    uuid: str
+    key: str  # the original's key in its version: a uuid, or a mirror's relative path
 
     def __str__(self) -> str:
-        return f"{self.version}/{self.size}/{self.uuid}"
+        return f"{self.version}/{self.size}/{self.key}"
 
     @property
     def relpath(self) -> str:
@@ -75,16 +75,16 @@ class EntryKey(NamedTuple):
     @property
     def shard(self) -> str:
         """The directory under ``<version>/<size>/`` that holds the entry."""
-        if "/" in self.uuid:
-            return _PATH_SHARD + xxhash.xxh3_64_hexdigest(os.fsencode(self.uuid))[:2]
-        return self.uuid[:2]
+        if "/" in self.key:
+            return _PATH_SHARD + xxhash.xxh3_64_hexdigest(os.fsencode(self.key))[:2]
+        return self.key[:2]
 
     @property
     def file_name(self) -> str:
         """The entry's file name in its shard: one path component for any key."""
-        if "/" in self.uuid:
-            return array_name(self.uuid.replace("%", "%25").replace("/", "%2F"))
-        return array_name(self.uuid)
+        if "/" in self.key:
+            return array_name(self.key.replace("%", "%25").replace("/", "%2F"))
+        return array_name(self.key)
 
     @classmethod
     def from_store_path(cls, version: str, size: int, shard: str, name: str) -> EntryKey | None:

@@ -174,7 +174,7 @@ class SourceIndex:
 
     version: str
     root: str
-    uuids: Sequence[str]
+    keys: Sequence[str]
     relpaths: Sequence[str]
     scanned_at_ns: int
     duplicates: dict[str, list[str]] = field(default_factory=dict)
@@ -186,10 +186,10 @@ class SourceIndex:
 
     def __post_init__(self) -> None:
         if not self._positions:
-            self._positions.update((uuid, i) for i, uuid in enumerate(self.uuids))
+            self._positions.update((uuid, i) for i, uuid in enumerate(self.keys))
 
     def __len__(self) -> int:
-        return len(self.uuids)
+        return len(self.keys)
 
     def find(self, uuid: str) -> int | None:
         return self._positions.get(uuid)
@@ -215,10 +215,10 @@ class SourceIndex:
         if len(prefix) == 1:
             i = self.find(prefix)
             return range(i, i + 1) if i is not None else range(0)
-        start = bisect.bisect_left(self.uuids, prefix)
+        start = bisect.bisect_left(self.keys, prefix)
         # The end compares first two characters, not ``prefix`` plus one: a second
         # character of U+10FFFF has no successor.
-        end = bisect.bisect_right(self.uuids, prefix, lo=start, key=_first_two)
+        end = bisect.bisect_right(self.keys, prefix, lo=start, key=_first_two)
         return range(start, end)
 
 
@@ -289,17 +289,17 @@ def _walk(
         # Stems that repeat across folders (cat/0001.jpg, dog/0001.jpg) are what a
         # folder dataset looks like: the mirror layout keys them by path, apart.
         by_path = [u for u, paths in clashes.items() if len({_key_of(p) for p in paths}) > 1]
-        example_uuid = min(by_path or clashes)
-        example = ", ".join(clashes[example_uuid][:3])
+        example_key = min(by_path or clashes)
+        example = ", ".join(clashes[example_key][:3])
         fix = (
             f'if these are class folders, set versions.{version}.layout = "mirror" (keys '
-            f"become paths: {_key_of(clashes[example_uuid][0])!r}); else "
+            f"become paths: {_key_of(clashes[example_key][0])!r}); else "
             if by_path and not mirror
             else ""
         )
         raise SourceError(
             f"versions.{version}.source: {len(clashes)} {what}(s) have more than one original "
-            f"(e.g. {example_uuid!r}: {example}); {fix}rename them, or set "
+            f"(e.g. {example_key!r}: {example}); {fix}rename them, or set "
             f'versions.{version}.duplicates = "skip" to leave them all out'
         )
     for uuid, paths in sorted(clashes.items()):
@@ -312,13 +312,13 @@ def _walk(
             paths,
         )
     unique = (u for u, paths in walker.found.items() if len(paths) == 1)
-    uuids = _mirror_sorted(unique) if mirror else sorted(unique)
-    folders = MirrorFolders(sorted(walker.folders, key=_folder_order), uuids) if mirror else None
+    keys = _mirror_sorted(unique) if mirror else sorted(unique)
+    folders = MirrorFolders(sorted(walker.folders, key=_folder_order), keys) if mirror else None
     index = SourceIndex(
         version=version,
         root=root,
-        uuids=uuids,
-        relpaths=[walker.found[u][0] for u in uuids],
+        keys=keys,
+        relpaths=[walker.found[u][0] for u in keys],
         scanned_at_ns=time.time_ns(),
         duplicates=clashes,
         symlinks_outside=walker.symlinks_outside,
@@ -357,7 +357,7 @@ def _load_cache(
         return SourceIndex(
             version=version,
             root=root,
-            uuids=cached["uuids"],
+            keys=cached["uuids"],
             relpaths=cached["relpaths"],
             scanned_at_ns=scanned_at,
             duplicates=cached["duplicates"],
@@ -382,8 +382,8 @@ def _check_cached(cached: dict[str, object]) -> None:
     (its owner and a 0700 directory are checked), so it does not check that
     each uuid is its path's stem.
     """
-    uuids, relpaths, dirs = cached["uuids"], cached["relpaths"], cached["dirs"]
-    if not (isinstance(uuids, list) and isinstance(relpaths, list) and len(uuids) == len(relpaths)):
+    keys, relpaths, dirs = cached["uuids"], cached["relpaths"], cached["dirs"]
+    if not (isinstance(keys, list) and isinstance(relpaths, list) and len(keys) == len(relpaths)):
         raise ValueError("uuids and relpaths are not two lists of one length")
     if not (isinstance(dirs, dict) and isinstance(cached["duplicates"], dict)):
         raise ValueError("dirs or duplicates is not a mapping")
@@ -393,17 +393,17 @@ def _check_cached(cached: dict[str, object]) -> None:
         raise ValueError("a directory's mtime and inode are not two integers")
     if _outside(_joined(list(dirs))):
         raise ValueError("a directory leads outside the source")
-    if not uuids:
+    if not keys:
         return
-    names = _joined(uuids)  # raises TypeError for anything but strings
+    names = _joined(keys)  # raises TypeError for anything but strings
     if "/" in names or "\0." in names or _has_empty(names) or names.startswith("."):
         raise ValueError("a uuid is not a file name decodefs lists")
     too_long = NAME_MAX - len(ARRAY_SUFFIX)
-    if max(map(len, uuids)) * 4 > too_long and any(  # 4: the most UTF-8 bytes per character
-        len(os.fsencode(u)) > too_long for u in uuids
+    if max(map(len, keys)) * 4 > too_long and any(  # 4: the most UTF-8 bytes per character
+        len(os.fsencode(u)) > too_long for u in keys
     ):
         raise ValueError("a uuid is too long for a file name")
-    if not all(map(str.__lt__, uuids, itertools.islice(uuids, 1, None))):
+    if not all(map(str.__lt__, keys, itertools.islice(keys, 1, None))):
         raise ValueError("uuids are not sorted and unique")
     paths = _joined(relpaths)
     if _outside(paths) or _has_empty(paths):
@@ -414,8 +414,8 @@ def _check_cached_mirror(cached: dict[str, object]) -> None:
     """Raise ValueError unless ``cached`` is a mirror index this module could have
     written. MirrorFolders checks the keys and folders; here each path must be
     its key plus an extension, so nothing leads outside the source."""
-    uuids, relpaths, dirs = cached["uuids"], cached["relpaths"], cached["dirs"]
-    if not (isinstance(uuids, list) and isinstance(relpaths, list) and len(uuids) == len(relpaths)):
+    keys, relpaths, dirs = cached["uuids"], cached["relpaths"], cached["dirs"]
+    if not (isinstance(keys, list) and isinstance(relpaths, list) and len(keys) == len(relpaths)):
         raise ValueError("keys and relpaths are not two lists of one length")
     if not (isinstance(dirs, dict) and isinstance(cached["duplicates"], dict)):
         raise ValueError("dirs or duplicates is not a mapping")
@@ -427,8 +427,8 @@ def _check_cached_mirror(cached: dict[str, object]) -> None:
         raise ValueError("a directory's mtime and inode are not two integers")
     if _outside(_joined(list(dirs))):
         raise ValueError("a directory leads outside the source")
-    _joined(uuids)  # raises TypeError for anything but strings, ValueError for a NUL
-    for key, relpath in zip(uuids, relpaths, strict=True):
+    _joined(keys)  # raises TypeError for anything but strings, ValueError for a NUL
+    for key, relpath in zip(keys, relpaths, strict=True):
         if not isinstance(relpath, str) or not relpath.startswith(key):
             raise ValueError(f"{relpath!r} is not the path of key {key!r}")
         dot, extension = relpath[len(key) : len(key) + 1], relpath[len(key) + 1 :]
@@ -462,7 +462,7 @@ def _save_cache(
         "key": key,
         "scanned_at_ns": index.scanned_at_ns,
         "dirs": dirs,
-        "uuids": list(index.uuids),
+        "uuids": list(index.keys),
         "relpaths": list(index.relpaths),
         "duplicates": index.duplicates,
         "symlinks_outside": index.symlinks_outside,

@@ -43,10 +43,10 @@ class BackgroundWarm:
             return
         for version in versions:
             for size in version.sizes:
-                stored = await trio.to_thread.run_sync(store.stored_uuids, version.name, size)
+                stored = await trio.to_thread.run_sync(store.stored_keys, version.name, size)
                 todo = iter(
                     i
-                    for i, uuid in enumerate(self._sources[version.name].uuids)
+                    for i, uuid in enumerate(self._sources[version.name].keys)
                     if uuid not in stored
                 )
                 started, before = time.monotonic(), engine.metrics.background_decodes

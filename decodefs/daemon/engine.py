@@ -194,7 +194,7 @@ class Engine:
         running for the key, and waits for a store read slot, so a flood of them
         costs no more than a flood of reads.
         """
-        key = EntryKey(version, size, self._sources[version].uuids[index])
+        key = EntryKey(version, size, self._sources[version].keys[index])
         if recheck:  # check it now, at this open, whatever was believed of it
             self.known.not_stored(key, index)
         self._capacity.pin(key)
@@ -226,7 +226,7 @@ class Engine:
             stored = self._stored.get((version, size))
             if stored is None or not stored.bits[index >> 3] & bit:
                 return None
-        key = _new_key(EntryKey, (version, size, self._sources[version].uuids[index]))
+        key = _new_key(EntryKey, (version, size, self._sources[version].keys[index]))
         capacity = self._capacity
         capacity.pin_hit(key)
         if capacity.evicted or self.store.generation != self.known.generation:
@@ -292,7 +292,7 @@ class Engine:
         """Decode and store one array for the background warm (background_warm.py), at low
         priority, unless it is stored, in flight or failed lately. False if the store
         would take it only by evicting, or did not take it: the warm stops then."""
-        key = EntryKey(version, size, self._sources[version].uuids[index])
+        key = EntryKey(version, size, self._sources[version].keys[index])
         if (
             self.known.verified_map(version, size)[index]
             or self.known.stored_map(version, size)[index]

@@ -163,12 +163,12 @@ class DecodeFS(pyfuse3.Operations):
             # Every array of a directory has the same attributes but its inode;
             # readdir_reply copies them, so one object serves the whole listing.
             attributes = self._entry(arrays.sample)
-            reply, uuids, base = pyfuse3.readdir_reply, arrays.uuids, arrays.base_ino
+            reply, keys, base = pyfuse3.readdir_reply, arrays.keys, arrays.base_ino
             strip, delta = arrays.strip, arrays.offset_delta
             encoding = _FS_ENCODING  # as os.fsencode, without its per-call overhead
             for i in arrays.rows:
                 attributes.st_ino = base | i
-                name = uuids[i][strip:].encode(encoding, "surrogateescape") + ARRAY_SUFFIX_BYTES
+                name = keys[i][strip:].encode(encoding, "surrogateescape") + ARRAY_SUFFIX_BYTES
                 if not reply(token, name, attributes, i + delta):
                     return
 
@@ -204,7 +204,7 @@ class DecodeFS(pyfuse3.Operations):
         fh = next(self._next_fh)
         if node.kind == Kind.ENTRY:
             version = self._tree.version_name(node)
-            if self._failpoint and self._tree.uuid(node) == self._failpoint:
+            if self._failpoint and self._tree.key(node) == self._failpoint:
                 raise RuntimeError(f"failpoint {_FAILPOINT_ENV} hit")
             request = OpenRequest.from_flags(flags)
             handle = await self._engine.open(

@@ -74,7 +74,7 @@ class KnownEntries:
         while evicted:
             key = evicted.popleft()
             source = self._sources.get(key.version)  # None: a version no longer configured
-            index = source.find(key.uuid) if source is not None else None
+            index = source.find(key.key) if source is not None else None
             if index is not None:
                 self.not_stored(key, index)
 
@@ -112,13 +112,13 @@ class KnownEntries:
         for version in sorted(self._config.versions):
             source = self._sources[version]
             for size in self._config.versions[version].sizes:
-                uuids = await run_in_thread(
-                    self._read_limiter, self._store.stored_uuids, version, size
+                keys = await run_in_thread(
+                    self._read_limiter, self._store.stored_keys, version, size
                 )
                 if self._store.generation != generation:
                     return  # the store was lost meanwhile: what it held is gone
                 stored = self.stored_map(version, size)
-                for uuid in uuids:
+                for uuid in keys:
                     index = source.find(uuid)
                     if index is not None:
                         stored.set(index, True)

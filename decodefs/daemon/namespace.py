@@ -77,7 +77,7 @@ class ArrayRows(NamedTuple):
 
     sample: Node
     rows: range
-    uuids: Sequence[str]
+    keys: Sequence[str]
     base_ino: int
     strip: int = 0  # a mirror folder's keys start with its path and a "/"
     offset_delta: int = 1  # a mirror folder lists its subfolders first
@@ -166,7 +166,7 @@ class Tree:
         if parent.kind == Kind.SHARD:
             entry = self._lookup_entry(parent, name)
             shard = self._shard_name(parent)
-            if entry is not None and self.uuid(entry)[:2] == shard:
+            if entry is not None and self.key(entry)[:2] == shard:
                 return entry
         return None
 
@@ -293,13 +293,13 @@ class Tree:
         ``start``; None for other directories. The fast path for hundreds of
         thousands of arrays: the caller loops over ``rows`` with no object per entry."""
         sample = Node(Kind.ENTRY, node.version, node.size, 0)
-        uuids = self._sources[node.version].uuids
+        keys = self._sources[node.version].keys
         folder = self._folder(node)
         if folder is not None:
             listed, files = len(folder.subfolders), folder.files  # offsets 1..listed: subfolders
             rows = range(files.start + max(0, start - listed), files.stop)
             strip = len(folder.path) + 1 if folder.path else 0
-            return ArrayRows(sample, rows, uuids, sample.ino, strip, listed - files.start + 1)
+            return ArrayRows(sample, rows, keys, sample.ino, strip, listed - files.start + 1)
         if node.kind == Kind.SIZE:
             rows = range(start, self._counts[node.version])
         elif node.kind == Kind.SHARD:
@@ -307,7 +307,7 @@ class Tree:
             rows = range(max(start, shard.start), shard.stop)
         else:
             return None
-        return ArrayRows(sample, rows, uuids, sample.ino)
+        return ArrayRows(sample, rows, keys, sample.ino)
 
     # -- attributes ---------------------------------------------------------
 
@@ -328,9 +328,9 @@ class Tree:
     def version_name(self, node: Node) -> str:
         return self._versions[node.version]
 
-    def uuid(self, entry: Node) -> str:
+    def key(self, entry: Node) -> str:
         """The key (uuid, or a mirror's relative path) of the original an entry node names."""
-        return self._sources[entry.version].uuids[entry.number]
+        return self._sources[entry.version].keys[entry.number]
 
     def _parse_size(self, name: bytes) -> int | None:
         if not SIZE_NAME.fullmatch(name):
@@ -385,7 +385,7 @@ class Tree:
         return Node(Kind.SHARD, parent.version, parent.size, rows.start) if rows else None
 
     def _shard_name(self, shard: Node) -> str:
-        return self.uuid(Node(Kind.ENTRY, shard.version, shard.size, shard.number))[:2]
+        return self.key(Node(Kind.ENTRY, shard.version, shard.size, shard.number))[:2]
 
     def _shard_range(self, shard: Node) -> range:
         return self._sources[shard.version].prefix_range(self._shard_name(shard))

@@ -209,11 +209,11 @@ class _Adoption:
         for shard, name in _cache_files(self.root):
             self.report.found += 1
             key = EntryKey(self.version, self.size, name[: -len(ARRAY_SUFFIX)])
-            position = self.index.find(key.uuid)
+            position = self.index.find(key.key)
             if position is None:
-                self.report.skip("unknown", key.uuid)
-            elif key.uuid[:2] != shard:
-                self.report.skip("bad", f"{self.directory / shard / name} (not in {key.uuid[:2]}/)")
+                self.report.skip("unknown", key.key)
+            elif key.key[:2] != shard:
+                self.report.skip("bad", f"{self.directory / shard / name} (not in {key.key[:2]}/)")
             elif self.store.contains(key):
                 self.report.already_stored += 1
             else:
@@ -235,7 +235,7 @@ class _Adoption:
         nor (``skip_differing``) those that differ."""
         chosen = sorted(
             random.Random(seed).sample(candidates, min(sample, len(candidates))),
-            key=lambda c: c.key.uuid,
+            key=lambda c: c.key.key,
         )
         left_out: set[_Candidate] = set()
         differing: list[str] = []
@@ -249,13 +249,13 @@ class _Adoption:
                 bar.update(1)
                 if verdict == "differs":
                     where = self.directory / candidate.shard / candidate.name
-                    differing.append(f"{candidate.key.uuid}: {where} ({detail})")
+                    differing.append(f"{candidate.key.key}: {where} ({detail})")
                     if skip_differing:
                         left_out.add(candidate)
                         self.report.skip("differing", differing[-1])
                 elif verdict == "undecodable":
                     left_out.add(candidate)
-                    self.report.skip("undecodable", f"{candidate.key.uuid}: {detail}")
+                    self.report.skip("undecodable", f"{candidate.key.key}: {detail}")
                 elif verdict == "equal":
                     self.report.sampled += 1
                 if stop.is_set():

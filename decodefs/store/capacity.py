@@ -181,7 +181,7 @@ class Capacity:
         for key, nbytes, mtime in rows:
             if self._closing.is_set():
                 return False  # the next start fills it again
-            batch.append((key.version, key.size, key.uuid, nbytes, mtime))
+            batch.append((key.version, key.size, key.key, nbytes, mtime))
             if len(batch) >= _FILL_BATCH:
                 catalog.fill(batch)
                 batch.clear()
@@ -198,7 +198,7 @@ class Capacity:
             # their row went in must not come back as rows.
             for key in self._removed_while_filling:
                 if not exists(key):
-                    catalog.remove(key.version, key.size, key.uuid)
+                    catalog.remove(key.version, key.size, key.key)
             self._removed_while_filling.clear()
             if durable:
                 catalog.mark_filled()
@@ -206,9 +206,9 @@ class Capacity:
             self._entries, self._bytes = catalog.totals()
             self._filled = True
 
-    def stored_uuids(self, version: str, size: int) -> set[str]:
+    def stored_keys(self, version: str, size: int) -> set[str]:
         catalog = self._catalog
-        return set() if catalog is None else catalog.uuids(version, size)
+        return set() if catalog is None else catalog.keys(version, size)
 
     # -- usage ---------------------------------------------------------------------
 
@@ -264,7 +264,7 @@ class Capacity:
         catalog = self._catalog
         if accesses and catalog is not None:
             try:
-                catalog.touch((k.version, k.size, k.uuid, t) for k, t in accesses.items())
+                catalog.touch((k.version, k.size, k.key, t) for k, t in accesses.items())
             except sqlite3.Error as exc:
                 log.warning("cannot record %d accesses in the catalog: %s", len(accesses), exc)
 
@@ -310,12 +310,12 @@ class Capacity:
             catalog = self._catalog
             if catalog is None:
                 raise OSError(errno.ENOENT, "the store is gone")
-            new = _catalog_call(catalog.put, key.version, key.size, key.uuid, nbytes, self._clock())
+            new = _catalog_call(catalog.put, key.version, key.size, key.key, nbytes, self._clock())
             try:
                 place()
             except OSError:
                 if new:
-                    _catalog_call(catalog.remove, key.version, key.size, key.uuid)
+                    _catalog_call(catalog.remove, key.version, key.size, key.key)
                 raise
             if new:
                 self._entries += 1
@@ -328,7 +328,7 @@ class Capacity:
             catalog = self._catalog
             if catalog is None:
                 return
-            nbytes = _catalog_call(catalog.remove, key.version, key.size, key.uuid)
+            nbytes = _catalog_call(catalog.remove, key.version, key.size, key.key)
             if not self._filled:
                 self._removed_while_filling.add(key)
             if nbytes is not None:
@@ -365,7 +365,7 @@ class Capacity:
                     "the store is at its capacity limit and every entry left is in use",
                 )
             for row in rows:
-                victim = EntryKey(row.version, row.size, row.uuid)
+                victim = EntryKey(row.version, row.size, row.key)
                 if victim == key or not self._evict(victim):
                     skipped += 1
                 if self._shortfall(incoming) <= 0:

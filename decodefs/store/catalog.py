@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITH
 class CatalogRow:
     version: str
     size: int
-    uuid: str
+    key: str
     bytes: int
     last_access: float
 
@@ -118,7 +118,7 @@ class Catalog:
             ).fetchone()
         return row is not None
 
-    def uuids(self, version: str, size: int) -> set[str]:
+    def keys(self, version: str, size: int) -> set[str]:
         """Every uuid with an entry at (version, size)."""
         with self._lock:
             rows = self._db.execute(

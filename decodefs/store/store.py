@@ -499,8 +499,8 @@ class Store:
     def usage(self) -> StoreUsage:
         return self.capacity.usage()
 
-    def stored_uuids(self, version: str, size: int) -> set[str]:
-        return self.capacity.stored_uuids(version, size)
+    def stored_keys(self, version: str, size: int) -> set[str]:
+        return self.capacity.stored_keys(version, size)
 
     # -- internals --------------------------------------------------------------------
 

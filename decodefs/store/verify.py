@@ -82,7 +82,7 @@ def verify_store(
                 except OSError:
                     continue
                 if catalog is not None:
-                    catalog.remove(key.version, key.size, key.uuid)
+                    catalog.remove(key.version, key.size, key.key)
                 report.removed += 1
         if catalog is not None:
             catalog.close()

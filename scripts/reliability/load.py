@@ -25,7 +25,7 @@ from .harness import BOUND_KIB, VERSION, Harness, Part, Sampler, Sizes, mib
 @dataclass(frozen=True)
 class LoadJob:
     directory: str
-    uuids: list[str]
+    keys: list[str]
     digests: list[str | None]
     size: int
     reads: int
@@ -50,10 +50,10 @@ def load_reader(job: LoadJob, go: Event, results: Queue[LoadResult]) -> None:
     latencies = []
     go.wait(timeout=600)
     for _ in range(job.reads):
-        i = rng.randrange(len(job.uuids))
+        i = rng.randrange(len(job.keys))
         method = METHODS[rng.randrange(len(METHODS))]
         started = time.perf_counter()
-        tally.check(method, Path(job.directory, f"{job.uuids[i]}.npy"), job.size, job.digests[i])
+        tally.check(method, Path(job.directory, f"{job.keys[i]}.npy"), job.size, job.digests[i])
         latencies.append(time.perf_counter() - started)
         methods[method] += 1
     results.put(
@@ -74,7 +74,7 @@ def part_load(h: Harness, sizes: Sizes) -> Part:
     d.mount()
     warm_list = h.root / "load-warm.txt"
     warm_list.write_text("".join(f"{u}\n" for u in uuids[:stored]))
-    warmed = decodefs("warm", d.mountpoint, VERSION, size, "--uuids", warm_list, timeout=600)
+    warmed = decodefs("warm", d.mountpoint, VERSION, size, "--keys", warm_list, timeout=600)
     part.check(warmed.returncode == 0, f"decodefs warm failed: {warmed.stderr.strip()}")
 
     before = d.stats()

@@ -238,7 +238,7 @@ def part_memory(h: Harness, sizes: Sizes) -> Part:
     uuids = "".join(f"{p.stem}\n" for p in stored)
     (h.root / "memory-stored.txt").write_text(uuids)
     warmed = decodefs(
-        "warm", d.mountpoint, VERSION, size, "--uuids", h.root / "memory-stored.txt", timeout=600
+        "warm", d.mountpoint, VERSION, size, "--keys", h.root / "memory-stored.txt", timeout=600
     )
     part.check(warmed.returncode == 0, f"decodefs warm failed: {warmed.stderr.strip()}")
     rng = random.Random(2)
