@@ -165,7 +165,7 @@ def format_stats(stats: dict[str, object]) -> str:
                         "layout)" + (f", {left:,} duplicate names left out" if left else ""),
                     )
                 )
-    if "l2" in stats:  # the cluster's L2 (cluster.py)
+    if "l2" in stats:  # the cluster's L2 (cluster/tier.py)
         rows.append(
             (
                 "L2",

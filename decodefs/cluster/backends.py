@@ -12,7 +12,7 @@ fingerprint::
 
 where ``<size>/<shard>/<file name>`` is the tail of ``EntryKey.relpath`` (for a
 uuid: ``<size>/<uuid[:2]>/<uuid>.npy``). Every call blocks: the caller runs
-it in a worker thread (cluster.py). Failures raise ``L2Error`` with a short
+it in a worker thread (tier.py). Failures raise ``L2Error`` with a short
 ``kind`` for counting; an absent object is not a failure. This module knows
 nothing of trio, the engine or images, and never verifies what it reads.
 """

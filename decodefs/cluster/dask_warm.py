@@ -192,7 +192,7 @@ class _Worker:
 
     @contextlib.contextmanager
     def _renewed(self, claim: Claim | None) -> Iterator[None]:
-        """While the body runs, renew ``claim`` (ours) as the tier does (cluster.py), from
+        """While the body runs, renew ``claim`` (ours) as the tier does (tier.py), from
         a thread; then let go of it."""
         if claim is None:
             yield

@@ -107,7 +107,7 @@ class VersionConfig:
         return {**value, **_plain_fields(self.decode)}
 
 
-# -- L2: the cluster's second tier (cluster.py, l2.py) -----------------------------------
+# -- L2: the cluster's second tier (cluster/tier.py, cluster/backends.py) ---------------------
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 
 Shared by the daemon's namespace (namespace.py, whose hot paths take the
 fields apart with the shifts and masks below rather than make a Node), the
-config (the largest size a field holds) and the client reader (reader.py),
+config (the largest size a field holds) and the client reader (client/reader.py),
 which learns an array's version and size from the inode the kernel reports.
 A change to the layout must change INODE_LAYOUT, which the daemon publishes
 in store.json: a reader of another layout then reads through the mount.

@@ -59,7 +59,7 @@ STATUS_DIR: Final = ".decodefs"
 STATS_FILE: Final = "stats.json"  # live counters (JSON)
 METRICS_FILE: Final = "metrics"  # the same, in Prometheus text format
 CONFIG_FILE: Final = "config.json"  # the effective config
-STORE_FILE: Final = "store.json"  # where the store is, for read_array (see reader.py)
+STORE_FILE: Final = "store.json"  # where the store is, for read_array (client/discovery.py)
 # Every status file, as the status directory lists them: a file's inode number
 # follows from its place here (namespace.py), the same in every serving process.
 STATUS_FILES: Final = (STATS_FILE, METRICS_FILE, CONFIG_FILE, STORE_FILE)

@@ -117,7 +117,7 @@ def _serve_mount(
             STATS_FILE: lambda: _json(stats()),
             METRICS_FILE: lambda: render_prometheus(stats()),
             CONFIG_FILE: lambda: _json(config.as_dict()),
-            STORE_FILE: status.to_json,  # what read_array() needs (reader.py)
+            STORE_FILE: status.to_json,  # what read_array() needs (client/discovery.py)
         }
         tree = Tree(config, sources)  # lists protocol.STATUS_FILES, the keys above
         operations = DecodeFS(tree, engine, status_files)

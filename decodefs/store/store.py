@@ -2,11 +2,11 @@
 
 Layout::
 
-    <store>/.decodefs-store           format marker (storeroot.py)
+    <store>/.decodefs-store           format marker (root.py)
     <store>/.catalog.sqlite3          sizes and last access of entries (catalog.py)
     <store>/.index/<version>.json     the cached source index (source.py)
     <store>/.access.sock              readers report the hits they read directly
-    <store>/.tmp/                     temp files, emptied at start (storeroot.py)
+    <store>/.tmp/                     temp files, emptied at start (root.py)
     <store>/.trash/                   discarded versions, deleted in the background
     <store>/<version>/.fingerprint.json                (markers.py)
     <store>/<version>/<size>/<uuid[:2]>/<uuid>.npy     (entry.py: the file format)
@@ -15,7 +15,7 @@ Layout::
 Writes go to ``.tmp`` and are renamed into place: a crash leaves no entry or a
 whole one. There is no fsync, because a torn entry after a power cut fails its
 check and is rebuilt rather than served. The rooms behind this one: the
-directory's life and safety in storeroot.py, fingerprint markers and the trash
+directory's life and safety in root.py, fingerprint markers and the trash
 in markers.py, usage, the catalog fill and eviction in capacity.py, the
 in-place move of ``adopt --move`` in movein.py, the file format and its one
 check in entry.py. Who may read entries is the mount's policy (``shared``:
@@ -134,7 +134,7 @@ class Store:
 
     Concurrency: callers guarantee at most one write or removal per key at a
     time (the engine's single flight). Capacity (capacity.py) has its own
-    locks; the root (storeroot.py) serializes open, ``check`` and close.
+    locks; the root (root.py) serializes open, ``check`` and close.
     """
 
     def __init__(
@@ -231,7 +231,7 @@ class Store:
 
     def check(self) -> bool:
         """Notice a store removed or replaced at runtime, and make it again when it can
-        (storeroot.py). Returns True if the store's state changed (lost, or made
+        (root.py). Returns True if the store's state changed (lost, or made
         again). Call it now and then, and after a write failed for a missing directory.
         """
         return self._root.check()
@@ -505,7 +505,7 @@ class Store:
     # -- internals --------------------------------------------------------------------
 
     def _attach(self, fd: int, writable: bool) -> None:
-        """The directory ``fd`` is the store now (storeroot.py): count from its catalog,
+        """The directory ``fd`` is the store now (root.py): count from its catalog,
         discard versions decoded another way, and fill a new catalog from the files."""
         empty = self._open_catalog(fd, writable)
         if writable:
