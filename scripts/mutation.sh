@@ -23,13 +23,16 @@ fi
 if [ "$#" -gt 0 ]; then
     modules=("$@")
 else
-    modules=(decodefs/daemon/engine.py decodefs/store/store.py decodefs/store/root.py decodefs/store/markers.py
-             decodefs/store/movein.py decodefs/store/capacity.py decodefs/common/entry.py
-             decodefs/daemon/memory.py decodefs/common/source.py decodefs/daemon/namespace.py)
+    modules=(decodefs/daemon/engine.py decodefs/daemon/decodes.py decodefs/daemon/known.py
+             decodefs/daemon/entry_reads.py decodefs/store/store.py decodefs/store/root.py
+             decodefs/store/markers.py decodefs/store/movein.py decodefs/store/capacity.py
+             decodefs/common/entry.py decodefs/common/npy.py decodefs/daemon/memory.py
+             decodefs/common/source.py decodefs/daemon/namespace.py)
 fi
 # The in-process tests: real stores, sources and decodes, no mount.
 tests=(tests/test_engine.py tests/test_fs.py tests/test_tree.py tests/test_store.py
-       tests/test_source.py tests/test_catalog.py tests/test_mirror.py)
+       tests/test_source.py tests/test_catalog.py tests/test_mirror.py tests/test_pagecache.py
+       tests/test_entry.py tests/test_admission.py)
 
 work="$ROOT/.mutation"
 rm -rf "$work"
