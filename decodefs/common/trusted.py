@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from typing import Final
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "READ_FLAGS",
     "UntrustedPath",
     "open_trusted_dir",
+    "opened_directory",
     "owned_alone",
     "owned_alone_problem",
 ]
@@ -125,6 +127,16 @@ def _untrusted(directory: str, st: os.stat_result, path: str) -> str:
         f"the path to {path} must pass only directories of root or uid {os.geteuid()} "
         "that no one else may write to (or sticky ones, like /tmp)"
     )
+
+
+@contextlib.contextmanager
+def opened_directory(path: str | os.PathLike[str]) -> Iterator[int]:
+    """A directory the user named, open (``NAMED_DIRECTORY_FLAGS``) while in the block."""
+    fd = os.open(path, NAMED_DIRECTORY_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def owned_alone(st: os.stat_result, owner: int) -> bool:

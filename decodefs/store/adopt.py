@@ -47,10 +47,10 @@ from ..common.protocol import TRAILER_SIZE
 from ..common.source import OriginalMissing, SourceIndex, scan_source
 from ..common.trusted import (
     DIRECTORY_FLAGS,
-    NAMED_DIRECTORY_FLAGS,
     READ_FLAGS,
     UntrustedPath,
     open_trusted_dir,
+    opened_directory,
 )
 from .store import CannotMove, Store, StoreInUse, StoreWriteError, lock_store
 
@@ -155,7 +155,7 @@ def adopt(
             version, source.source, source.extensions, source.duplicates, store.cache_dir("index")
         )
         started = time.monotonic()
-        with _opened(directory) as root:
+        with opened_directory(directory) as root:
             adoption = _Adoption(config, version, size, (directory, root), store, index)
             adoption.run(sample, seed, move, skip_differing, stop, progress)
         adoption.report.interrupted = stop.is_set()
@@ -439,15 +439,6 @@ class _ShardDirectories:
         if self._fd >= 0:
             os.close(self._fd)
         self._name, self._fd = None, -1
-
-
-@contextlib.contextmanager
-def _opened(directory: Path) -> Iterator[int]:
-    fd = os.open(directory, NAMED_DIRECTORY_FLAGS)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..common.entry import STALE, EntryKey, check_entry_file
-from ..common.trusted import NAMED_DIRECTORY_FLAGS, READ_FLAGS
+from ..common.trusted import READ_FLAGS, opened_directory
 from .catalog import Catalog
 from .markers import recorded_digest
 from .store import CATALOG_FILE, StoreInUse, lock_store
@@ -49,7 +49,7 @@ class StoreBusy(Exception):
 def recorded_digests(root: Path) -> dict[str, bytes]:
     """version -> fingerprint digest, from the store's own .fingerprint.json markers."""
     digests = {}
-    with _opened(root) as fd:
+    with opened_directory(root) as fd:
         with os.scandir(fd) as it:
             versions = [
                 e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
@@ -66,7 +66,7 @@ def verify_store(
 ) -> VerifyReport:
     """Check every entry of ``digests``' versions under ``root``."""
     report = VerifyReport()
-    with _opened(root) as fd, _exclusive(fd) if remove else contextlib.nullcontext():
+    with opened_directory(root) as fd, _exclusive(fd) if remove else contextlib.nullcontext():
         catalog = _catalog(root) if remove else None
         entries = [key for key, _ in iter_entries(fd, digests)]
         for key in tqdm(entries, unit="entry", disable=not progress, mininterval=0.5):
@@ -104,15 +104,6 @@ def _problem(root: int, key: EntryKey, digest: bytes) -> str | None:
 def _catalog(root: Path) -> Catalog | None:
     path = root / CATALOG_FILE
     return Catalog.open(str(path))[0] if path.exists() else None
-
-
-@contextmanager
-def _opened(directory: Path) -> Iterator[int]:
-    fd = os.open(directory, NAMED_DIRECTORY_FLAGS)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 @contextmanager
