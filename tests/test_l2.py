@@ -9,6 +9,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-from decodefs.cluster.backends import L2Backend, L2Error, PosixL2, object_name, open_backend
+from decodefs.cluster.backends import LEASES, L2Backend, L2Error, PosixL2, object_name, open_backend
 from decodefs.cluster.breaker import CircuitBreaker
 from decodefs.cluster.dask_warm import WarmSpec, publish_entry, warm_batch
 from decodefs.cluster.leases import Claim, claim_name, claims, release, renew, take
@@ -34,7 +35,7 @@ from decodefs.common.source import SourceIndex, scan_source
 from decodefs.daemon.engine import Engine
 from decodefs.daemon.stats import snapshot
 from decodefs.store.store import Store
-from tests.helpers import reference_npy, wait_for
+from tests.helpers import WAIT_SECONDS, reference_npy, wait_for
 from tests.servers import S3_ENV, SeaweedFS, seaweed  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.trio
@@ -704,6 +705,56 @@ class BusyL2(PosixL2):
     def create(self, name: str, data: bytes | memoryview) -> bool:
         time.sleep(self.delay)
         return super().create(name, data)
+
+
+class StallingL2(PosixL2):
+    """A shared directory whose fetches of arrays hang once told to, as a network call
+    that never answers, until the test lets them go on."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.stall = threading.Event()
+        self.stalled = threading.Event()
+        self.go_on = threading.Event()
+
+    def get(self, name: str, limit: int) -> bytes | None:
+        if self.stall.is_set() and not name.startswith(LEASES):  # an array, not a claim
+            self.stalled.set()
+            self.go_on.wait(WAIT_SECONDS)
+        return super().get(name, limit)
+
+
+async def test_a_claim_whose_decode_is_cancelled_while_it_looks_again_is_let_go(
+    tmp_path: Path, photos_dir: Path
+) -> None:
+    (tmp_path / "shared").mkdir()
+    cluster = Cluster(tmp_path, photos_dir, str(tmp_path / "shared"), {})
+    backend = StallingL2(tmp_path / "shared")
+    key = EntryKey("v1", SIZE, "cancelled")
+    try:
+        async with cluster.tier("a", backend=backend, **MOCK_KEYS) as tier:
+            miss = tier.miss(key)
+            assert await miss.lookup() is None
+
+            async def decode() -> None:  # as the engine's: a decode that fails lets go
+                try:
+                    await miss.claim()
+                except BaseException:
+                    miss.failed()
+                    raise
+
+            backend.stall.set()  # the claim is taken; the look for the array after it hangs
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(decode)
+                await wait_for(backend.stalled.is_set, what="the look after the claim")
+                assert len(claims(backend, name_of("cancelled"))) == 1
+                nursery.cancel_scope.cancel()  # the reader went away meanwhile
+            backend.go_on.set()
+            await wait_for(
+                lambda: claims(backend, name_of("cancelled")) == [], what="the claim let go"
+            )
+    finally:
+        backend.go_on.set()
 
 
 async def test_a_burst_of_500_misses_on_a_busy_l2_never_opens_the_breaker(

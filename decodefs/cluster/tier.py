@@ -271,6 +271,9 @@ class L2Tier:
             payload = await self._fetch(key, name, urgent=True)
         except L2Unavailable:
             return held
+        except BaseException:  # cancelled before the miss holds it: let go of it here
+            self._let_go(key, name, held)
+            raise
         if payload is not None:
             self._let_go(key, name, held)
             return payload
