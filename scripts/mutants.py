@@ -278,6 +278,17 @@ MUTANTS = [
         "if self._waiting_by[uid] > self.per_user:",
         ("tests/test_admission.py", "tests/test_engine.py"),
     ),
+    Mutant(
+        "claim-kept-when-cancelled",
+        "a claim taken for a decode that is cancelled while it looks for the array again is "
+        "never let go (and renewed for leases)",
+        "decodefs/cluster/tier.py",
+        "        except BaseException:  # cancelled before the miss holds it: let go of it here\n"
+        "            self._let_go(key, name, held)\n"
+        "            raise\n",
+        "",
+        ("tests/test_l2.py",),
+    ),
 ]
 
 
@@ -336,18 +347,7 @@ def main() -> int:
                 print(f"SURVIVED {mutant.name}: {mutant.what} ({seconds:.0f} s)")
             else:
                 print(f"killed   {mutant.name}: {mutant.what} ({seconds:.0f} s), by:")
-                for test in failed or [f"(pytest exit {code})"    Mutant(
-        "claim-kept-when-cancelled",
-        "a claim taken for a decode that is cancelled while it looks for the array again is "
-        "never let go (and renewed for leases)",
-        "decodefs/cluster/tier.py",
-        "        except BaseException:  # cancelled before the miss holds it: let go of it here\n"
-        "            self._let_go(key, name, held)\n"
-        "            raise\n",
-        "",
-        ("tests/test_l2.py",),
-    ),
-]:
+                for test in failed or [f"(pytest exit {code})"]:
                     print(f"           {test}")
     return 1 if survived else 0
 
