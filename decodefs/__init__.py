@@ -19,6 +19,7 @@ loads Pillow.
 
 from typing import TYPE_CHECKING, Final
 
+from . import reader as reader  # decodefs.reader.read_array_into, as documented
 from .client import class_labels, list_keys, read_array
 from .common.npy import npy_bytes, npy_file_size, npy_header
 from .common.version import package_version
@@ -50,21 +51,23 @@ _CONFIG_NAMES: Final = frozenset({"Config", "ConfigError", "VersionConfig", "loa
 _DECODE_NAMES: Final = frozenset({"DecodeError", "DecodeSettings", "decode_image"})
 
 
-def __getattr__(name: str) -> object:
-    """The names of decode and the config, imported at their first use (PEP 562)."""
-    if name in _CONFIG_NAMES:
-        from .common import config
+if not TYPE_CHECKING:  # mypy sees the imports above, and so catches a misspelled name
 
-        value: object = getattr(config, name)
-    elif name in _DECODE_NAMES:
-        from .common import decode
+    def __getattr__(name: str) -> object:
+        """The names of decode and the config, imported at their first use (PEP 562)."""
+        if name in _CONFIG_NAMES:
+            from .common import config
 
-        value = getattr(decode, name)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value  # later uses are plain attributes of the module
-    return value
+            value: object = getattr(config, name)
+        elif name in _DECODE_NAMES:
+            from .common import decode
+
+            value = getattr(decode, name)
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value  # later uses are plain attributes of the module
+        return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*__all__, "reader", "sample", "torch"})

@@ -129,7 +129,7 @@ class Cluster:
         **keys: Any,
     ) -> AsyncIterator[L2Tier]:
         """A node's L2 tier alone (no engine): the test's ``decode`` stands in for its
-        engine's, and calls ``start`` as the engine does once its decode can start.
+        engine's, and asks ``miss.claim()`` as the engine does once its decode can start.
         Without ``running``, the test starts its background tasks (``run``) itself."""
         base = self.base / name
         base.mkdir()

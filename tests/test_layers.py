@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MountFactory
+from tests.helpers import write_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "decodefs"
 FACE = "faces"  # the modules at the package's root: decodefs, decodefs.torch, decodefs.sample
@@ -37,7 +38,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 # `python -m decodefs` runs the command.
 ENTRY_POINT = ("__main__", "cli")
 # The command's one function that may load the daemon (lazily: `decodefs mount`).
-DAEMON_LOADER = ("cli", "run_mount")
+DAEMON_LOADER = ("cli.commands", "run_mount")
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,15 @@ def arrows() -> list[Arrow]:
                     target = node.module.removeprefix("decodefs").lstrip(".")
                 else:
                     continue
-                targets.append((target, tuple(alias.name for alias in node.names)))
+                taken = []
+                for alias in node.names:  # `from .. import daemon` imports the daemon
+                    submodule = f"{target}.{alias.name}" if target else alias.name
+                    if is_module(submodule) and alias.name not in folder_exports(target):
+                        targets.append((submodule, ()))
+                    else:
+                        taken.append(alias.name)
+                if taken:
+                    targets.append((target, tuple(taken)))
             else:
                 for alias in node.names:
                     if (alias.name + ".").startswith("decodefs."):
@@ -101,6 +110,17 @@ def arrows() -> list[Arrow]:
             for target, names in targets:
                 found.append(Arrow(module, target, names, functions.get(node), node.lineno))
     return found
+
+
+def is_module(module: str) -> bool:
+    """Whether ``module`` (dotted below decodefs) is a module or a package of decodefs."""
+    path = PACKAGE.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def folder_exports(package: str) -> set[str]:
+    """What a folder's ``__init__`` exports; nothing for the root or a room."""
+    return exports(package) if package in MAY_IMPORT else set()
 
 
 def exports(package: str) -> set[str]:
@@ -123,7 +143,7 @@ def arrow_problems(arrow: Arrow) -> list[str]:
         return []
     if target not in MAY_IMPORT[source]:
         return [f"{arrow.where}: {source} may not import {target} ({arrow.target})"]
-    if target == "daemon" and (source, arrow.function) != DAEMON_LOADER:
+    if target == "daemon" and (arrow.source, arrow.function) != DAEMON_LOADER:
         return [f"{arrow.where}: the daemon is loaded only by {'.'.join(DAEMON_LOADER)}"]
     if target == "common":
         room = arrow.target.partition(".")[2]
@@ -171,9 +191,10 @@ def test_the_shared_vocabulary_imports_nothing_else_of_decodefs() -> None:
         ("store.store", "daemon", ("serve",), None, True),  # upwards
         ("client.reader", "store", ("Store",), None, True),  # sideways
         ("common.entry", "store", ("Store",), None, True),  # the vocabulary imports nothing
-        ("cli.commands", "daemon", ("serve",), "run_mount", False),
-        ("cli.commands", "daemon", ("serve",), "run_stats", True),  # only to mount
-        ("cli.commands", "daemon", ("serve",), None, True),  # never at import
+        ("cli.commands", "daemon", (), "run_mount", False),
+        ("cli.commands", "daemon", (), "run_stats", True),  # only to mount
+        ("cli.commands", "daemon", (), None, True),  # never at import
+        ("cli.parser", "daemon", (), "run_mount", True),  # only that function of that room
         ("client.keys", "common.protocol", ("STATUS_DIR",), None, False),
         ("client.keys", "common.nothing", ("X",), None, True),
         ("torch", "daemon", ("serve",), None, True),
@@ -218,11 +239,15 @@ def without_daemon(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_error_paths_run_without_pyfuse3_or_trio(tmp_path: Path) -> None:
+def test_error_paths_run_without_pyfuse3_or_trio(tmp_path: Path, originals: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("store = 3\n")
+    good = write_config(tmp_path / "good.toml", tmp_path / "store", {"v1": originals})
     empty = tmp_path / "empty"
     empty.mkdir()
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "a file").write_bytes(b"")
     cases = [
         ("stats", empty),
         ("umount", empty),
@@ -230,6 +255,9 @@ def test_error_paths_run_without_pyfuse3_or_trio(tmp_path: Path) -> None:
         ("verify", tmp_path / "no-such-store"),
         ("mount", empty, "--config", bad),
         ("mount", empty, "--config", tmp_path / "missing.toml"),
+        ("mount", full, "--config", good),  # not empty: the mount would hide its files
+        ("mount", full, "--config", good, "--foreground"),
+        ("mount", tmp_path / "nowhere", "--config", good),
     ]
     for case in cases:
         result = without_daemon(*case)
@@ -303,4 +331,4 @@ def test_the_face_gives_decode_and_the_config_at_their_first_use() -> None:
     assert decodefs.load_config is config.load_config
     assert set(decodefs.__all__) <= set(dir(decodefs))
     with pytest.raises(AttributeError):
-        _ = decodefs.no_such_name
+        _ = decodefs.no_such_name  # type: ignore[attr-defined]

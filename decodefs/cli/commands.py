@@ -8,19 +8,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import json
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..client import warm
+from ..common.advice import empty_version_warning, store_warning
 from ..common.config import load_config
 from ..common.mounts import clear_stale, find_mount, prepare_mountpoint, unmount
 from ..common.protocol import FS_TYPE, STATS_FILE, STATUS_DIR
-from ..common.status import read_status_bytes
+from ..common.status import parse_status, read_status_bytes
 from ..store import adopt, recorded_digests, verify_store
 from .checks import (
     check_log_file,
@@ -62,48 +63,58 @@ def run_mount(args: argparse.Namespace) -> int:
     if args.mkdir:
         with contextlib.suppress(OSError):  # a stale mount there is dealt with below
             os.makedirs(mountpoint, exist_ok=True)
-    from .. import daemon  # here alone: it loads pyfuse3 and trio, which no other command needs
-
-    if log_file is not None:
+    if log_file is None:
+        _setup_logging(args.log_level or config.log_level)
+    else:
         logging.basicConfig(
             level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr
         )
-        # Fail here, in the user's terminal, before the daemon starts.
+    ready = _Ready(args.ready_fd)
+    with ready.reporting():  # fail before the daemon (pyfuse3, trio) is even loaded
         prepare_mountpoint(mountpoint, args.nonempty)
-        warning = daemon.store_warning(config)
-        if warning is not None:  # the daemon logs it too, but the user is here
-            print(f"decodefs: warning: {warning}", file=sys.stderr)
-        pid = daemon.spawn(
-            args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty
-        )
-        print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
-        print("\n".join(serving(Path(mountpoint))))
-        stats = read_stats(Path(mountpoint))
-        versions = stats.get("versions")
-        for name in config.versions:
-            served = versions.get(name) if isinstance(versions, dict) else None
-            if isinstance(served, dict) and served.get("originals") == 0:
-                warning = daemon.empty_version_warning(config, name)
-                print(f"decodefs: warning: {warning}", file=sys.stderr)
+    from .. import daemon  # here alone: it loads pyfuse3 and trio, which no other command needs
+
+    if log_file is None:
+        with ready.reporting():
+            daemon.serve(config, mountpoint, ready.tell, args.nonempty)
         return 0
-
-    _setup_logging(args.log_level or config.log_level)
-    ready_fd: int | None = args.ready_fd
-
-    def on_ready() -> None:
-        nonlocal ready_fd
-        if ready_fd is not None:
-            os.write(ready_fd, b"ready\n")
-            os.close(ready_fd)
-            ready_fd = None
-
-    try:
-        daemon.serve(config, mountpoint, on_ready, args.nonempty)
-    except Exception as exc:
-        if ready_fd is not None and is_user_error(exc):
-            os.write(ready_fd, f"error: {error_text(exc)}".encode())  # the parent prints it
-        raise
+    warning = store_warning(config)
+    if warning is not None:  # the daemon logs it too, but the user is here
+        print(f"decodefs: warning: {warning}", file=sys.stderr)
+    pid = daemon.spawn(args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty)
+    print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
+    print("\n".join(serving(Path(mountpoint))))
+    stats = read_stats(Path(mountpoint))
+    versions = stats.get("versions")
+    for name in config.versions:
+        served = versions.get(name) if isinstance(versions, dict) else None
+        if isinstance(served, dict) and served.get("originals") == 0:
+            warning = empty_version_warning(config, name)
+            print(f"decodefs: warning: {warning}", file=sys.stderr)
     return 0
+
+
+class _Ready:
+    """The pipe a spawning parent waits on (--ready-fd): "ready" once the mount is
+    live, or the user error that stopped it, for the parent to print."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def tell(self) -> None:
+        if self._fd is not None:
+            os.write(self._fd, b"ready\n")
+            os.close(self._fd)
+            self._fd = None
+
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            if self._fd is not None and is_user_error(exc):
+                os.write(self._fd, f"error: {error_text(exc)}".encode())  # the parent prints it
+            raise
 
 
 def run_umount(args: argparse.Namespace) -> int:
@@ -323,7 +334,7 @@ def run_stats(args: argparse.Namespace) -> int:
     path = mountpoint / STATUS_DIR / STATS_FILE
     try:
         raw = read_status_bytes(mountpoint, STATS_FILE)
-        stats = json.loads(raw)
+        stats = parse_status(raw, STATS_FILE)
     except OSError as exc:
         raise mount_failure(args.mountpoint, exc) from None
     except ValueError as exc:
@@ -331,7 +342,6 @@ def run_stats(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(raw.decode())
         return 0
-    stats = stats if isinstance(stats, dict) else {}
     print(format_all_stats(stats) if args.all else format_stats(stats))
     return 0
 

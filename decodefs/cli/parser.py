@@ -148,7 +148,7 @@ def _warm_arguments(add_command: AddCommand) -> None:
         default=os.cpu_count() or 1,
         help="files in flight (default: cores)",
     )
-    # -- decodefs warm --cluster (cluster_warm.py) --
+    # -- decodefs warm --cluster (cluster/dask_warm.py) --
     warm.add_argument(
         "--cluster",
         metavar="SCHEDULER",

@@ -1,7 +1,7 @@
 """Claims to decode an array of the cluster's L2: numbered by term, each created once, and
 removed only by the node that created it. Blocking code over an L2Backend (backends.py),
 run in worker threads by the tier (tier.py) and on Dask workers by the cluster
-warm (cluster_warm.py); it knows nothing of trio, the engine or images.
+warm (dask_warm.py); it knows nothing of trio, the engine or images.
 
 A claim on the array ``<name>`` is the object ``.leases/<name>@<term>`` holding its
 holder and its expiry (unix time). To claim, a node creates the next term with a

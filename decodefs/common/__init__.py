@@ -10,6 +10,7 @@ the ``.npy`` layout (npy) does not load Pillow (decode).
 """
 
 __all__ = [
+    "advice",
     "config",
     "decode",
     "entry",

@@ -147,9 +147,9 @@ ACCESS_SOCKET: Final = ".access.sock"  # in the store; a unix datagram socket
 ACCESS_REPORT_MAX: Final = 65536  # bytes per datagram the daemon reads
 
 
-def encode_access(version: str, size: int, uuid: str) -> bytes:
+def encode_access(version: str, size: int, key: str) -> bytes:
     """One report line: ``version<TAB>size<TAB>uuid<LF>`` (names as file-system bytes)."""
-    return b"%s\t%d\t%s\n" % (os.fsencode(version), size, os.fsencode(uuid))
+    return b"%s\t%d\t%s\n" % (os.fsencode(version), size, os.fsencode(key))
 
 
 def parse_access_report(report: bytes) -> Iterator[tuple[str, int, str]]:

@@ -191,8 +191,8 @@ class SourceIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def find(self, uuid: str) -> int | None:
-        return self._positions.get(uuid)
+    def find(self, key: str) -> int | None:
+        return self._positions.get(key)
 
     def original_path(self, index: int) -> str:
         """The original's path, re-checked to still lie inside the source."""

@@ -9,7 +9,7 @@ import os
 
 from .protocol import STATUS_DIR
 
-__all__ = ["StatusElsewhere", "read_status", "read_status_bytes"]
+__all__ = ["StatusElsewhere", "parse_status", "read_status", "read_status_bytes"]
 
 
 class StatusElsewhere(OSError):
@@ -40,7 +40,11 @@ def read_status(mountpoint: str | os.PathLike[str], name: str) -> dict[str, obje
     Raises OSError as ``read_status_bytes`` does, and ValueError if the file is not
     a JSON object (not JSON, not UTF-8, nested too deep to parse, or another value).
     """
-    data = read_status_bytes(mountpoint, name)
+    return parse_status(read_status_bytes(mountpoint, name), name)
+
+
+def parse_status(data: bytes, name: str) -> dict[str, object]:
+    """The JSON object a status file ``name`` holds; ValueError if it is not one."""
     try:
         value = json.loads(data)
     except RecursionError:

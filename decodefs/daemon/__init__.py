@@ -5,6 +5,6 @@ Imports the shared vocabulary, the store and the cluster tier; the command loads
 it only to mount. Other folders import what this file exports, never its rooms.
 """
 
-from .lifecycle import empty_version_warning, serve, spawn, store_warning
+from .lifecycle import serve, spawn
 
-__all__ = ["empty_version_warning", "serve", "spawn", "store_warning"]
+__all__ = ["serve", "spawn"]

@@ -45,9 +45,7 @@ class BackgroundWarm:
             for size in version.sizes:
                 stored = await trio.to_thread.run_sync(store.stored_keys, version.name, size)
                 todo = iter(
-                    i
-                    for i, uuid in enumerate(self._sources[version.name].keys)
-                    if uuid not in stored
+                    i for i, key in enumerate(self._sources[version.name].keys) if key not in stored
                 )
                 started, before = time.monotonic(), engine.metrics.background_decodes
                 async with trio.open_nursery() as nursery:

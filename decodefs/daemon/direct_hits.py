@@ -49,11 +49,11 @@ class DirectHits:
         store = self._store
         # Only stored arrays are read directly, so no honest reports name more keys.
         limit = min(_MAX_PENDING_ACCESSES, max(1024, store.usage().entries))
-        for version, size, uuid in parse_access_report(report):
+        for version, size, key in parse_access_report(report):
             source = self._sources.get(version)
-            if source is None or size not in self._sizes or source.find(uuid) is None:
+            if source is None or size not in self._sizes or source.find(key) is None:
                 continue
-            if not store.capacity.record_access(EntryKey(version, size, uuid), limit):
+            if not store.capacity.record_access(EntryKey(version, size, key), limit):
                 return  # until the next flush: the LRU order of the rest can wait
             self._metrics.direct_hits += 1
 

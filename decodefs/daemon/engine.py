@@ -36,7 +36,6 @@ import logging
 import os
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import trio
 
@@ -70,8 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -503,7 +500,7 @@ class Engine:
     ) -> tuple[bytes | memoryview, bool]:
         """The array's .npy bytes, and whether they were decoded here: from the cluster's
         L2 when it has them (cluster/tier.py), else decoded here and published. The
-        decode asks the tier whether to run once it can start (``_decode``)."""
+        decode asks the tier whether to run once it can start (``Decodes.decode``)."""
         if self.l2 is None:
             data = await self._decodes.decode(key, index, purpose, flight)
             assert data is not None  # only a claim can stop a decode

@@ -6,8 +6,10 @@ verification or a write of the entry just had in memory (kept, up to
 resident pages on the event loop (a path and pages already in the kernel's
 caches, never a wait for a device); else in a worker thread. Whose an entry
 file's pages are (``Pages``) is decided here alone, from what each read or
-check found, and the pages the daemon brought in for an open are dropped once
-that open is released (store/pagecache.py states the rules; the engine only
+check found (the one drop the store makes itself: a check asked for the
+payload drops the pages it read in, as the READs are served from the payload),
+and the pages the daemon brought in for an open are dropped once that open is
+released (store/pagecache.py states the rules; the engine only
 carries each open's ``Pages`` from ``verified``/``written`` to ``read`` and
 ``release``).
 
@@ -76,7 +78,7 @@ class EntryReads:
     def fresh_bytes(self) -> int:
         return int(self._fresh.currsize)
 
-    def keep_fresh(self, key: EntryKey, payload: bytes | memoryview) -> None:
+    def _keep_fresh(self, key: EntryKey, payload: bytes | memoryview) -> None:
         """Keep ``payload``, ``key``'s .npy bytes just verified or written, for the
         READs that follow (an array bigger than the whole room is not kept)."""
         if len(payload) <= self._fresh.maxsize:
@@ -94,14 +96,14 @@ class EntryReads:
         it) for the READs that follow, and say whose the entry file's pages are."""
         self._metrics.page_drops += found.dropped
         if found.payload is not None:
-            self.keep_fresh(key, found.payload)
+            self._keep_fresh(key, found.payload)
         return Pages.READ_IN if found.brought_in else Pages.NOT_OURS
 
     def written(self, key: EntryKey, payload: bytes | memoryview, *, read_next: bool) -> Pages:
         """``key``'s entry was just written from ``payload``: if READs come next, they
         are served from these bytes, not read back. Its pages are the daemon's."""
         if read_next:
-            self.keep_fresh(key, payload)
+            self._keep_fresh(key, payload)
         return Pages.WRITTEN
 
     async def read(

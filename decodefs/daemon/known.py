@@ -118,8 +118,8 @@ class KnownEntries:
                 if self._store.generation != generation:
                     return  # the store was lost meanwhile: what it held is gone
                 stored = self.stored_map(version, size)
-                for uuid in keys:
-                    index = source.find(uuid)
+                for key in keys:
+                    index = source.find(key)
                     if index is not None:
                         stored.set(index, True)
                 await trio.lowlevel.checkpoint()

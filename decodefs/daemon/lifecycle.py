@@ -20,6 +20,7 @@ from typing import Final
 import trio
 
 from ..cluster import L2Tier, open_backend
+from ..common.advice import empty_version_warning, store_warning
 from ..common.config import Config
 from ..common.decode import quiet_pillow_warnings
 from ..common.inodes import INODE_LAYOUT
@@ -45,12 +46,7 @@ from .process import raise_open_file_limit, raise_readahead, return_large_alloca
 from .spawn import spawn
 from .stats import snapshot
 
-__all__ = [
-    "empty_version_warning",
-    "serve",
-    "spawn",
-    "store_warning",
-]
+__all__ = ["serve", "spawn"]
 
 log = logging.getLogger(__name__)
 
@@ -276,48 +272,6 @@ def _l2_tier(config: Config) -> L2Tier | None:
     tier = L2Tier(open_backend(config.l2), config.l2, fingerprints)
     log.info("L2: %s (lease %g s)", tier.backend.description, config.l2.lease_seconds)
     return tier
-
-
-def empty_version_warning(config: Config, version: str) -> str:
-    """What a user should hear about a version whose source holds no original."""
-    settings = config.versions[version]
-    extensions = ", ".join(sorted(settings.extensions))
-    return (
-        f"version {version} serves nothing: 0 originals under {settings.source} "
-        f"(files ending in {extensions}, any case, found recursively); check "
-        f"versions.{version}.source and extensions"
-    )
-
-
-def store_warning(config: Config) -> str | None:
-    """Why the store will fail open from the start (read-only, full, cannot be created), or None.
-
-    Not an error: the daemon then serves every array the store lacks from
-    memory, but the user should hear of it when mounting, not in a log.
-    """
-    existing = config.store
-    while not os.path.isdir(existing) and existing != existing.parent:
-        existing = existing.parent
-    try:
-        vfs = os.statvfs(existing)
-    except OSError:
-        return None  # cannot tell; the daemon logs what it finds
-    smallest = min((s for v in config.versions.values() for s in v.sizes), default=config.min_size)
-    if vfs.f_flag & os.ST_RDONLY:
-        reason = "is on a read-only filesystem"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        reason = "is not writable by this user"
-    elif vfs.f_bavail * vfs.f_frsize < 3 * smallest * smallest or vfs.f_favail == 0:
-        reason = "is on a full filesystem"
-    else:
-        return None
-    where = f"store {config.store}"
-    if existing != config.store:
-        where += f" cannot be created: {existing}"
-    return (
-        f"{where} {reason}; arrays not already stored will be decoded and served "
-        "from memory (memory_cache_bytes)"
-    )
 
 
 def _json(value: object) -> bytes:

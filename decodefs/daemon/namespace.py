@@ -71,7 +71,7 @@ _DIRECTORY_KINDS: Final = (Kind.VERSION, Kind.SIZE, Kind.SHARD, Kind.FOLDER)
 
 
 class ArrayRows(NamedTuple):
-    """Entry ``i`` of ``rows`` is named uuids[i][strip:] + ".npy", has inode
+    """Entry ``i`` of ``rows`` is named keys[i][strip:] + ".npy", has inode
     ``base_ino | i`` and the attributes of ``sample``; the listing resumes at
     offset i + offset_delta."""
 
@@ -187,8 +187,8 @@ class Tree:
             or len(name) == len(ARRAY_SUFFIX_BYTES)
         ):
             return None
-        uuid = name[: -len(ARRAY_SUFFIX_BYTES)].decode(_FS_ENCODING, "surrogateescape")
-        index = self._finders[version](uuid)
+        key = name[: -len(ARRAY_SUFFIX_BYTES)].decode(_FS_ENCODING, "surrogateescape")
+        index = self._finders[version](key)
         if index is None:
             return None
         return (_ENTRY_KIND << KIND_SHIFT) | (parent_ino & _BELOW_KIND) | index
@@ -342,8 +342,8 @@ class Tree:
         stem = key_of_bytes(name)
         if stem is None:
             return None
-        uuid = os.fsdecode(stem)
-        index = self._finders[parent.version](uuid)
+        key = os.fsdecode(stem)
+        index = self._finders[parent.version](key)
         return Node(Kind.ENTRY, parent.version, parent.size, index) if index is not None else None
 
     def _folder(self, node: Node) -> Folder | None:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Mapping
 
 from ..common.entry import EntryKey
+from ..common.names import is_array_name
 from ..common.trusted import DIRECTORY_FLAGS
 
 __all__ = ["iter_entries"]
@@ -47,7 +48,7 @@ def _entry_files(directory: int) -> Iterator[tuple[str, os.stat_result]]:
     try:
         with os.scandir(directory) as it:
             for entry in it:
-                if entry.name.endswith(".npy") and entry.is_file(follow_symlinks=False):
+                if is_array_name(entry.name) and entry.is_file(follow_symlinks=False):
                     with contextlib.suppress(OSError):
                         yield entry.name, entry.stat(follow_symlinks=False)
     except OSError:
