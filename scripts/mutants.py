@@ -186,7 +186,7 @@ MUTANTS = [
     Mutant(
         "fingerprint-change-keeps-entries",
         "a new fingerprint does not discard the version's stored arrays",
-        "decodefs/store/markers.py",
+        "decodefs/store/fingerprints.py",
         "        if recorded is not None:\n            log.warning(",
         "        if False:\n            log.warning(",
         ("tests/test_engine.py", "tests/test_store.py"),

@@ -25,7 +25,7 @@ if [ "$#" -gt 0 ]; then
 else
     modules=(decodefs/daemon/engine.py decodefs/daemon/decodes.py decodefs/daemon/known.py
              decodefs/daemon/entry_reads.py decodefs/store/store.py decodefs/store/root.py
-             decodefs/store/markers.py decodefs/store/movein.py decodefs/store/capacity.py
+             decodefs/store/fingerprints.py decodefs/store/movein.py decodefs/store/capacity.py
              decodefs/common/entry.py decodefs/common/npy.py decodefs/daemon/memory.py
              decodefs/common/source.py decodefs/daemon/namespace.py)
 fi

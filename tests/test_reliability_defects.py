@@ -23,7 +23,7 @@ from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_bytes
 from decodefs.common.protocol import STORE_FORMAT
-from decodefs.daemon.pools import LowPriorityPool
+from decodefs.daemon.workers import LowPriorityPool
 from decodefs.store.store import Store
 from tests.conftest import MountFactory
 from tests.helpers import errno_of

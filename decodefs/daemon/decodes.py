@@ -4,7 +4,7 @@ remembered a while (the negative cache).
 
 Pillow releases the GIL, so a reader's decode runs in a worker thread under a
 limiter sized to the cores; the warm's run on their own low-priority threads
-(pools.py), so a reader never waits for a slot behind the warm and gets the
+(workers.py), so a reader never waits for a slot behind the warm and gets the
 CPU first, and a reader waiting on a warm decode boosts it. Runs on the trio
 thread but for the worker threads. Knows the sources and the decode function;
 not the store, not single flight (the engine's), not FUSE.
@@ -30,8 +30,7 @@ from ..common.metrics import LogThrottle, Metrics
 from ..common.npy import npy_bytes
 from ..common.source import OriginalMissing, SourceIndex
 from .memory import MemoryBudget
-from .pools import Job, LowPriorityPool
-from .threads import run_in_thread
+from .workers import Job, LowPriorityPool, run_in_thread
 
 __all__ = ["Decodes", "OriginalNotFound", "OriginalUndecodable", "Purpose", "WarmJob"]
 

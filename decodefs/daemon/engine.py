@@ -57,9 +57,8 @@ from .decodes import Decodes, OriginalNotFound, OriginalUndecodable, Purpose
 from .entry_reads import EntryReads, Pages
 from .known import KnownEntries
 from .memory import HeldArray, MemoryBudget, MemoryCache
-from .pools import Job
-from .threads import run_in_thread
 from .upkeep import ACCESS_FLUSH_SECONDS, STORE_CHECK_SECONDS, StoreUpkeep
+from .workers import Job, run_in_thread
 
 __all__ = [
     "Engine",

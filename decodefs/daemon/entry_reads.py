@@ -33,7 +33,7 @@ import trio
 from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
 from ..store import PendingDrops, Store, VerifiedEntry, pagecache
-from .threads import run_in_thread
+from .workers import run_in_thread
 
 __all__ = ["FRESH_BYTES", "EntryReads", "Pages"]
 

@@ -18,7 +18,7 @@ from ..common.entry import EntryKey
 from ..common.source import SourceIndex
 from ..store import Store
 from .entry_reads import EntryReads
-from .threads import run_in_thread
+from .workers import run_in_thread
 
 __all__ = ["Bitmap", "KnownEntries"]
 

@@ -16,7 +16,7 @@ import trio
 from ..common.metrics import LogThrottle
 from ..store import Store
 from .known import KnownEntries
-from .threads import run_in_thread
+from .workers import run_in_thread
 
 __all__ = ["ACCESS_FLUSH_SECONDS", "STORE_CHECK_SECONDS", "StoreUpkeep"]
 

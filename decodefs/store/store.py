@@ -8,7 +8,7 @@ Layout::
     <store>/.access.sock              readers report the hits they read directly
     <store>/.tmp/                     temp files, emptied at start (root.py)
     <store>/.trash/                   discarded versions, deleted in the background
-    <store>/<version>/.fingerprint.json                (markers.py)
+    <store>/<version>/.fingerprint.json                (fingerprints.py)
     <store>/<version>/<size>/<uuid[:2]>/<uuid>.npy     (entry.py: the file format)
     <store>/<version>/<size>/%<hh>/<escaped key>.npy   a key with "/" (entry.py)
 
@@ -16,7 +16,7 @@ Writes go to ``.tmp`` and are renamed into place: a crash leaves no entry or a
 whole one. There is no fsync, because a torn entry after a power cut fails its
 check and is rebuilt rather than served. The rooms behind this one: the
 directory's life and safety in root.py, fingerprint markers and the trash
-in markers.py, usage, the catalog fill and eviction in capacity.py, the
+in fingerprints.py, usage, the catalog fill and eviction in capacity.py, the
 in-place move of ``adopt --move`` in movein.py, the file format and its one
 check in entry.py. Who may read entries is the mount's policy (``shared``:
 ``allow_other``), and every file's and directory's mode says the same. This
@@ -50,7 +50,7 @@ from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .markers import check_fingerprint, start_trash_cleanup
+from .fingerprints import check_fingerprint, start_trash_cleanup
 from .movein import CannotMove
 from .root import (
     StoreError,

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ..common.entry import STALE, EntryKey, check_entry_file
 from ..common.trusted import READ_FLAGS, opened_directory
 from .catalog import Catalog
-from .markers import recorded_digest
+from .fingerprints import recorded_digest
 from .store import CATALOG_FILE, StoreInUse, lock_store
 from .walk import iter_entries
 
