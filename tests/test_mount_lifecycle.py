@@ -63,6 +63,22 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
     return True
 
 
+def test_stats_and_metrics_name_the_version_serving_and_when_it_started(
+    mounts: MountFactory, photos_dir: Path
+) -> None:
+    before = time.time()
+    mount = mounts({"v1": photos_dir})
+    stats = mount.stats()
+    installed = decodefs("--version").stdout.split()[1]
+    assert stats["version"] == installed  # the code installed now is the code serving
+    assert before - 1 <= stats["started"] <= time.time()
+    metrics = mount.path(".decodefs", "metrics").read_text()
+    assert f'decodefs_build_info{{version="{installed}"}} 1.0' in metrics
+    assert re.search(r"^decodefs_start_time_seconds \d", metrics, re.MULTILINE)
+    table = decodefs("stats", mount.mountpoint).stdout
+    assert f"decodefs {installed} (pid {stats['pid']}), started " in table
+
+
 def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(
     tmp_path: Path, mountpoint: Path, photos_dir: Path, photos: dict[str, Path]
 ) -> None:

@@ -59,7 +59,14 @@ def full_snapshot(tmp_path: Path, photos_dir: Path) -> Iterator[dict[str, object
     engine.metrics.decode_seconds.observe(0.1)
     tier.metrics.errors["timeout"] += 1
     try:
-        yield snapshot(engine, sources, pid=os.getpid(), mountpoint="/mnt/decoded")
+        yield snapshot(
+            engine,
+            sources,
+            pid=os.getpid(),
+            mountpoint="/mnt/decoded",
+            version="0.1.0+g0123456789ab",
+            started=engine.metrics.started,
+        )
     finally:
         engine.close()
         store.close()

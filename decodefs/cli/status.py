@@ -5,6 +5,7 @@ tables and what `decodefs mount` says it serves. Knows no argument and no daemon
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Final
 
@@ -114,6 +115,7 @@ def format_stats(stats: dict[str, object]) -> str:
     decode_sum = latency.get("sum", 0.0) if isinstance(latency, dict) else 0.0
     mean_ms = f"{1000 * decode_sum / decode_count:.0f} ms" if decode_count else "-"
     rows = [
+        *_served_by(stats),
         ("hits", f"{n('hits'):,} through the mount"),
         ("direct hits", f"{n('direct_hits'):,} read straight from the store by read_array"),
         ("misses", f"{n('misses'):,} ({n('coalesced'):,} joined a decode already running)"),
@@ -176,6 +178,17 @@ def format_stats(stats: dict[str, object]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _served_by(stats: dict[str, object]) -> list[tuple[str, str]]:
+    """The row naming the process that serves the mount: its version, pid and start."""
+    version, started, pid = stats.get("version"), stats.get("started"), stats.get("pid")
+    if version is None:  # a daemon older than these figures
+        return []
+    when = "at an unknown time"
+    if isinstance(started, int | float):
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))
+    return [("serving", f"decodefs {version} (pid {pid}), started {when}")]
 
 
 def format_all_stats(stats: dict[str, object]) -> str:

@@ -197,6 +197,22 @@ STATS: Final = (
     ),
     Stat("pid", "gauge", "", "The daemon's process id", daemon=True),
     Stat("mountpoint", "text", "", "Where the daemon is mounted", daemon=True),
+    Stat(
+        "version",
+        "text",
+        "",
+        "The decodefs the serving process runs (+g<commit> when from a clone)",
+        daemon=True,
+        family="build",
+    ),
+    Stat(
+        "started",
+        "gauge",
+        "seconds",
+        "When the serving process started (Unix time)",
+        daemon=True,
+        family="start_time_seconds",
+    ),
     # -- the cluster's L2 tier (cluster/tier.py) --
     Stat("l2", "text", "", "The L2 tier (its URL or directory)", l2=True),
     Stat(

@@ -34,6 +34,7 @@ from ..common.protocol import (
     StoreStatus,
 )
 from ..common.source import scan_source
+from ..common.version import package_version
 from ..store import Store
 from .background_warm import BackgroundWarm
 from .debug import dump_on_sigusr1, stacks_on_sigusr1
@@ -107,7 +108,14 @@ def _serve_mount(
         )
 
         def stats() -> dict[str, object]:
-            return snapshot(engine, sources, pid=os.getpid(), mountpoint=mountpoint)
+            return snapshot(
+                engine,
+                sources,
+                pid=os.getpid(),
+                mountpoint=mountpoint,
+                version=package_version(),
+                started=round(engine.metrics.started, 3),
+            )
 
         status_files: dict[str, Callable[[], bytes]] = {
             STATS_FILE: lambda: _json(stats()),
