@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +79,36 @@ def test_stats_and_metrics_name_the_version_serving_and_when_it_started(
     assert re.search(r"^decodefs_start_time_seconds \d", metrics, re.MULTILINE)
     table = decodefs("stats", mount.mountpoint).stdout
     assert f"decodefs {installed} (pid {stats['pid']}), started " in table
+
+
+def test_a_mount_started_beside_a_clone_runs_the_installed_package_from_the_root(
+    tmp_path: Path, photos_dir: Path
+) -> None:
+    beside = tmp_path / "home"
+    (beside / "decodefs").mkdir(parents=True)  # a clone of decodefs: no __init__.py at its top
+    (beside / "decodefs" / "README.md").write_text("a clone\n")
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    command = str(Path(sys.executable).parent / "decodefs")  # as a user runs it
+    try:
+        mounted = subprocess.run(
+            [command, "mount", str(mnt), "--config", str(config)],
+            cwd=beside,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert mounted.returncode == 0, mounted.stderr
+        pid = json.loads((mnt / ".decodefs" / "stats.json").read_bytes())["pid"]
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+        assert Path(mnt, "v1").is_dir()
+        unmounted = subprocess.run(
+            [command, "umount", str(mnt)], cwd=beside, capture_output=True, text=True, timeout=120
+        )
+        assert unmounted.returncode == 0, unmounted.stderr
+    finally:
+        unmount_quietly(mnt)
 
 
 def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(

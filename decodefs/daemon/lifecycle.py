@@ -72,6 +72,7 @@ def _serve_mount(
     config: Config, mountpoint: str, on_ready: Callable[[], None] | None, nonempty: bool
 ) -> None:
     mountpoint = os.path.abspath(mountpoint)
+    os.chdir("/")  # the daemon holds none of the user's directories (paths are absolute)
     notifier = ServiceNotifier.from_environment()
     prepare_mountpoint(mountpoint, nonempty)
     warning = store_warning(config)

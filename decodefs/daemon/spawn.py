@@ -34,8 +34,11 @@ def spawn(
     except OSError as exc:
         raise MountError(f"log file {log_file} cannot be written: {exc.strerror}") from None
     read_end, write_end = os.pipe()
+    # -P and the root directory: the daemon imports the installed package, never a
+    # `decodefs` folder where the user stood (a clone), and holds none of the user's
+    # directories (which a umount of them would find busy).
     command = [
-        sys.executable, "-m", "decodefs", "mount", mountpoint,
+        sys.executable, "-P", "-m", "decodefs", "mount", os.path.abspath(mountpoint),
         "--config", str(config_path), "--foreground", "--ready-fd", str(write_end),
     ]  # fmt: skip
     if log_level:
@@ -45,6 +48,7 @@ def spawn(
     with log_stream:
         child = subprocess.Popen(
             command,
+            cwd="/",
             stdin=subprocess.DEVNULL,
             stdout=log_stream,
             stderr=log_stream,
