@@ -111,11 +111,13 @@ def clock() -> trio.testing.MockClock:
     return trio.testing.MockClock()
 
 
-async def stored(d: InProcess) -> Path:
-    """Store UUID's array (a miss), let its written pages go, and give its entry path."""
+async def stored(d: InProcess, *, evict: bool = True) -> Path:
+    """Store UUID's array (a miss), let its written pages go (``evict``: a test of the
+    page cache; a test of the entry alone runs on a tmpfs too), and give its path."""
     await d.array("v1", SIZE, UUID)
     path = d.entry_path("v1", SIZE, UUID)
-    evict_pages(path)
+    if evict:
+        evict_pages(path)
     return path
 
 
@@ -382,7 +384,7 @@ async def test_a_stored_array_opens_with_no_disk_and_its_first_read_verifies(
     daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
-    path = await stored(d)
+    path = await stored(d, evict=False)  # about the entry, not its pages
     d.close()
     d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
     await d.engine.known.note_stored()  # what the catalog says is stored
@@ -406,7 +408,7 @@ async def test_an_open_of_a_stored_array_whose_entry_is_gone_reads_it_right(
     daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
-    path = await stored(d)
+    path = await stored(d, evict=False)  # about the entry, not its pages
     d.close()
     d = daemons({"v1": originals}, version_keys={"sizes": [SIZE]})
     await d.engine.known.note_stored()
@@ -419,7 +421,7 @@ async def test_a_short_entry_is_rebuilt_not_served(
     daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals})
-    path = await stored(d)
+    path = await stored(d, evict=False)  # about the entry, not its pages
     d = fresh(daemons, originals, d, clock)
     await d.array("v1", SIZE, UUID)  # verified in this life
     handle = await d.open("v1", SIZE, UUID)
@@ -433,7 +435,7 @@ async def test_an_entry_removed_after_its_open_is_still_read_right(
     daemons: DaemonFactory, originals: Path, clock: trio.testing.MockClock
 ) -> None:
     d = daemons({"v1": originals})
-    path = await stored(d)
+    path = await stored(d, evict=False)  # about the entry, not its pages
     d = fresh(daemons, originals, d, clock)
     handle = await d.open("v1", SIZE, UUID)  # verified: its bytes are kept for its READs
     path.unlink()
