@@ -21,6 +21,7 @@ from tests.conftest import MountFactory
 from tests.helpers import (
     decodefs,
     errno_of,
+    is_live_mount,
     is_mounted,
     reference_npy,
     unmount_quietly,
@@ -109,6 +110,92 @@ def test_a_mount_started_beside_a_clone_runs_the_installed_package_from_the_root
         assert unmounted.returncode == 0, unmounted.stderr
     finally:
         unmount_quietly(mnt)
+
+
+def closed_pipe() -> int:
+    """The write end of a pipe nobody reads any more (as `| head -1` leaves it)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    return write_end
+
+
+def test_output_to_a_closed_pipe_ends_quietly_and_the_mount_stays(
+    tmp_path: Path, photos_dir: Path
+) -> None:
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    pipe = closed_pipe()
+    try:
+        for args in (("mount", mnt, "--config", config), ("stats", mnt)):
+            result = subprocess.run(
+                [sys.executable, "-m", "decodefs", *map(str, args)],
+                stdout=pipe,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+            assert result.returncode == 141, (args, result.stderr)  # 128 + SIGPIPE
+            assert result.stderr == "", (args, result.stderr)  # no traceback, no noise
+            assert is_live_mount(mnt)  # the mount was made, and stays
+    finally:
+        os.close(pipe)
+        unmount_quietly(mnt)
+
+
+@pytest.mark.parametrize(
+    ("stop", "status"),
+    [(signal.SIGINT, 130), (signal.SIGKILL, -signal.SIGKILL)],
+    ids=["ctrl-c", "kill-9"],
+)
+def test_a_mount_command_stopped_while_its_mount_starts_leaves_no_mount(
+    tmp_path: Path, photos_dir: Path, stop: signal.Signals, status: int
+) -> None:
+    """Ctrl-C stops the daemon it started; a command killed outright cannot, so the
+    daemon, finding nobody to tell that the mount is live, unmounts by itself."""
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    mnt, log = tmp_path / "mnt", tmp_path / "daemon.log"
+    mnt.mkdir()
+    command = [sys.executable, "-m", "decodefs", "mount", str(mnt), "--config", str(config)]
+    parent = subprocess.Popen(
+        [*command, "--log-file", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+
+        def daemon() -> int | None:
+            """The daemon the parent started, once it runs (and the parent waits for it)."""
+            if not log.exists():
+                return None
+            for pid in os.listdir("/proc"):
+                if (
+                    pid.isdigit()
+                    and int(pid) != parent.pid
+                    and f"{mnt}\0".encode() in _cmdline(pid)
+                ):
+                    return int(pid)
+            return None
+
+        child = wait_until(daemon, what="the daemon started")
+        parent.send_signal(stop)
+        assert parent.wait(timeout=60) == status
+        wait_until(lambda: not _cmdline(str(child)), what="the daemon stopped")
+        assert not is_mounted(mnt)
+        assert "Traceback" not in log.read_text(errors="replace")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in os.listdir("/proc"):  # a daemon left running, if the test failed
+            if pid.isdigit() and f"{mnt}\0".encode() in _cmdline(pid):
+                os.kill(int(pid), signal.SIGKILL)
+        unmount_quietly(mnt)
+
+
+def _cmdline(pid: str) -> bytes:
+    """A process's command line; nothing for one that is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_background_mount_returns_once_live_and_umount_waits_for_the_daemon(

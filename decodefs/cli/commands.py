@@ -102,8 +102,18 @@ class _Ready:
         self._fd = fd
 
     def tell(self) -> None:
-        if self._fd is not None:
+        if self._fd is None:
+            return
+        try:
             os.write(self._fd, b"ready\n")
+        except BrokenPipeError:
+            # The command that asked for this mount is gone before it heard that the
+            # mount is live (Ctrl-C): the mount is not wanted. SIGTERM unmounts cleanly.
+            logging.getLogger(__name__).warning(
+                "the command that started this mount is gone; unmounting"
+            )
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
             os.close(self._fd)
             self._fd = None
 

@@ -19,6 +19,7 @@ from ..common.source import SourceError
 from ..store import AdoptError, StoreBusy, StoreError
 
 __all__ = [
+    "EXIT_BROKEN_PIPE",
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
     "UsageError",
@@ -30,6 +31,7 @@ __all__ = [
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer the pipe killed
 
 
 class UsageError(Exception):

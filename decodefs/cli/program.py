@@ -4,9 +4,11 @@ error as one line instead of a traceback. Knows no command's arguments or work.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 
-from .errors import EXIT_ERROR, EXIT_INTERRUPTED, is_user_error, print_error
+from .errors import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, is_user_error, print_error
 from .parser import build_parser
 
 __all__ = ["main"]
@@ -20,6 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Whoever read our output went away (`decodefs mount ... | head -1`): what was
+        # done stays done, and nothing more is said on the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as exc:
         if not is_user_error(exc):
             raise

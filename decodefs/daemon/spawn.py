@@ -10,10 +10,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Final
 
-from ..common.mounts import MountError
+from ..common.mounts import MountError, clear_stale
 
 __all__ = ["spawn"]
+
+# How long a daemon stopped before it was live may take to unmount and exit.
+_STOP_SECONDS: Final = 30.0
 
 
 def spawn(
@@ -57,7 +61,11 @@ def spawn(
         )
     os.close(write_end)
     with os.fdopen(read_end, "rb") as ready:
-        message = ready.read()  # EOF when the child exits or closes the fd
+        try:
+            message = ready.read()  # EOF when the child exits or closes the fd
+        except KeyboardInterrupt:  # Ctrl-C: the mount is not wanted after all
+            _stop(child, mountpoint)
+            raise
     if message.startswith(b"ready"):
         return child.pid
     code = child.wait()
@@ -67,6 +75,18 @@ def spawn(
     raise MountError(
         f"daemon exited with status {code} before the mount was live; {log_file} ends:\n{tail}"
     )
+
+
+def _stop(child: subprocess.Popen[bytes], mountpoint: str) -> None:
+    """Stop a daemon that is not live yet: SIGTERM unmounts it if it got that far, and
+    a mount it leaves behind (stopped between mounting and serving) is cleared."""
+    child.terminate()
+    try:
+        child.wait(timeout=_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    clear_stale(mountpoint)
 
 
 def _tail(path: Path, lines: int = 20) -> str:
