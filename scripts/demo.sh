@@ -2,12 +2,13 @@
 # The main job on a generated sample corpus: install what is missing, make
 # photo-like JPEGs, mount, read every array twice (epoch 1 decodes, epoch 2 is
 # a cache read), show the stats, unmount.
-#   DECODEFS_DEMO_DIR   where corpus, store and mount live (default /tmp/decodefs-demo)
+#   DECODEFS_DEMO_DIR   where corpus, store and mount live (default $TMPDIR/decodefs-demo,
+#                       /tmp/decodefs-demo, removed once the demo succeeds; one you name is kept)
 #   DEMO_COUNT          number of sample JPEGs (default 32)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 
-work="${DECODEFS_DEMO_DIR:-/tmp/decodefs-demo}"
+work="${DECODEFS_DEMO_DIR:-${TMPDIR:-/tmp}/decodefs-demo}"
 count="${DEMO_COUNT:-32}"
 decodefs="$VENV/bin/decodefs"
 mnt="$work/mnt"
@@ -32,4 +33,9 @@ echo
 echo
 "$decodefs" umount "$mnt"
 trap - EXIT
-echo "decodefs: unmounted $mnt (daemon log: $work/daemon.log)"
+if [ -z "${DECODEFS_DEMO_DIR:-}" ]; then
+    rm -rf "$work" # the demo leaves nothing behind (on a failure, its log stays there)
+    echo "decodefs: unmounted $mnt, and removed $work"
+else
+    echo "decodefs: unmounted $mnt (daemon log: $work/daemon.log)"
+fi

@@ -201,7 +201,7 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sample]:
         "/etc/decodefs/config.toml": str(config),
         "/mnt/flash/decodefs": str(store),
         "/mnt/decoded": str(mountpoint),
-        "/data/dermadetect/v1/images": str(v1),
+        "/data/photos/v1/images": str(v1),
         "/data/v1/images": str(v1),
         "/data/pets/train": str(pets),
         "/tmp/decodefs-sample": str(base / "made-samples"),
@@ -271,19 +271,22 @@ def test_the_quick_start_demo_prints_what_the_readme_shows(tmp_path: Path) -> No
     venv = REPO / ".venv"
     if Path(sys.prefix).resolve() != venv.resolve() or not (venv / ".decodefs-installed").exists():
         pytest.skip("the demo installs into the clone's .venv; these tests run elsewhere")
+    env = {k: v for k, v in os.environ.items() if k != "DECODEFS_DEMO_DIR"}
     result = subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh")],
-        env={**os.environ, "DECODEFS_DEMO_DIR": str(tmp_path), "DEMO_COUNT": "4"},
+        env={**env, "TMPDIR": str(tmp_path), "DEMO_COUNT": "4"},
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert not is_mounted(tmp_path / "mnt")
+    work = tmp_path / "decodefs-demo"
+    assert not is_mounted(work / "mnt")
+    assert not work.exists(), "the demo left its directory behind"
     shown = next(b for b in ALL_BLOCKS if b.language == "text" and "epoch 1, np.load" in b.code)
     printed = result.stdout.splitlines()
-    for line in shown.code.replace("/tmp/decodefs-demo", str(tmp_path)).splitlines():
+    for line in shown.code.replace("/tmp/decodefs-demo", str(work)).splitlines():
         pattern = loose(line)
         assert any(re.fullmatch(pattern, p) for p in printed), (
             f"the README shows {line!r}; the demo printed:\n{result.stdout}"

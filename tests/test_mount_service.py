@@ -110,6 +110,8 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
     for unit in ["decodefs.service", "decodefs@demo.service"]:
         text = (units / unit).read_text()  # the instance is a link to the template
         assert f"ExecStart={decodefs_command} mount --mkdir --foreground" in text
+        header = "".join(line for line in text.splitlines(True) if line.startswith("#"))
+        assert str(decodefs_command) not in header  # the comment still reads as written
         assert "StartLimitBurst=" in text
         assert "Type=notify" in text and "WatchdogSec=" in text and "Restart=on-failure" in text
         for hides_the_mount in [
