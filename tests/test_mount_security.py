@@ -10,12 +10,14 @@ from __future__ import annotations
 import errno
 import io
 import os
+import shutil
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.conftest import MountFactory, needs_root
 from tests.helpers import (
@@ -198,3 +200,23 @@ def test_files_held_open_by_another_user_cannot_starve_the_daemons_memory(
     assert stats["memory_waits"] == 0 and stats["memory_refills"] >= 8
     assert stats["memory_bytes"] <= budget and stats["store_entries"] == 3
     assert stats["unlisted_not_stored"] == stats["decodes"] - 3 >= len(sizes)
+
+
+def test_a_user_who_may_not_open_dev_fuse_is_told_so_when_mounting(
+    shared_tmp: Path, photos: dict[str, Path]
+) -> None:
+    if os.stat("/dev/fuse").st_mode & 0o006 == 0o006:
+        pytest.skip("/dev/fuse is open to every user here: nothing to be told")
+    originals = shared_tmp / "originals"
+    originals.mkdir()
+    shutil.copy(next(iter(photos.values())), originals)
+    config = write_config(shared_tmp / "config.toml", shared_tmp / "store", {"v1": originals})
+    (shared_tmp / "mnt").mkdir()
+    for path in [shared_tmp, *shared_tmp.rglob("*")]:
+        os.chown(path, NOBODY, NOBODY)
+    command: list[str | Path] = [sys.executable, "-m", "decodefs", "mount", shared_tmp / "mnt"]
+    result = as_nobody(*command, "--config", config, "--foreground")
+    stderr = result.stderr.decode()
+    assert result.returncode == 1, stderr
+    assert f"/dev/fuse (crw-------) cannot be opened by uid {NOBODY}" in stderr, stderr
+    assert "Traceback" not in stderr

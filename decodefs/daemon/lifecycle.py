@@ -12,7 +12,9 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final
@@ -136,9 +138,7 @@ def _serve_mount(
         try:
             fuse.mount()
         except MountFailed as exc:
-            hint = "is /dev/fuse present and fusermount3 installed?"
-            if config.allow_other and os.geteuid() != 0:
-                hint = "allow_other needs 'user_allow_other' in /etc/fuse.conf when not root"
+            hint = mount_failure_hint(config.allow_other)
             raise MountError(f"cannot mount {mountpoint}: {exc} ({hint})") from exc
         try:
             trio.run(_serve, fuse, loops, mountpoint, on_ready, notifier)
@@ -148,6 +148,23 @@ def _serve_mount(
     finally:
         store.close()
     log.info("unmounted %s", mountpoint)
+
+
+def mount_failure_hint(allow_other: bool, device: str = "/dev/fuse") -> str:
+    """Why a FUSE mount most likely failed for this user, and what to do about it."""
+    if not os.path.exists(device):
+        return f"{device} is missing: load the fuse module (`modprobe fuse`)"
+    if os.geteuid() != 0 and not os.access(device, os.R_OK | os.W_OK):
+        mode = stat.filemode(os.stat(device).st_mode)
+        return (
+            f"{device} ({mode}) cannot be opened by uid {os.geteuid()}: mount as root, or "
+            f"let users open it as most systems do (`chmod 0666 {device}`)"
+        )
+    if allow_other and os.geteuid() != 0:
+        return "allow_other needs 'user_allow_other' in /etc/fuse.conf when not root"
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        return "fusermount3 is missing: install fuse3"
+    return f"is {device} present and fusermount3 installed?"
 
 
 @dataclass(frozen=True)
