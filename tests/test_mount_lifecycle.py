@@ -161,21 +161,10 @@ def test_a_mount_command_stopped_while_its_mount_starts_leaves_no_mount(
         [*command, "--log-file", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     try:
-
-        def daemon() -> int | None:
-            """The daemon the parent started, once it runs (and the parent waits for it)."""
-            if not log.exists():
-                return None
-            for pid in os.listdir("/proc"):
-                if (
-                    pid.isdigit()
-                    and int(pid) != parent.pid
-                    and f"{mnt}\0".encode() in _cmdline(pid)
-                ):
-                    return int(pid)
-            return None
-
-        child = wait_until(daemon, what="the daemon started")
+        # The parent waits for the daemon's word once the log exists and the daemon runs.
+        child = wait_until(
+            lambda: log.exists() and _daemon_of(mnt, parent.pid), what="the daemon started"
+        )
         parent.send_signal(stop)
         assert parent.wait(timeout=60) == status
         wait_until(lambda: not _cmdline(str(child)), what="the daemon stopped")
@@ -188,6 +177,43 @@ def test_a_mount_command_stopped_while_its_mount_starts_leaves_no_mount(
             if pid.isdigit() and f"{mnt}\0".encode() in _cmdline(pid):
                 os.kill(int(pid), signal.SIGKILL)
         unmount_quietly(mnt)
+
+
+def test_a_daemon_that_dies_before_its_mount_is_live_shows_its_own_log_lines_only(
+    tmp_path: Path, photos_dir: Path
+) -> None:
+    config = write_config(tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir})
+    mnt, log = tmp_path / "mnt", tmp_path / "daemon.log"
+    mnt.mkdir()
+    log.write_text("a line of an earlier run\n")
+    command = [sys.executable, "-m", "decodefs", "mount", str(mnt), "--config", str(config)]
+    parent = subprocess.Popen(
+        [*command, "--log-file", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        daemon = wait_until(lambda: _daemon_of(mnt, parent.pid), what="the daemon started")
+        assert daemon is not None
+        os.kill(daemon, signal.SIGKILL)
+        _, stderr = parent.communicate(timeout=60)
+        assert parent.returncode == 1, stderr
+        assert "daemon exited with status -9 before the mount was live" in stderr, stderr
+        assert "earlier run" not in stderr  # the log's lines of this daemon alone
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        unmount_quietly(mnt)
+
+
+def _daemon_of(mountpoint: Path, parent: int) -> int | None:
+    """The daemon that the `decodefs mount` ``parent`` started for ``mountpoint``, once
+    it runs; None before."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != parent and f"{mountpoint}\0".encode() in _cmdline(pid):
+            return int(pid)
+    return None
 
 
 def _cmdline(pid: str) -> bytes:

@@ -35,6 +35,7 @@ def spawn(
     try:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log_stream = open(log_file, "ab")  # noqa: SIM115 - closed below, once the child has it
+        start = log_stream.tell()  # this daemon's lines begin here; earlier runs' are above
     except OSError as exc:
         raise MountError(f"log file {log_file} cannot be written: {exc.strerror}") from None
     read_end, write_end = os.pipe()
@@ -71,7 +72,7 @@ def spawn(
     code = child.wait()
     if message.startswith(b"error: "):
         raise MountError(message[len(b"error: ") :].decode(errors="replace"))
-    tail = "\n".join(f"    {line}" for line in _tail(log_file).splitlines())
+    tail = "\n".join(f"    {line}" for line in _tail(log_file, start).splitlines())
     raise MountError(
         f"daemon exited with status {code} before the mount was live; {log_file} ends:\n{tail}"
     )
@@ -89,8 +90,12 @@ def _stop(child: subprocess.Popen[bytes], mountpoint: str) -> None:
     clear_stale(mountpoint)
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def _tail(path: Path, start: int, lines: int = 20) -> str:
+    """The last ``lines`` lines the daemon wrote to its log, from ``start`` on."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except OSError:
         return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:]) or "(the daemon wrote nothing)"
