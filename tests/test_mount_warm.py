@@ -53,7 +53,8 @@ def test_warm_a_listed_subset_and_report_what_is_wrong(
         f"decodefs: error: 1 keys of {listing} are not originals of v1, e.g. 'no-such-uuid'"
         in result.stderr
     )
-    assert "failed: bad-truncated: Input/output error" in result.stderr
+    # The line names where the reason is: the daemon's log file.
+    assert f"failed: bad-truncated: Input/output error ({mount.log} says why)" in result.stderr
     stats = mount.stats()
     assert stats["store_entries"] == 3 and stats["decode_errors"] == 1
     assert str(bad["bad-truncated"]) in mount.log_text()

@@ -65,6 +65,7 @@ def full_snapshot(tmp_path: Path, photos_dir: Path) -> Iterator[dict[str, object
             pid=os.getpid(),
             mountpoint="/mnt/decoded",
             version="0.1.0+g0123456789ab",
+            log="/var/log/decodefs.log",
             started=engine.metrics.started,
         )
     finally:

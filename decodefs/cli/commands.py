@@ -193,8 +193,9 @@ def run_warm(args: argparse.Namespace) -> int:
         f"decodefs: warmed {report.done:,} of {report.total:,} arrays of {what} "
         f"in {report.seconds:.1f} s ({rate:,.1f}/s); the daemon decoded {decoded:,} meanwhile"
     )
+    log = after.get("log") or "the daemon's log"  # where it goes, as the daemon says
     for key, reason in sorted(report.failed.items())[:20]:
-        print(f"decodefs: failed: {key}: {reason} (the daemon log says why)", file=sys.stderr)
+        print(f"decodefs: failed: {key}: {reason} ({log} says why)", file=sys.stderr)
     if report.missing:
         print(
             f"decodefs: error: {len(report.missing):,} keys of {args.keys} are not "

@@ -206,6 +206,13 @@ STATS: Final = (
         family="build",
     ),
     Stat(
+        "log",
+        "text",
+        "",
+        "Where the serving process's log lines go: its file, or the journal",
+        daemon=True,
+    ),
+    Stat(
         "started",
         "gauge",
         "seconds",

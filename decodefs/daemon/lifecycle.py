@@ -45,7 +45,12 @@ from .engine import Engine
 from .fs import DecodeFS, FuseMount, MountFailed
 from .namespace import Tree, version_order
 from .notify import ServiceNotifier
-from .process import raise_open_file_limit, raise_readahead, return_large_allocations
+from .process import (
+    log_destination,
+    raise_open_file_limit,
+    raise_readahead,
+    return_large_allocations,
+)
 from .spawn import spawn
 from .stats import snapshot
 
@@ -74,6 +79,7 @@ def _serve_mount(
     config: Config, mountpoint: str, on_ready: Callable[[], None] | None, nonempty: bool
 ) -> None:
     mountpoint = os.path.abspath(mountpoint)
+    log_place = log_destination()
     os.chdir("/")  # the daemon holds none of the user's directories (paths are absolute)
     notifier = ServiceNotifier.from_environment()
     prepare_mountpoint(mountpoint, nonempty)
@@ -117,6 +123,7 @@ def _serve_mount(
                 pid=os.getpid(),
                 mountpoint=mountpoint,
                 version=package_version(),
+                log=log_place,
                 started=round(engine.metrics.started, 3),
             )
 

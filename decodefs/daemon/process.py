@@ -9,13 +9,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import resource
+import stat
 from typing import Final
 
 from ..common.mounts import mounts
 from ..common.protocol import FS_TYPE
 
-__all__ = ["READAHEAD_KB", "raise_open_file_limit", "raise_readahead", "return_large_allocations"]
+__all__ = [
+    "READAHEAD_KB",
+    "log_destination",
+    "raise_open_file_limit",
+    "raise_readahead",
+    "return_large_allocations",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +87,20 @@ def raise_readahead(mountpoint: str) -> None:
                 f.write(str(READAHEAD_KB))
     except (OSError, ValueError) as exc:
         log.debug("cannot raise the readahead of %s (%s): %s", mountpoint, path, exc)
+
+
+def log_destination() -> str:
+    """Where this process's log lines go, as a user can find them: the file its stderr
+    is, the journal (systemd), or its standard error (a terminal, a pipe)."""
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return "nowhere"
+    if stat.S_ISREG(st.st_mode):
+        try:
+            return os.readlink("/proc/self/fd/2")
+        except OSError:
+            return "the daemon's log file"
+    if os.environ.get("JOURNAL_STREAM", "") == f"{st.st_dev}:{st.st_ino}":
+        return "the journal (journalctl)"
+    return "the daemon's standard error"

@@ -22,7 +22,7 @@ def snapshot(
     engine: Engine, sources: Mapping[str, SourceIndex], **daemon: object
 ) -> dict[str, object]:
     """What the daemon has done and holds now; ``daemon``: the figures only the daemon
-    knows (``pid``, ``mountpoint``, ``version``, ``started``)."""
+    knows (``pid``, ``mountpoint``, ``version``, ``log``, ``started``)."""
     store, usage = engine.store, engine.store.usage()
     memory, decode_memory = engine.memory, engine.decode_memory
     return {
