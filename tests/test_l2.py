@@ -937,7 +937,9 @@ async def test_the_breaker_tries_again_after_its_backoff_and_closes(
         mock_clock.jump(10)
         await a.read(uuids[5])
         assert a.stats()["l2_state"] == "closed" and a.stats()["l2_breaker_opens"] == 1
-        await wait_for(lambda: a.stats()["l2_publishes"] == 1, what="published again")
+        # The array read while the breaker was open may be published too, if its turn
+        # in the publish queue comes once the breaker has closed (a slow filesystem).
+        await wait_for(lambda: a.stats()["l2_publishes"] >= 1, what="published again")
 
 
 async def test_a_full_publish_queue_drops_publishes_and_lets_go_of_leases(
