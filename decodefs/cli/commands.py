@@ -76,7 +76,7 @@ def run_mount(args: argparse.Namespace) -> int:
 
     if log_file is None:
         with ready.reporting():
-            daemon.serve(config, mountpoint, ready.tell, args.nonempty)
+            daemon.serve(config, mountpoint, ready.tell)
         return 0
     warning = store_warning(config)
     if warning is not None:  # the daemon logs it too, but the user is here

@@ -27,7 +27,7 @@ from ..common.config import Config
 from ..common.decode import quiet_pillow_warnings
 from ..common.inodes import INODE_LAYOUT
 from ..common.metrics import LogThrottle, render_prometheus
-from ..common.mounts import MountError, find_mount, lazy_unmount, prepare_mountpoint
+from ..common.mounts import MountError, find_mount, lazy_unmount
 from ..common.protocol import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -64,25 +64,19 @@ SHUTDOWN_GRACE: Final = 10.0
 REQUESTS_GRACE: Final = 5.0
 
 
-def serve(
-    config: Config,
-    mountpoint: str,
-    on_ready: Callable[[], None] | None = None,
-    nonempty: bool = False,
-) -> None:
-    """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly."""
+def serve(config: Config, mountpoint: str, on_ready: Callable[[], None] | None = None) -> None:
+    """Mount and serve until unmounted or sent SIGTERM/SIGINT; then unmount cleanly. The
+    caller has checked the mount point (common.mounts.prepare_mountpoint), before it
+    loaded the daemon."""
     with stacks_on_sigusr1():
-        _serve_mount(config, mountpoint, on_ready, nonempty)
+        _serve_mount(config, mountpoint, on_ready)
 
 
-def _serve_mount(
-    config: Config, mountpoint: str, on_ready: Callable[[], None] | None, nonempty: bool
-) -> None:
+def _serve_mount(config: Config, mountpoint: str, on_ready: Callable[[], None] | None) -> None:
     mountpoint = os.path.abspath(mountpoint)
     log_place = log_destination()
     os.chdir("/")  # the daemon holds none of the user's directories (paths are absolute)
     notifier = ServiceNotifier.from_environment()
-    prepare_mountpoint(mountpoint, nonempty)
     warning = store_warning(config)
     if warning is not None:
         log.warning("%s", warning)
