@@ -4,9 +4,9 @@ The only module of decodefs that imports torch (the optional extra
 ``decodefs[torch]``); importing the rest of decodefs never does. Arrays come
 from ``read_array`` (a stored array is read straight from the store, without
 a FUSE request) or, for ``LiveDataset``, from ``decode_image`` with the
-version's own settings, so the two give the same pixels; ``BatchLoader`` reads
-a MountDataset's arrays by threads into batch tensors (``read_stored_rows``),
-with no worker process. Nothing here caches
+version's own settings, so the two give the same pixels; a MountDataset's
+batches are read into batch tensors by the client's ``BatchReader`` (by
+``BatchLoader``'s threads, with no worker process, or in DataLoader workers). Nothing here caches
 arrays, talks to the daemon or knows the store's layout.
 
 Every dataset keeps its per-item state in numpy arrays of bytes rather than
@@ -52,11 +52,11 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from .client import (
+    BatchReader,
     flush_reports,
     missing_directory,
     read_array,
     read_array_into,
-    read_stored_rows,
 )
 from .common.config import Config, load_config
 from .common.decode import DecodeSettings, decode_image
@@ -119,6 +119,8 @@ class _KeyDataset(Dataset[tuple[Any, Any]]):
 
     def target(self, index: int) -> Any:
         """Item ``index``'s target, without reading its array."""
+        if self.targets is not None and not callable(self.targets):
+            return self.targets[index]
         return self._target(index, self.key(index))
 
     def _target(self, index: int, key: str) -> Any:
@@ -177,12 +179,33 @@ class MountDataset(_KeyDataset):
         transform: Transform = None,
         *,
         uuids: Sequence[str] | None = None,
+        open_entries: int | None = None,
     ) -> None:
         super().__init__(_keys_argument("MountDataset", keys, uuids), targets, transform)
         self.size = _check_size(size)
         self.directory = os.path.join(os.fspath(mountpoint), version, str(size))
         if not os.path.isdir(self.directory):
             raise FileNotFoundError(missing_directory(os.fspath(mountpoint), version, size))
+        if open_entries is not None and (
+            isinstance(open_entries, bool) or not isinstance(open_entries, int) or open_entries < 0
+        ):
+            raise ValueError(f"open_entries is a number of files (0 or more), not {open_entries!r}")
+        self.open_entries = open_entries
+        self._reader: BatchReader | None = None  # made in each process that reads a batch
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_reader"] = None  # its descriptors are this process's (spawn workers make theirs)
+        return state
+
+    def batch_reader(self) -> BatchReader:
+        """The reader of this dataset's batches in this process (client.BatchReader)."""
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = BatchReader(
+                self.directory, self._keys, self.size, self.open_entries
+            )
+        return reader
 
     def path(self, index: int) -> str:
         return self._path(self.key(index))
@@ -192,25 +215,23 @@ class MountDataset(_KeyDataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, as a DataLoader asks for a batch: without a
-        ``transform``, each array is read (``read_stored_rows``) straight into a row
-        of one uint8 tensor allocated for the batch (in a worker, in shared
-        memory), which ``collate_uint8`` then passes on as the batch, uncopied."""
+        ``transform``, the batch's arrays are read (``batch_reader``) straight into
+        the rows of one uint8 tensor allocated for the batch. In a worker whose
+        batches ``collate_uint8`` passes on, that tensor is in shared memory and
+        becomes the batch, uncopied; in one whose collate copies (torch's
+        ``default_collate``, a ``torch.stack``), it is memory of the worker's own,
+        used again once the collate let go of it."""
         if self.transform is not None:
             return [self[i] for i in indices]
         for index in indices:
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} out of range for {len(self)} items")
-        keys = [self.key(i) for i in indices]
-        paths = [self._path(key) for key in keys]
-        images = _batch_tensor((len(indices), self.size, self.size, 3))
+        images = _worker_batches.tensor((len(indices), self.size, self.size, 3))
         rows = images.numpy()
-        for i in read_stored_rows(paths, rows):  # the misses, through the mount
-            read_array_into(paths[i], rows[i])
-        items = [
-            (rows[i], self._target(index, key))
-            for i, (index, key) in enumerate(zip(indices, keys, strict=True))
-        ]
-        return _Rows(items, images)
+        for p in self.batch_reader().read(indices, rows):  # the misses, through the mount
+            read_array_into(self.path(indices[p]), rows[p])
+        items = [(rows[p], self.target(index)) for p, index in enumerate(indices)]
+        return _worker_batches.made(_Rows(items, images))
 
     def _array(self, index: int, key: str) -> Array:
         return read_array(self._path(key))
@@ -292,14 +313,14 @@ class BatchLoader:
     has ``batch_size`` items but the last, which has fewer unless ``drop_last``.
 
     Threads read each batch straight into a tensor for it (pinned if
-    ``pin_memory``; unpinned memory is used again once nothing refers to it):
-    an array the store holds by one ``preadv`` of its entry file into the
-    tensor's row, checked and reported to the daemon as ``read_array`` does;
-    a miss, or an entry that fails its check, through the mount (the daemon
-    decodes it). The same bytes as ``MountDataset``. One thread at a time
-    reads a batch's hits (more only contend for the GIL); each miss goes to
-    another of the ``threads`` (default: the CPUs, at least 2), so misses are
-    decoded in parallel. The next ``prefetch`` batches are read while the
+    ``pin_memory``; unpinned memory is used again once nothing refers to it),
+    by the dataset's ``batch_reader``: the arrays the store holds by one call
+    that reads and checks them without the GIL, each checked and reported to
+    the daemon as ``read_array`` does; a miss, or an entry that fails its check,
+    through the mount (the daemon decodes it), each on a thread of its own as
+    soon as the batch's first pass found it. The same bytes as
+    ``MountDataset``. ``threads`` (default: the CPUs, at least 2) read batches
+    and misses side by side. The next ``prefetch`` batches are read while the
     current one is used. A read
     that fails (a key the version lacks, a mount that is gone) raises its
     error when its batch is due, and stops the epoch's threads; so does
@@ -398,40 +419,44 @@ class BatchLoader:
             images = torch.empty((len(indices), size, size, 3), dtype=torch.uint8, pin_memory=True)
         else:
             images = self._memory.tensor(len(indices))
-        paths = [self.dataset.path(i) for i in indices]
         targets = default_collate([self.dataset.target(i) for i in indices])
-        return _Batch(images, targets, reads.submit(paths, images.numpy()))
+        return _Batch(images, targets, reads.submit(self.dataset, indices, images.numpy()))
 
 
 class _Reads:
     """One epoch's reading threads.
 
-    A batch's hits are read by one thread, in order, one batch at a time (under
-    ``_hits``): a hit is mostly Python and short system calls, and threads that
-    read hits side by side only hand the GIL back and forth (on 2 cores, two
-    such threads read a third less than one: scripts/bench_loader.py). Each
-    miss is handed to a thread of its own, so the daemon decodes a batch's
-    misses in parallel while hits go on.
+    A batch is read by one call of the dataset's BatchReader, which holds the GIL
+    only for its Python work per batch: threads reading batches side by side run
+    their copies in parallel. Each miss the call names is handed to a thread of
+    its own at once, before the batch's entries not in the page cache are read,
+    so the daemon decodes a batch's misses in parallel while its disk reads go on.
     """
 
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="decodefs-batchloader")
         self._stop = threading.Event()
-        self._hits = threading.Lock()
 
-    def submit(self, paths: list[str], rows: Array) -> Future[list[Future[None]]]:
-        return self._pool.submit(self._read, paths, rows)
+    def submit(
+        self, dataset: MountDataset, indices: list[int], rows: Array
+    ) -> Future[list[Future[None]]]:
+        return self._pool.submit(self._read, dataset, indices, rows)
 
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _read(self, paths: list[str], rows: Array) -> list[Future[None]]:
+    def _read(self, dataset: MountDataset, indices: list[int], rows: Array) -> list[Future[None]]:
+        misses: list[Future[None]] = []
         if self._stop.is_set():
-            return []
-        with self._hits:
-            misses = read_stored_rows(paths, rows)
-        return [self._pool.submit(self._read_miss, paths[i], rows[i]) for i in misses]
+            return misses
+
+        def miss(p: int) -> None:
+            if not self._stop.is_set():
+                misses.append(self._pool.submit(self._read_miss, dataset.path(indices[p]), rows[p]))
+
+        dataset.batch_reader().read(indices, rows, on_miss=miss)
+        return misses
 
     def _read_miss(self, path: str, row: Array) -> None:
         if not self._stop.is_set():
@@ -480,6 +505,48 @@ class _Batch:
         return self.images, self.targets
 
 
+class _WorkerBatches:
+    """Where ``MountDataset.__getitems__`` reads a batch, by what became of the last one.
+
+    In a DataLoader worker whose collate is ``collate_uint8``, the batch tensor
+    goes to the training process as it is: it is made in shared memory, as
+    ``default_collate`` would make it. A collate that copies (torch's
+    ``default_collate``, a hand-written ``torch.stack``) makes its own shared
+    batch: reading into shared memory first would cost a fresh allocation and
+    its page faults per batch for nothing, so after a batch that was not passed
+    on uncopied, batches are read into memory of the worker's own, used again
+    once nothing refers to it (``_BatchMemory``). In the training process
+    (``num_workers=0``) a batch is a plain tensor either way.
+    """
+
+    def __init__(self) -> None:
+        self.passed = True  # the last batch made here was passed on uncopied (or none was made)
+        self._memory: dict[tuple[int, ...], _BatchMemory] = {}
+
+    def tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if get_worker_info() is None or self.passed:
+            return _batch_tensor(shape)
+        memory = self._memory.get(shape)
+        if memory is None:
+            if len(self._memory) >= _SHAPES_KEPT:  # a batch of another size (the last)
+                self._memory.clear()
+            memory = self._memory[shape] = _BatchMemory(shape, 2)
+        return memory.tensor(shape[0])
+
+    def made(self, rows: _Rows) -> _Rows:
+        self.passed = get_worker_info() is None
+        return rows
+
+    def after_fork(self) -> None:
+        self.passed = True
+        self._memory = {}
+
+
+_SHAPES_KEPT: Final = 2  # batch shapes with memory kept in a worker (the full and the last)
+_worker_batches = _WorkerBatches()
+os.register_at_fork(after_in_child=_worker_batches.after_fork)
+
+
 def _default_threads() -> int:
     return max(2, len(os.sched_getaffinity(0)))
 
@@ -512,7 +579,8 @@ def collate_uint8(
             "pin_memory=True to the DataLoader instead, which pins in the training process"
         )
     targets = default_collate([item[1] for item in batch])
-    if isinstance(batch, _Rows) and batch.intact() and not pin_memory:
+    if isinstance(batch, _Rows) and batch.intact() and not pin_memory and batch.shared():
+        _worker_batches.passed = True
         return batch.images, targets  # read into one batch tensor already: no copy
     out = _batch_tensor((len(images), *shape), pin_memory)
     np.stack(images, out=out.numpy())
@@ -563,6 +631,10 @@ class _Rows(list[tuple[Any, Any]]):
         super().__init__(items)
         self.images = images
         self._arrays = [item[0] for item in items]
+
+    def shared(self) -> bool:
+        """Whether ``images`` may leave the process as it is (not memory used again)."""
+        return get_worker_info() is None or bool(self.images.is_shared())  # type: ignore[no-untyped-call]
 
     def intact(self) -> bool:
         return len(self) == len(self._arrays) and all(

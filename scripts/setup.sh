@@ -20,9 +20,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 TORCH="${DECODEFS_TORCH:-torch==2.13.0}"
-# Reinstall only when the project's dependencies change.
+# Reinstall only when the project's dependencies or its C sources change (an editable
+# install builds the optional extension decodefs/client/_batchread once, in place).
 stamp="$VENV/.decodefs-installed"
-want="$( (cat "$ROOT/pyproject.toml"; echo "$TORCH") | sha256sum | cut -d' ' -f1)"
+want="$( (cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/decodefs/client/_ext/*; echo "$TORCH") \
+    | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing decodefs and its test tools into $VENV" >&2
     log="$(mktemp)"
@@ -33,6 +35,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     fi
     rm -f "$log"
     "$VENV/bin/python" -c 'import decodefs, pyfuse3, skimage, boto3, distributed, torch' # fails loudly if the install did
+    "$VENV/bin/python" -c 'import decodefs.client as c; print("setup: batch reads:", c.EXTENSION or "pure Python (the C extension did not build)")' >&2
     echo "$want" >"$stamp"
 fi
 export VENV

@@ -4,14 +4,18 @@ the keys of a mounted version, and ``decodefs warm`` through the mount.
 Imports only the shared vocabulary (decodefs.common), never Pillow, trio or
 pyfuse3. Other folders import what this file exports, never its rooms: reader
 (read_array), discovery (which mount, which store, trusted or not), hits (direct
-hits reported to the daemon), keys (listing a version's keys), warm.
+hits reported to the daemon), batch (a batch of a directory's arrays at the memory-copy
+bound, with its optional compiled twin _batchread), keys (listing a version's keys), warm.
 """
 
+from .batch import EXTENSION, BatchReader
 from .keys import class_labels, list_keys, missing_directory
 from .reader import flush_reports, read_array, read_array_into, read_stored_rows
 from .warm import read_key_list, warm
 
 __all__ = [
+    "EXTENSION",
+    "BatchReader",
     "class_labels",
     "flush_reports",
     "list_keys",

@@ -16,7 +16,7 @@ from typing import Final
 from ..common.entry import EntryKey
 from ..common.protocol import encode_access
 
-__all__ = ["HitReporter", "flush_reports", "report_hit"]
+__all__ = ["HitReporter", "flush_reports", "report_hit", "report_hits"]
 
 _REPORT_BYTES: Final = 8192  # at most one datagram of access reports
 _REPORT_LINES: Final = 256  # hits that make the reporter send at once
@@ -42,6 +42,16 @@ class HitReporter:
             return
         with self._lock:
             self._pending.append((address, key))
+            full = len(self._pending) >= _REPORT_LINES
+        if full or time.monotonic() - self._last_flush >= _REPORT_SECONDS:
+            self.flush()
+
+    def report_many(self, address: str | None, keys: list[EntryKey]) -> None:
+        """Direct hits of ``keys`` (a batch's), with one lock taken."""
+        if address is None or not keys:
+            return
+        with self._lock:
+            self._pending += [(address, key) for key in keys]
             full = len(self._pending) >= _REPORT_LINES
         if full or time.monotonic() - self._last_flush >= _REPORT_SECONDS:
             self.flush()
@@ -84,6 +94,11 @@ class HitReporter:
 def report_hit(address: str | None, key: EntryKey) -> None:
     """A direct hit of ``key`` for the daemon at ``address``, sent with the next batch."""
     _reporter.report(address, key)
+
+
+def report_hits(address: str | None, keys: list[EntryKey]) -> None:
+    """``report_hit`` for each of ``keys``."""
+    _reporter.report_many(address, keys)
 
 
 def flush_reports() -> None:

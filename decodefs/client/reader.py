@@ -52,12 +52,12 @@ def read_array(path: str | os.PathLike[str]) -> npt.NDArray[np.uint8]:
     any other filesystem is read with ``np.load``.
     """
     path = os.fspath(path)
-    found = _locate(path)
+    found = locate(path)
     if found is None:
         return _load_any(path)
     mount, key = found
     out = np.empty((key.size, key.size, 3), np.uint8)
-    if _stored_into(mount, key, path, out):
+    if stored_into(mount, key, path, out):
         return out
     array = _read_through_mount(path, key, out)
     return array if array is not None else _load_any(path)
@@ -73,10 +73,10 @@ def read_array_into(path: str | os.PathLike[str], out: npt.NDArray[np.uint8]) ->
     """
     path = os.fspath(path)
     _check_out(out)
-    found = _locate(path)
+    found = locate(path)
     if found is not None:
         mount, key = found
-        if _stored_into(mount, key, path, out):
+        if stored_into(mount, key, path, out):
             return
         if _read_through_mount(path, key, out) is not None:
             return
@@ -102,13 +102,13 @@ def read_stored_rows(
     misses = []
     for i, name in enumerate(paths):
         path = os.fspath(name)
-        found = _locate(path, known)
-        if found is None or not _stored_into(*found, path, rows[i]):
+        found = locate(path, known)
+        if found is None or not stored_into(*found, path, rows[i]):
             misses.append(i)
     return misses
 
 
-def _stored_into(mount: Mount, key: EntryKey, path: str, out: npt.NDArray[np.uint8]) -> bool:
+def stored_into(mount: Mount, key: EntryKey, path: str, out: npt.NDArray[np.uint8]) -> bool:
     """Whether ``key``'s stored entry was read into ``out`` (of its array's shape, else
     ValueError), checked, and reported as a direct hit."""
     _check_shape(out, (key.size, key.size, 3), path)
@@ -128,7 +128,7 @@ def _check_shape(out: npt.NDArray[np.uint8], shape: tuple[int, ...], path: str) 
         raise ValueError(f"{path} holds an array of shape {shape}, not {out.shape}")
 
 
-def _locate(
+def locate(
     path: str, known: dict[int, Mount | None] | None = None
 ) -> tuple[Mount, EntryKey] | None:
     """The mount whose store may hold ``path``'s array, and its key; None if the

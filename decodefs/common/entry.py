@@ -104,14 +104,16 @@ class EntryKey(NamedTuple):
 
     def checksum(self, payload: bytes | bytearray | memoryview) -> int:
         """xxh3-64 of ``payload``, seeded so only this key's file verifies."""
-        return xxhash.xxh3_64_intdigest(payload, seed=self._seed())
+        return xxhash.xxh3_64_intdigest(payload, seed=self.seed)
 
     def hasher(self) -> xxhash.xxh3_64:
         """The same checksum, fed piece by piece."""
-        return xxhash.xxh3_64(seed=self._seed())
+        return xxhash.xxh3_64(seed=self.seed)
 
-    def _seed(self) -> int:
-        return xxhash.xxh3_64_intdigest(os.fsencode(str(self)))
+    @property
+    def seed(self) -> int:
+        """The checksum's seed: the xxh3-64 of ``str(self)``."""
+        return int(xxhash.xxh3_64_intdigest(os.fsencode(str(self))))
 
 
 def _unescape(name: str) -> str | None:

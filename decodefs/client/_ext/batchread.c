@@ -1,0 +1,196 @@
+/* decodefs.client._batchread: a batch of store entries read into the rows of one array,
+ * each checked as it is copied; the compiled twin of batch.py's read_entries_py (the
+ * same rows, the same statuses), used where it builds.
+ *
+ * One call reads every item of a batch with the GIL released. An item's entry file is a
+ * descriptor the caller keeps open, or a path below the store's directory descriptor,
+ * opened here (and left open for the caller while it allows). The bytes are read by
+ * preadv2 in pieces straight into the item's row, and each piece is fed to the entry's
+ * xxh3-64 while it is still in the CPU's cache: the check rides on the copy. An item is
+ * OK only if its file is a regular file of the daemon's alone (checked when opened) of
+ * the expected length, still linked, with the expected .npy header and trailer (magic,
+ * store format, decoder fingerprint, length) and the checksum of the bytes read. Any
+ * other status sends the item back to the caller, which finds out why (the Python
+ * check) and reads it through the mount. This file knows the trailer's layout, nothing
+ * of keys, mounts or torch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "rows.h"
+
+int decodefs_nowait_works = 1;
+
+static ssize_t (*read_rows_impl)(struct batch *) = read_rows_base;
+static uint64_t (*checksum_impl)(const void *, size_t, uint64_t) = checksum_base;
+static const char *vector = "base";
+
+static int get(PyObject *obj, Py_buffer *view, int flags, Py_ssize_t want, const char *what) {
+    if (PyObject_GetBuffer(obj, view, flags | PyBUF_C_CONTIGUOUS) != 0)
+        return 0;
+    if (want >= 0 && view->len != want) {
+        PyErr_Format(PyExc_ValueError, "read_rows: %s holds %zd bytes, not %zd", what, view->len,
+                     want);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(read_rows_doc,
+"read_rows(dirfd, rows, row_bytes, positions, fds, names, seeds, header, expect, owner,\n"
+"          keep, nowait, status) -> how many descriptors it opened and left in fds\n\n"
+"Item i (of len(positions), int32) is read into row positions[i] of rows (row_bytes\n"
+"each): the entry open at fds[i] (int32), or where fds[i] is -1 the entry at names[i]\n"
+"(bytes, below dirfd; None: not stored), checked against header (the .npy header),\n"
+"expect (the trailer but its checksum) and seeds[i] (uint64). status[i] (int32) says how\n"
+"it went: OK, MISSING, NOT_CACHED (not in the page cache; with nowait, its reading ahead\n"
+"started), BAD (failed a check), GONE (a kept descriptor's file was unlinked since;\n"
+"left open: the caller closes it). Up to keep descriptors opened here are left open in fds.");
+
+static PyObject *read_rows(PyObject *self, PyObject *args) {
+    int dirfd, nowait;
+    Py_ssize_t row_bytes, keep;
+    unsigned long owner;
+    PyObject *rows_obj, *positions_obj, *fds_obj, *names_obj, *seeds_obj, *status_obj;
+    Py_buffer header, expect;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOnOOOOy*y*knpO", &dirfd, &rows_obj, &row_bytes,
+                          &positions_obj, &fds_obj, &names_obj, &seeds_obj, &header, &expect,
+                          &owner, &keep, &nowait, &status_obj))
+        return NULL;
+    Py_buffer rows = {0}, positions = {0}, fds = {0}, seeds = {0}, status = {0};
+    PyObject *names = NULL, *result = NULL;
+    const char **name_of = NULL;
+    Py_ssize_t n = 0;
+    if (!get(positions_obj, &positions, PyBUF_SIMPLE, -1, "positions"))
+        goto done;
+    n = positions.len / (Py_ssize_t)sizeof(int32_t);
+    if (!get(rows_obj, &rows, PyBUF_WRITABLE, -1, "rows") ||
+        !get(fds_obj, &fds, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "fds") ||
+        !get(seeds_obj, &seeds, PyBUF_SIMPLE, n * (Py_ssize_t)sizeof(uint64_t), "seeds") ||
+        !get(status_obj, &status, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "status"))
+        goto done;
+    if (row_bytes <= 0 || header.len > HEADER_MAX || expect.len != EXPECT_SIZE || keep < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_rows: a bad row size, header or trailer");
+        goto done;
+    }
+    const int32_t *position_of = positions.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (position_of[i] < 0 || (position_of[i] + 1) * row_bytes > rows.len) {
+            PyErr_SetString(PyExc_IndexError, "read_rows: a position outside rows");
+            goto done;
+        }
+    }
+    names = PySequence_Tuple(names_obj); /* ours: its items live while the GIL is released */
+    if (names == NULL)
+        goto done;
+    if (PyTuple_GET_SIZE(names) != n) {
+        PyErr_SetString(PyExc_ValueError, "read_rows: one name (or None) per item");
+        goto done;
+    }
+    name_of = PyMem_Calloc((size_t)n + 1, sizeof *name_of);
+    if (name_of == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        if (name == Py_None)
+            continue;
+        if (!PyBytes_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "read_rows: a name is bytes or None");
+            goto done;
+        }
+        name_of[i] = PyBytes_AS_STRING(name);
+    }
+    struct batch b = {
+        .dirfd = dirfd,
+        .rows = rows.buf,
+        .row_bytes = (size_t)row_bytes,
+        .n = n,
+        .positions = position_of,
+        .fds = fds.buf,
+        .names = name_of,
+        .seeds = seeds.buf,
+        .header = header.buf,
+        .head_len = (size_t)header.len,
+        .expect = expect.buf,
+        .owner = (uid_t)owner,
+        .keep = keep,
+        .nowait = nowait,
+        .status = status.buf,
+    };
+    ssize_t kept;
+    Py_BEGIN_ALLOW_THREADS
+    kept = read_rows_impl(&b);
+    Py_END_ALLOW_THREADS
+    if (kept < 0)
+        PyErr_NoMemory();
+    else
+        result = PyLong_FromSsize_t(kept);
+done:
+    PyMem_Free(name_of);
+    Py_XDECREF(names);
+    Py_buffer *views[] = {&rows, &positions, &fds, &seeds, &status};
+    for (size_t k = 0; k < sizeof views / sizeof *views; k++)
+        if (views[k]->obj)
+            PyBuffer_Release(views[k]);
+    PyBuffer_Release(&header);
+    PyBuffer_Release(&expect);
+    return result;
+}
+
+PyDoc_STRVAR(checksum_doc, "checksum(data, seed) -> xxh3-64 of data with seed, as read_rows has it");
+
+static PyObject *checksum(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    unsigned long long seed;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*K", &data, &seed))
+        return NULL;
+    uint64_t digest = checksum_impl(data.buf, (size_t)data.len, seed);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong(digest);
+}
+
+static PyMethodDef methods[] = {
+    {"read_rows", read_rows, METH_VARARGS, read_rows_doc},
+    {"checksum", checksum, METH_VARARGS, checksum_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    "_batchread",
+    "A batch of store entries read into rows, each checked as it is copied (client/batch.py).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__batchread(void) {
+#ifdef DECODEFS_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        read_rows_impl = read_rows_avx2;
+        checksum_impl = checksum_avx2;
+        vector = "avx2";
+    }
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddStringConstant(m, "VECTOR", vector) ||
+        PyModule_AddIntConstant(m, "OK", ROW_OK) ||
+        PyModule_AddIntConstant(m, "MISSING", ROW_MISSING) ||
+        PyModule_AddIntConstant(m, "NOT_CACHED", ROW_NOT_CACHED) ||
+        PyModule_AddIntConstant(m, "BAD", ROW_BAD) ||
+        PyModule_AddIntConstant(m, "GONE", ROW_GONE)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,47 @@
+/* What the module (batchread.c) and the row reader (rows.inc, compiled once per
+ * instruction set) share: a batch to read, and the statuses of its rows. */
+#ifndef DECODEFS_ROWS_H
+#define DECODEFS_ROWS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DECODEFS_AVX2 1 /* rows_avx2.c holds a second build of rows.inc, for AVX2 */
+#endif
+
+enum { ROW_OK = 0, ROW_MISSING = 1, ROW_NOT_CACHED = 2, ROW_BAD = 3, ROW_GONE = 4 };
+
+#define TRAILER_SIZE 40 /* protocol.TRAILER ("<4sI16sQQ").size */
+#define EXPECT_SIZE 32  /* the trailer but its checksum: magic, format, fingerprint, length */
+#define HEADER_MAX 4096 /* npy.HEADER_BOUND */
+
+struct batch {
+    int dirfd;              /* the store directory */
+    unsigned char *rows;    /* row p at rows + p * row_bytes */
+    size_t row_bytes;
+    ssize_t n;              /* items */
+    const int32_t *positions; /* item i's row */
+    int32_t *fds;           /* item i's kept descriptor, or -1: open names[i] */
+    const char **names;     /* item i's entry path below dirfd, or NULL */
+    const uint64_t *seeds;  /* item i's checksum seed */
+    const unsigned char *header;
+    size_t head_len;
+    const unsigned char *expect; /* EXPECT_SIZE bytes */
+    uid_t owner;
+    ssize_t keep;           /* how many descriptors opened here may stay open in fds */
+    int nowait;             /* a row not in the page cache: start reading it ahead, ROW_NOT_CACHED */
+    int32_t *status;        /* item i's ROW_ status */
+};
+
+extern int decodefs_nowait_works; /* until a file system says EOPNOTSUPP */
+
+ssize_t read_rows_base(struct batch *b);
+uint64_t checksum_base(const void *data, size_t len, uint64_t seed);
+#ifdef DECODEFS_AVX2
+ssize_t read_rows_avx2(struct batch *b);
+uint64_t checksum_avx2(const void *data, size_t len, uint64_t seed);
+#endif
+
+#endif

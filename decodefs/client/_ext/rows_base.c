@@ -1,0 +1,4 @@
+/* rows.inc for any CPU: xxh3 with the compiler's default vector code (SSE2 on x86-64). */
+#define READ_ROWS read_rows_base
+#define CHECKSUM checksum_base
+#include "rows.inc"

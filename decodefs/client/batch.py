@@ -1,0 +1,540 @@
+"""Reading a batch of one mount directory's arrays straight from the store, each checked as it is
+copied (the compiled ``_batchread`` where it built, else ``read_entries_py``); knows the entry
+format and reader.py's checks, not torch, samplers or the daemon.
+
+A ``BatchReader`` serves one ``<mount>/<version>/<size>/`` directory and a fixed
+array of keys (a dataset's), in one process. Per batch: one ``stat`` of the
+directory (which mount, which version and size, as reader.py learns them from
+inodes) and one call that reads every stored entry of the batch into its row
+with the GIL released, checking each as ``read_array`` does (regular file of
+the daemon's alone, length, .npy header, trailer: magic, store format, decoder
+fingerprint, length; the key-seeded xxh3-64 of the bytes read, computed piece
+by piece as they are copied). The rows it could not serve are given back: the
+caller reads those through the mount (``read_array_into``), where the daemon
+decodes a miss and rebuilds an entry that failed its check.
+
+What is done once, not per array:
+- a key is looked up on the mount (``lstat``, as ``read_array`` does) the first
+  time it is read while that mount is the same one (reader.py's ``Mount``: a
+  daemon restarted or another store.json makes a new one), not every time;
+- up to ``open_entries`` entry files stay open (default: a quarter of the
+  process's soft limit on open files, at most 65,536), so a hit costs no
+  ``open``/``close``; a kept file is checked to be still linked before every
+  read (one ``fstat``): an entry evicted, or replaced by a rebuild, is never read
+  through a kept descriptor, but opened again by its path, or read through the
+  mount. Entries past the bound are opened and closed by the same call.
+Entries not in the page cache are read in two passes: the first reads what is
+cached and starts reading ahead every other entry of the batch at once
+(``posix_fadvise(WILLNEED)``) and names the misses (``on_miss``) so their
+decodes can start; the second reads the rest, by then on its way from disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import stat
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from ..common.entry import EntryKey
+from ..common.inodes import Kind, Node
+from ..common.names import array_name
+from ..common.npy import npy_header
+from ..common.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+from ..common.trusted import owned_alone
+from .discovery import Mount, readable_mount
+from .hits import report_hits
+from .reader import locate, stored_into
+
+__all__ = [
+    "EXTENSION",
+    "BatchReader",
+    "read_entries_py",
+]
+
+# The statuses of an item of read_rows, as _batchread.c has them.
+OK: Final = 0
+MISSING: Final = 1  # no entry file (or none to open): read through the mount
+NOT_CACHED: Final = 2  # not in the page cache; with nowait, its reading ahead started
+BAD: Final = 3  # failed a check, or an error: reader.py finds out why, then the mount
+GONE: Final = 4  # a kept descriptor's file was unlinked: closed, to be opened again
+
+_EXPECT_SIZE: Final = TRAILER_SIZE - 8  # the trailer but its checksum
+_OPEN_ENTRIES_MAX: Final = 65_536
+_PIECE: Final = 64 * 1024
+
+
+class ReadRows(Protocol):
+    def __call__(
+        self,
+        dirfd: int,
+        rows: Any,
+        row_bytes: int,
+        positions: npt.NDArray[np.int32],
+        fds: npt.NDArray[np.int32],
+        names: Sequence[bytes | None],
+        seeds: npt.NDArray[np.uint64],
+        header: bytes,
+        expect: bytes,
+        owner: int,
+        keep: int,
+        nowait: bool,
+        status: npt.NDArray[np.int32],
+    ) -> int: ...
+
+
+def read_entries_py(
+    dirfd: int,
+    rows: Any,
+    row_bytes: int,
+    positions: npt.NDArray[np.int32],
+    fds: npt.NDArray[np.int32],
+    names: Sequence[bytes | None],
+    seeds: npt.NDArray[np.uint64],
+    header: bytes,
+    expect: bytes,
+    owner: int,
+    keep: int,
+    nowait: bool,
+    status: npt.NDArray[np.int32],
+) -> int:
+    """``_batchread.read_rows`` in Python: the same rows, statuses and kept descriptors
+    (see its docstring), where the extension did not build."""
+    memory = memoryview(rows).cast("B")
+    kept = 0
+    for i in range(len(positions)):
+        fd, opened = int(fds[i]), False
+        if fd < 0:
+            name = names[i]
+            if name is None:
+                status[i] = MISSING
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dirfd)
+            except (FileNotFoundError, NotADirectoryError):
+                status[i] = MISSING
+                continue
+            except OSError:
+                status[i] = BAD
+                continue
+            opened = True
+        start = int(positions[i]) * row_bytes
+        row = memory[start : start + row_bytes]
+        got = _read_row_py(fd, opened, row, int(seeds[i]), header, expect, owner, nowait)
+        status[i] = got
+        if opened:
+            if got in (OK, NOT_CACHED) and kept < keep:
+                fds[i] = fd
+                kept += 1
+            else:
+                os.close(fd)
+    return kept
+
+
+def _read_row_py(
+    fd: int,
+    opened: bool,
+    row: memoryview,
+    seed: int,
+    header: bytes,
+    expect: bytes,
+    owner: int,
+    nowait: bool,
+) -> int:
+    length = len(header) + len(row) + TRAILER_SIZE
+    try:
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            return MISSING if opened else GONE
+        if opened and not (stat.S_ISREG(st.st_mode) and owned_alone(st, owner)):
+            return BAD
+        if st.st_size != length:
+            return BAD
+        head, trailer = bytearray(len(header)), bytearray(TRAILER_SIZE)
+        flags = os.RWF_NOWAIT if nowait and _nowait_works else 0
+        got = _preadv(fd, [head, row, trailer], flags)
+    except BlockingIOError:
+        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
+        return NOT_CACHED
+    except OSError:
+        return BAD
+    if got != length:
+        if nowait and _nowait_works:
+            os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
+            return NOT_CACHED
+        return BAD
+    if bytes(head) != header or bytes(trailer[:_EXPECT_SIZE]) != expect:
+        return BAD
+    hasher = xxhash.xxh3_64(seed=seed)
+    hasher.update(head)
+    hasher.update(row)
+    recorded = TRAILER.unpack(bytes(trailer))[4]
+    return OK if hasher.intdigest() == recorded else BAD
+
+
+_nowait_works = True  # until a file system says it cannot
+
+
+def _preadv(fd: int, buffers: list[Any], flags: int) -> int:
+    global _nowait_works
+    try:
+        return os.preadv(fd, buffers, 0, flags)
+    except OSError as exc:
+        if flags and exc.errno == errno.EOPNOTSUPP:  # this file system reads no other way
+            _nowait_works = False
+            return os.preadv(fd, buffers, 0)
+        raise
+
+
+try:
+    from . import _batchread  # type: ignore[attr-defined]
+
+    _compiled: ReadRows | None = _batchread.read_rows
+    EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
+except ImportError:  # not built here: a compiler or Python's headers were missing
+    _compiled = None
+    EXTENSION = None  # type: ignore[misc]
+
+
+def _default_open_entries() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return _OPEN_ENTRIES_MAX
+    return max(0, min(_OPEN_ENTRIES_MAX, soft // 4))
+
+
+@dataclass
+class _Serving:
+    """What one mount's store needs, found once per mount (per daemon) for the directory."""
+
+    mount: Mount
+    directory_ino: int
+    version: str
+    dirfd: int
+    expect: bytes
+    generation: int
+    users: int = 0  # calls reading with dirfd or kept descriptors of this mount now
+    retired: bool = False
+    closing: list[int] = field(default_factory=list)  # kept descriptors, once retired
+
+
+class BatchReader:
+    """A directory's arrays by key index, a batch at a time, from the store (see the module).
+
+    Safe to call from several threads at once (each with its own rows); a forked
+    child may go on using one its parent made.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        keys: npt.NDArray[np.bytes_],
+        size: int,
+        open_entries: int | None = None,
+        read_rows: ReadRows | None = None,
+    ) -> None:
+        self.directory = directory
+        self.size = size
+        self.open_entries = _default_open_entries() if open_entries is None else open_entries
+        self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
+        self._keys = keys
+        self._header = npy_header(size)
+        self._row_bytes = size * size * 3
+        count = len(keys)
+        self._fds = np.full(count, -1, np.int32)  # a kept descriptor per key, or -1
+        self._verified = np.zeros(count, np.uint32)  # the generation a key was looked up in
+        self._seeds = np.zeros(count, np.uint64)
+        self._lock = threading.Lock()  # the fields below, and _fds' changes
+        self._serving: _Serving | None = None
+        self._kept = 0
+        _readers.add(self)
+
+    @property
+    def kept(self) -> int:
+        """How many entry files are open now."""
+        return self._kept
+
+    def read(
+        self,
+        indices: Sequence[int] | npt.NDArray[np.int64],
+        rows: npt.NDArray[np.uint8],
+        on_miss: Callable[[int], None] | None = None,
+    ) -> list[int]:
+        """Read key ``indices[p]``'s array into ``rows[p]`` for each position ``p`` whose
+        entry the store holds, checked and reported to the daemon as a hit. Returns
+        the other positions, after calling ``on_miss(p)`` for each as soon as it is
+        known (before the entries not in the page cache are read): the caller reads
+        those through the mount. ``rows``: writable, C-contiguous uint8
+        ``[len(indices), size, size, 3]``."""
+        count = len(indices)
+        index = np.asarray(indices, np.int64).reshape(count) % max(1, len(self._keys))
+        serving = self._begin()
+        if serving is None:
+            return self._give_back(range(count), on_miss)
+        try:
+            return self._read(serving, index, rows, on_miss)
+        finally:
+            self._end(serving)
+
+    def close(self) -> None:
+        """Close the kept entry files (the reader opens them again if used)."""
+        with self._lock:
+            serving, self._serving = self._serving, None
+            if serving is not None:
+                self._retire(serving)
+
+    # -- one batch -----------------------------------------------------------------
+
+    def _read(
+        self,
+        serving: _Serving,
+        index: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.uint8],
+        on_miss: Callable[[int], None] | None,
+    ) -> list[int]:
+        count = len(index)
+        for p in np.flatnonzero(self._verified[index] != serving.generation).tolist():
+            self._verify(serving, int(index[p]))
+        known = self._verified[index] == serving.generation
+        fds = np.where(known, self._fds[index], -1).astype(np.int32)
+        opening = (known & (fds < 0)).tolist()
+        keys = index.tolist()
+        names = [
+            self._relpath(serving, i) if o else None for i, o in zip(keys, opening, strict=True)
+        ]
+        positions = np.arange(count, dtype=np.int32)
+        status = np.empty(count, np.int32)
+        self._call(serving, rows, index, positions, fds, names, nowait=True, status=status)
+        misses = np.flatnonzero(status == MISSING).tolist()
+        if on_miss is not None:
+            for p in misses:
+                on_miss(p)
+        again = np.flatnonzero((status == NOT_CACHED) | (status == GONE)).astype(np.int32)
+        if len(again):  # not in the page cache (on its way now), or to open again
+            fds_again = self._fds[index[again]].copy()
+            names_again = [
+                self._relpath(serving, keys[p]) if fd < 0 else None
+                for p, fd in zip(again.tolist(), fds_again.tolist(), strict=True)
+            ]
+            status_again = np.empty(len(again), np.int32)
+            self._call(
+                serving,
+                rows,
+                index[again],
+                again,
+                fds_again,
+                names_again,
+                nowait=False,
+                status=status_again,
+            )
+            status[again] = status_again
+        hits = np.flatnonzero(status == OK).tolist()
+        given_back = []
+        for p in np.flatnonzero((status != OK) & (status != MISSING)).tolist():
+            # BAD: reader.py reads it again and says why (reporting it if fine after all)
+            if status[p] != BAD or not self._recheck(serving, keys[p], rows[p]):
+                given_back.append(p)
+        report_hits(
+            serving.mount.access_socket,
+            [EntryKey(serving.version, self.size, self._key(keys[p])) for p in hits],
+        )
+        return sorted(misses + self._give_back(given_back, on_miss))
+
+    def _call(
+        self,
+        serving: _Serving,
+        rows: npt.NDArray[np.uint8],
+        index: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int32],
+        fds: npt.NDArray[np.int32],
+        names: list[bytes | None],
+        *,
+        nowait: bool,
+        status: npt.NDArray[np.int32],
+    ) -> None:
+        opening = sum(1 for p in range(len(positions)) if fds[p] < 0 and names[p] is not None)
+        with self._lock:  # room for descriptors, reserved before the call
+            room = max(0, min(opening, self.open_entries - self._kept))
+            self._kept += room
+        kept = 0
+        try:
+            kept = self._read_rows(
+                serving.dirfd,
+                rows,
+                self._row_bytes,
+                positions,
+                fds,
+                names,
+                self._seeds[index],
+                self._header,
+                serving.expect,
+                serving.mount.owner,
+                room,
+                nowait,
+                status,
+            )
+        finally:
+            self._keep(serving, index, fds, status, room, kept)
+
+    def _keep(
+        self,
+        serving: _Serving,
+        index: npt.NDArray[np.int64],
+        fds: npt.NDArray[np.int32],
+        status: npt.NDArray[np.int32],
+        room: int,
+        kept: int,
+    ) -> None:
+        """Record the descriptors a call left open, and close kept ones whose file is gone.
+        Kept descriptors are closed here alone, under the lock: a descriptor number is
+        never closed twice (it may be another file's by then)."""
+        with self._lock:
+            self._kept -= room - kept
+            for p, i in enumerate(index):
+                fd, was = int(fds[p]), int(self._fds[i])
+                if status[p] == GONE:
+                    if not serving.retired and was == fd:
+                        os.close(fd)  # retired: closed with the others, once unused
+                        self._fds[i] = -1
+                        self._kept -= 1
+                elif fd != was and fd >= 0:  # opened and left open by the call
+                    if was >= 0 or serving.retired:
+                        os.close(fd)  # another thread kept one first, or the mount changed
+                        self._kept -= 1
+                    else:
+                        self._fds[i] = fd
+
+    def _recheck(self, serving: _Serving, i: int, row: npt.NDArray[np.uint8]) -> bool:
+        """An entry that failed the batch's check: reader.py reads it again and notes why
+        (so the mount is asked to check it again); True if it was fine after all."""
+        key = EntryKey(serving.version, self.size, self._key(i))
+        return stored_into(serving.mount, key, self._path(i), row)
+
+    def _give_back(
+        self, positions: Sequence[int] | range, on_miss: Callable[[int], None] | None
+    ) -> list[int]:
+        given = list(positions)
+        if on_miss is not None:
+            for p in given:
+                on_miss(p)
+        return given
+
+    # -- keys ------------------------------------------------------------------------
+
+    def _key(self, i: int) -> str:
+        return os.fsdecode(self._keys[i])
+
+    def _path(self, i: int) -> str:
+        return os.path.join(self.directory, array_name(self._key(i)))
+
+    def _relpath(self, serving: _Serving, i: int) -> bytes:
+        return os.fsencode(EntryKey(serving.version, self.size, self._key(i)).relpath)
+
+    def _verify(self, serving: _Serving, i: int) -> None:
+        """Look key ``i`` up on the mount as read_array does (its name is served, and is
+        this directory's array of that key); if it is, it is read from the store while
+        ``serving`` lasts. Anything else is read by the caller."""
+        key = self._key(i)
+        try:
+            found = locate(self._path(i))
+        except OSError:
+            return  # the caller's read raises what open() raises
+        want = EntryKey(serving.version, self.size, key)
+        if found is None or found[0] is not serving.mount or found[1] != want:
+            return
+        self._seeds[i] = want.seed
+        self._verified[i] = serving.generation
+
+    # -- which mount -------------------------------------------------------------------
+
+    def _begin(self) -> _Serving | None:
+        """The store serving the directory now (one stat of it), counted as in use."""
+        try:
+            st = os.stat(self.directory)
+        except OSError:
+            return None
+        mount = readable_mount(st.st_dev)
+        with self._lock:
+            serving = self._serving
+            current = (
+                serving is not None
+                and mount is serving.mount
+                and st.st_ino == serving.directory_ino
+            )
+            if not current:
+                serving = self._serve(mount, st) if mount is not None else None
+                if self._serving is not None:
+                    self._retire(self._serving)
+                self._serving = serving
+            if serving is not None:
+                serving.users += 1
+            return serving
+
+    def _serve(self, mount: Mount, st: os.stat_result) -> _Serving | None:
+        try:
+            node = Node.from_ino(st.st_ino)
+        except IndexError:
+            return None
+        if node.kind != Kind.SIZE or node.size != self.size or node.version >= len(mount.versions):
+            return None
+        version = mount.versions[node.version]
+        digest = mount.digests.get(version)
+        if digest is None:
+            return None
+        try:
+            dirfd = os.open(mount.store, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        length = len(self._header) + self._row_bytes
+        expect = TRAILER.pack(TRAILER_MAGIC, STORE_FORMAT, digest, length, 0)[:_EXPECT_SIZE]
+        global _generation
+        _generation += 1
+        return _Serving(mount, st.st_ino, version, dirfd, expect, _generation)
+
+    def _retire(self, serving: _Serving) -> None:
+        """Under _lock: ``serving`` is no longer the directory's; its descriptors close
+        once no call uses them."""
+        serving.retired = True
+        serving.closing = [int(fd) for fd in self._fds if fd >= 0]
+        self._fds[:] = -1
+        self._kept -= len(serving.closing)
+        if serving.users == 0:
+            _close(serving)
+
+    def _end(self, serving: _Serving) -> None:
+        with self._lock:
+            serving.users -= 1
+            if serving.retired and serving.users == 0:
+                _close(serving)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        if self._serving is not None:
+            self._serving.users = 0  # the calls of the parent's threads are not here
+
+
+def _close(serving: _Serving) -> None:
+    for fd in [*serving.closing, serving.dirfd]:
+        os.close(fd)
+    serving.closing.clear()
+
+
+_generation = 0  # of _Serving: each mount found anew gets the next; 0 is none
+_readers: weakref.WeakSet[BatchReader] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for reader in list(_readers):
+        reader._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork)
