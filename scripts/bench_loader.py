@@ -1,4 +1,4 @@
-"""Batches of stored arrays in a training process: DataLoader workers against BatchLoader threads.
+"""Batches of stored arrays in a training process: the bare copy, DataLoader workers, BatchLoader.
 
 One run, one corpus: --count photo-like JPEGs decoded to --size and stored once by
 ``decodefs warm`` (the corpus and store are kept under the bench directory and
@@ -7,33 +7,49 @@ reused while complete), every array page-cached before the first round. Then
 a drift of the machine's load touches all alike), each reading --epochs shuffled
 epochs of every array in batches of --batch:
 
-  constant     a DataLoader with --workers workers whose dataset returns one
-               constant array: the ceiling of any dataset in such a DataLoader
-  mount        MountDataset in a DataLoader with --workers persistent workers and
-               collate_uint8 (what docs/pytorch.md shows)
-  threads-N    BatchLoader over the same MountDataset with N threads (--threads)
-  read_array   read_array of every array in one thread, nothing else
+  packed-N        the bare mechanism of FFCV's raw path: the same arrays packed into
+                  one .npy file, np.memmap'd, each batch's rows gathered into one
+                  reused uint8 tensor by torch.index_select with N torch threads
+                  (--threads); nothing checked. The bound BatchLoader is held to
+  constant        a DataLoader with --workers workers whose dataset returns one
+                  constant array: the ceiling of any dataset in such a DataLoader
+  mount-uint8     MountDataset in a DataLoader with --workers persistent workers and
+                  collate_uint8 (what docs/pytorch.md shows)
+  mount-default   the same with torch's default collate
+  mount-stack     the same with a hand-written collate (torch.stack of from_numpy)
+  threads-N       BatchLoader over the same MountDataset with N threads (--threads;
+                  its compiled reader, when it built)
+  threads-N-py    BatchLoader with N threads and the pure-Python reader
+  read_array      read_array of every array in one thread, nothing else
 
-Reported: arrays/s of epochs 2+ (the median over rounds), and each as a ratio to
-``mount``. Every contender's batches are checked once against read_array's arrays.
+Reported: arrays/s of epochs 2+ (the median over rounds), each as a ratio to the
+packed copy with as many threads (BatchLoader) or to ``mount-uint8``, and the CPU
+seconds per 1,000 arrays of the training process and its workers (user + system:
+what the loading leaves of the cores for augmentation). Every contender's batches
+are checked once against read_array's arrays.
 
 Then cold first epochs (--cold originals, a fresh store for each contender, so
-every read is a miss the daemon decodes): ``mount`` and BatchLoader with each
-thread count, to show how misses scale with threads.
+every read is a miss the daemon decodes): ``mount-uint8`` and BatchLoader with each
+thread count, to show how misses scale with threads. Last, with --memory 0.5 (as
+root, cgroup v1's memory controller, as bench_plain.py), a store bigger than
+memory: this process moves into a memory cgroup whose limit leaves the page cache
+0.5x the store's bytes, and BatchLoader and the packed copy read --epochs epochs,
+the page cache dropped before each contender.
 
     flock /tmp/decodefs-heavy.lock .venv/bin/python scripts/bench_loader.py \\
-        [--count 2000] [--size 224] [--batch 64] [--workers 2] [--threads 1 2 4 8]
+        [--count 2000] [--size 224] [--batch 64] [--workers 2] [--threads 1 2 N] [--memory 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +57,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from benchlib import DECODEFS, VERSION, WORK, BenchMount
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from decodefs import list_keys, read_array
+from decodefs.client import EXTENSION
+from decodefs.client.batch import read_entries_py
 from decodefs.sample import make_sample_corpus
 from decodefs.torch import BatchLoader, MountDataset, collate_uint8
 
 Epoch = Callable[[], int]  # reads one epoch, returns the number of arrays
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
 
 class Constant(Dataset[tuple[npt.NDArray[np.uint8], str]]):
@@ -64,18 +83,54 @@ class Constant(Dataset[tuple[npt.NDArray[np.uint8], str]]):
         return self.array, "constant"
 
 
+def stack_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, list[Any]]:
+    """A collate a user writes by hand."""
+    return torch.stack([torch.from_numpy(image) for image, _ in batch]), [t for _, t in batch]
+
+
+class Packed:
+    """FFCV raw's bare mechanism: one mapped file, each batch gathered by index_select."""
+
+    def __init__(
+        self, path: Path, keys: Sequence[str], batch: int, threads: int, seed: int
+    ) -> None:
+        self.array = np.load(path, mmap_mode="r")
+        self.tensor = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
+        self.keys = keys
+        self.batch = batch
+        self.threads = threads
+        self.generator = torch.Generator().manual_seed(seed)
+        self.out = torch.empty((batch, *self.tensor.shape[1:]), dtype=torch.uint8)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        order = torch.randperm(len(self.keys), generator=self.generator)
+        torch.set_num_threads(self.threads)
+        try:
+            for start in range(0, len(order), self.batch):
+                index = order[start : start + self.batch]
+                out = self.out[: len(index)]
+                torch.index_select(self.tensor, 0, index, out=out)
+                yield out, [self.keys[i] for i in index.tolist()]
+        finally:
+            torch.set_num_threads(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    cpus = len(os.sched_getaffinity(0))
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, 2, cpus}))
     parser.add_argument("--epochs", type=int, default=3, help="per contender and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cold", type=int, default=300, help="originals of the cold epochs")
+    parser.add_argument("--memory", type=float, help="page cache for a store this times bigger")
+    parser.add_argument("--only", nargs="+", help="run only these contenders")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print("batch reads:", EXTENSION or "pure Python", flush=True)
 
     originals = WORK / f"loader-originals-{args.count}"
     make_sample_corpus(originals, args.count, 640, 480, seed=20)
@@ -90,10 +145,28 @@ def main() -> None:
             subprocess.run(
                 [*DECODEFS, "warm", bench.mountpoint, VERSION, str(args.size)], check=True
             )
-        run(bench, keys, args)
+        packed = pack(bench, keys, args.size)
+        run(bench, keys, packed, args)
+        if args.memory is not None:
+            small_memory(bench, keys, packed, store, args)
     finally:
         bench.remove()  # the store is outside the run directory: kept for the next run
-    cold(originals, args)
+    if args.cold:
+        cold(originals, args)
+
+
+def pack(bench: BenchMount, keys: list[str], size: int) -> Path:
+    """The arrays in one .npy file, in key order (kept beside the store)."""
+    path = WORK / f"loader-packed-{len(keys)}-{size}.npy"
+    if not path.exists():
+        partial = path.with_suffix(".partial")
+        out = np.lib.format.open_memmap(partial, "w+", np.uint8, (len(keys), size, size, 3))
+        for i, key in enumerate(keys):
+            out[i] = read_array(bench.arrays(size) / f"{key}.npy")
+        out.flush()
+        del out
+        partial.rename(path)
+    return path
 
 
 def cold(originals: Path, args: argparse.Namespace) -> None:
@@ -105,14 +178,14 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
         for path in names:
             (subset / path.name).hardlink_to(path)  # a symlink out of the source is no original
     rates = {}
-    for name in ["mount", *(f"threads-{n}" for n in args.threads)]:
+    for name in ["mount-uint8", *(f"threads-{n}" for n in args.threads)]:
         bench = BenchMount(subset, [args.size])  # its store in its own run directory
         try:
             bench.mount()
             keys = list_keys(bench.mountpoint, VERSION, args.size)
             dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
             loader: Iterable[tuple[torch.Tensor, Any]]
-            if name == "mount":
+            if name == "mount-uint8":
                 loader = DataLoader(
                     dataset,
                     batch_size=args.batch,
@@ -132,65 +205,181 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
     print(f"| {'contender':<12} | {'arrays/s':>9} | {'x mount':>7} |")
     print(f"| {'-' * 12} | {'-' * 9}: | {'-' * 7}: |")
     for name, rate in rates.items():
-        print(f"| {name:<12} | {rate:>9,.0f} | {rate / rates['mount']:>6.2f}x |")
+        print(f"| {name:<12} | {rate:>9,.0f} | {rate / rates['mount-uint8']:>6.2f}x |")
 
 
-def run(bench: BenchMount, keys: list[str], args: argparse.Namespace) -> None:
-    dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
-    paths = [dataset.path(i) for i in range(len(dataset))]
-    want = {key: read_array(path) for key, path in zip(keys, paths, strict=True)}  # page-cached
+def loaders(
+    dataset: MountDataset, keys: list[str], packed: Path, args: argparse.Namespace
+) -> dict[str, Iterable[tuple[torch.Tensor, Any]]]:
     generator = torch.Generator().manual_seed(0)
 
-    def workers(data: Dataset[Any]) -> DataLoader[Any]:
+    def workers(data: Dataset[Any], collate: Callable[..., Any]) -> DataLoader[Any]:
         return DataLoader(
             data,
             batch_size=args.batch,
             shuffle=True,
             num_workers=args.workers,
             persistent_workers=True,
-            collate_fn=collate_uint8,
+            collate_fn=collate,
             generator=generator,
         )
 
-    loaders: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {
-        "constant": workers(Constant(len(keys), args.size)),
-        "mount": workers(dataset),
-    }
+    made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {}
     for n in args.threads:
-        loaders[f"threads-{n}"] = BatchLoader(
+        made[f"packed-{n}"] = Packed(packed, keys, args.batch, n, seed=n)
+    made["constant"] = workers(Constant(len(keys), args.size), collate_uint8)
+    made["mount-uint8"] = workers(dataset, collate_uint8)
+    made["mount-default"] = workers(dataset, default_collate)
+    made["mount-stack"] = workers(dataset, stack_collate)
+    for n in args.threads:
+        made[f"threads-{n}"] = BatchLoader(
             dataset, batch_size=args.batch, shuffle=True, threads=n, generator=generator
         )
-    for name, loader in loaders.items():  # right bytes, and the workers started
+    py = MountDataset(dataset.directory.rsplit("/", 2)[0], VERSION, args.size, keys)
+    py._reader = None
+    reader = py.batch_reader()
+    reader._read_rows = read_entries_py  # the pure-Python twin
+    two = min(2, max(args.threads))
+    made[f"threads-{two}-py"] = BatchLoader(
+        py, batch_size=args.batch, shuffle=True, threads=two, generator=generator
+    )
+    if args.only:
+        made = {name: loader for name, loader in made.items() if name in args.only}
+    return made
+
+
+def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespace) -> None:
+    dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
+    paths = [dataset.path(i) for i in range(len(dataset))]
+    want = {key: read_array(path) for key, path in zip(keys, paths, strict=True)}  # page-cached
+    made = loaders(dataset, keys, packed, args)
+    for name, loader in made.items():  # right bytes, and the workers started
         if name != "constant":
             for images, batch_keys in loader:
                 for image, key in zip(images.numpy(), batch_keys, strict=True):
                     assert np.array_equal(image, want[key]), (name, key)
 
-    epochs: dict[str, Epoch] = {name: _epoch_of(loader) for name, loader in loaders.items()}
-    epochs["read_array"] = lambda: sum(1 for path in paths if read_array(path) is not None)
+    epochs: dict[str, Epoch] = {name: _epoch_of(loader) for name, loader in made.items()}
+    if not args.only or "read_array" in args.only:
+        epochs["read_array"] = lambda: sum(1 for path in paths if read_array(path) is not None)
     rates: dict[str, list[float]] = {name: [] for name in epochs}
+    cpu: dict[str, list[float]] = {name: [] for name in epochs}
     rng = np.random.default_rng(1)
     print("uptime before:", _uptime(), flush=True)
     for round_ in range(args.rounds):
         for name in rng.permutation(list(epochs)):
             epoch = epochs[str(name)]
             epoch()  # the first: settles the workers' and threads' start
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), _cpu_seconds()
             arrays = sum(epoch() for _ in range(args.epochs - 1))
             rates[str(name)].append(arrays / (time.perf_counter() - started))
+            cpu[str(name)].append((_cpu_seconds() - cpu_started) / arrays * 1000)
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     print("uptime after:", _uptime())
-    base = statistics.median(rates["mount"])
     print(
         f"\n{len(keys)} arrays of {args.size}, batch {args.batch}, {args.workers} workers, "
         f"{os.cpu_count()} CPUs; epochs 2..{args.epochs}, median of {args.rounds} rounds\n"
     )
-    print(f"| {'contender':<12} | {'arrays/s':>9} | {'x mount':>7} | rounds (arrays/s) |")
-    print(f"| {'-' * 12} | {'-' * 9}: | {'-' * 7}: | ----------------- |")
+    print(
+        f"| {'contender':<14} | {'arrays/s':>9} | {'x packed':>8} | {'x mount':>7} "
+        f"| CPU s / 1,000 | rounds (arrays/s) |"
+    )
+    print(f"| {'-' * 14} | {'-' * 9}: | {'-' * 8}: | {'-' * 7}: | ------------: | --- |")
+    base = statistics.median(rates["mount-uint8"]) if "mount-uint8" in rates else None
     for name in epochs:
         rate = statistics.median(rates[name])
+        threads = name.split("-")[1] if name.startswith(("threads-", "packed-")) else None
+        bound = rates.get(f"packed-{threads}")
+        x_packed = f"{rate / statistics.median(bound):.2f}x" if bound else "-"
+        x_mount = f"{rate / base:.2f}x" if base else "-"
         each = " ".join(f"{r:,.0f}" for r in rates[name])
-        print(f"| {name:<12} | {rate:>9,.0f} | {rate / base:>6.2f}x | {each} |")
+        print(
+            f"| {name:<14} | {rate:>9,.0f} | {x_packed:>8} | {x_mount:>7} "
+            f"| {statistics.median(cpu[name]):>13.3f} | {each} |"
+        )
+
+
+def small_memory(
+    bench: BenchMount, keys: list[str], packed: Path, store: Path, args: argparse.Namespace
+) -> None:
+    """A store bigger than memory: BatchLoader and the packed copy in a memory cgroup."""
+    if os.geteuid() != 0 or not CGROUP_ROOT.is_dir():
+        print("\n--memory: skipped (needs root and cgroup v1's memory controller)")
+        return
+    entry_bytes = sum(p.stat().st_size for p in store.rglob("*.npy"))
+    room = int(args.memory * entry_bytes)
+    dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
+    two = min(2, max(args.threads))
+    made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {
+        f"threads-{two}": BatchLoader(dataset, batch_size=args.batch, shuffle=True, threads=two),
+        f"packed-{two}": Packed(packed, keys, args.batch, two, seed=7),
+    }
+    rates: dict[str, list[float]] = {}
+    with _cgroup() as group:
+        usage = int((group / "memory.usage_in_bytes").read_text())
+        # This process's own memory was charged elsewhere (cgroup v1 charges what is
+        # allocated after the move): the limit is the page cache's room and the batches'.
+        batches = (args.batch * args.size * args.size * 3) * 8
+        (group / "memory.limit_in_bytes").write_text(str(usage + room + batches))
+        for name, loader in made.items():
+            _drop_caches()
+            epoch = _epoch_of(loader)
+            rates[name] = []
+            for _ in range(args.epochs):
+                started = time.perf_counter()
+                arrays = epoch()
+                rates[name].append(arrays / (time.perf_counter() - started))
+        cache = _page_cache(group)
+    print(
+        f"\nstore {entry_bytes / 2**20:,.0f} MiB, page cache room {room / 2**20:,.0f} MiB "
+        f"({args.memory}x; the group's page cache at the end: {cache / 2**20:,.0f} MiB), "
+        f"each contender after a drop of the page cache\n"
+    )
+    print(f"| {'contender':<12} | epochs 1..{args.epochs}, arrays/s |")
+    print(f"| {'-' * 12} | --- |")
+    for name, each in rates.items():
+        print(f"| {name:<12} | {' '.join(f'{r:,.0f}' for r in each)} |")
+
+
+@contextlib.contextmanager
+def _cgroup() -> Iterator[Path]:
+    group = CGROUP_ROOT / f"decodefs-bench-loader-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield group
+        finally:
+            (CGROUP_ROOT / "cgroup.procs").write_text(str(os.getpid()))
+    finally:
+        group.rmdir()
+
+
+def _page_cache(group: Path) -> int:
+    for line in (group / "memory.stat").read_text().splitlines():
+        name, value = line.split()
+        if name == "total_cache":
+            return int(value)
+    return 0
+
+
+def _drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its live children (the workers)."""
+    pids = [os.getpid()]
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _epoch_of(loader: Iterable[tuple[torch.Tensor, Any]]) -> Epoch:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from decodefs import class_labels, list_keys, read_array
+from decodefs.client import batch
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_header
 from decodefs.common.protocol import TRAILER_SIZE
@@ -69,6 +70,26 @@ def restart(mount: Mount) -> None:
     mount.start()
 
 
+@pytest.fixture(params=["compiled", "python"])
+def reader_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Batches read by the compiled reader, or by its pure-Python twin (where it did not
+    build): datasets made in the test pick the one chosen here."""
+    if request.param == "python":
+        monkeypatch.setattr(batch, "_compiled", None)
+    elif batch._compiled is None:
+        pytest.skip("the compiled reader did not build")
+    return str(request.param)
+
+
+def open_files() -> list[str]:
+    """What this process's descriptors are open on (a deleted file's name ends " (deleted)")."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return links
+
+
 def mirror_source(root: Path, photos: dict[str, Path]) -> Path:
     """A folder dataset whose file names repeat across class folders."""
     names = sorted(photos)
@@ -87,6 +108,7 @@ def test_batches_are_mount_datasets_in_the_samplers_order_with_misses_among_hits
     photos: dict[str, Path],
     tmp_path: Path,
     layout: str,
+    reader_kind: str,
 ) -> None:
     if layout == "mirror":
         source = mirror_source(tmp_path / "classes", photos)
@@ -178,7 +200,7 @@ def test_shuffle_a_distributed_sampler_and_what_the_loader_refuses(
 
 
 def test_an_entry_evicted_or_damaged_mid_epoch_is_read_through_the_mount(
-    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], reader_kind: str
 ) -> None:
     mount = mounts({"v1": photos_dir})
     keys = sorted(photos)
@@ -199,6 +221,26 @@ def test_an_entry_evicted_or_damaged_mid_epoch_is_read_through_the_mount(
     stats = mount.stats()
     assert stats["misses"] == len(keys) + 1  # the evicted one, decoded again by the mount
     assert stats["corrupt_entries"] == 1  # the daemon checked the damaged one again (O_SYNC)
+    # The next epoch reads every array stored again (a rebuilt entry the daemon has not
+    # written back yet may be read through it, as a hit): the rebuilt entries are new
+    # files, opened anew, and the kept descriptors of the old ones were closed.
+    wait_until(lambda: mount.stats()["direct_hits"] == len(keys) - 2, 10, "the reports")
+    before = mount.stats()
+    assert_same_batches(batches(loader), want)
+
+    def served() -> int:
+        stats = mount.stats()
+        return int(stats["direct_hits"] + stats["hits"])
+
+    want_served = before["direct_hits"] + before["hits"] + len(keys)
+    wait_until(lambda: served() == want_served, 10, "the second epoch's reports")
+    after = mount.stats()
+    assert (after["misses"], after["decodes"]) == (before["misses"], before["decodes"])
+    store = str(store_of(mount))
+    kept = [link for link in open_files() if link.startswith(store) and ".npy" in link]
+    stored = {str(entry_file(mount, key)) for key in keys}
+    assert len(kept) == dataset.batch_reader().kept >= len(keys) - 1  # within the default bound
+    assert set(kept) <= stored  # the entries' current files: no evicted or replaced one
 
     # A store that holds 4 arrays: every epoch evicts as it goes, and stays right.
     entry = len(npy_header(SIZE)) + SIZE * SIZE * 3 + TRAILER_SIZE
@@ -212,6 +254,33 @@ def test_an_entry_evicted_or_damaged_mid_epoch_is_read_through_the_mount(
     for _ in range(2):
         assert_same_batches(batches(BatchLoader(small_dataset, batch_size=4)), want)
     assert small.stats()["evictions"] >= len(keys)
+
+
+def test_kept_files_stay_within_the_bound_and_close_with_the_mount(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], reader_kind: str
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys, open_entries=3)
+    want = batches(BatchLoader(dataset, batch_size=4))  # stores every array
+    store = str(store_of(mount))
+
+    def open_entries() -> int:
+        return sum(1 for link in open_files() if link.startswith(store) and link.endswith(".npy"))
+
+    for _ in range(2):
+        assert_same_batches(batches(BatchLoader(dataset, batch_size=4, threads=3)), want)
+        assert dataset.batch_reader().kept == 3 and open_entries() == 3
+    restart(mount)  # another daemon: the files kept for the last one are closed
+    assert_same_batches(batches(BatchLoader(dataset, batch_size=4)), want)
+    assert open_entries() == 3
+    none = MountDataset(mount.mountpoint, "v1", SIZE, keys, open_entries=0)
+    assert_same_batches(batches(BatchLoader(none, batch_size=4)), want)
+    assert none.batch_reader().kept == 0 and open_entries() == 3
+    dataset.batch_reader().close()
+    assert open_entries() == 0
+    with pytest.raises(ValueError, match="open_entries is a number"):
+        MountDataset(mount.mountpoint, "v1", SIZE, keys, open_entries=-1)
 
 
 def test_a_daemon_restarted_between_epochs(

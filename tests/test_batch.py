@@ -1,0 +1,215 @@
+"""client/batch.py's row readers on real entry files: the compiled one and its pure-Python twin
+read the same rows and give the same statuses, for good entries and every kind of bad one."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from decodefs.client import batch
+from decodefs.common.entry import EntryKey, encode_trailer
+from decodefs.common.npy import npy_header
+from decodefs.common.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+
+SIZE = 16
+DIGEST = bytes(range(16))
+HEADER = npy_header(SIZE)
+ROW = SIZE * SIZE * 3
+LENGTH = len(HEADER) + ROW
+EXPECT = TRAILER.pack(TRAILER_MAGIC, STORE_FORMAT, DIGEST, LENGTH, 0)[: TRAILER_SIZE - 8]
+
+IMPLEMENTATIONS = {"python": batch.read_entries_py}
+if batch._compiled is not None:
+    IMPLEMENTATIONS["compiled"] = batch._compiled
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def read_rows(request: pytest.FixtureRequest) -> batch.ReadRows:
+    return IMPLEMENTATIONS[request.param]
+
+
+def test_the_extension_builds_here() -> None:
+    # scripts/setup.sh installs a compiler and Python's headers: CI must test the compiled reader.
+    assert batch._compiled is not None, "decodefs/client/_batchread did not build"
+
+
+def write_entry(store: Path, key: EntryKey, array: np.ndarray, digest: bytes = DIGEST) -> Path:
+    payload = HEADER + array.tobytes()
+    path = store / key.relpath
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(payload + encode_trailer(key, payload, digest))
+    path.chmod(0o644)
+    return path
+
+
+class Store:
+    def __init__(self, root: Path, count: int) -> None:
+        self.root = root
+        rng = np.random.default_rng(3)
+        self.keys = [EntryKey("v1", SIZE, f"{i:02x}key{i}") for i in range(count)]
+        self.arrays = [rng.integers(0, 256, (SIZE, SIZE, 3), np.uint8) for _ in self.keys]
+        self.paths = [write_entry(root, k, a) for k, a in zip(self.keys, self.arrays, strict=True)]
+        self.dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+
+    def read(
+        self,
+        read_rows: batch.ReadRows,
+        fds: np.ndarray | None = None,
+        keep: int = 0,
+        nowait: bool = False,
+        names: list[bytes | None] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        count = len(self.keys)
+        rows = np.zeros((count, SIZE, SIZE, 3), np.uint8)
+        fds = np.full(count, -1, np.int32) if fds is None else fds
+        if names is None:
+            pairs = zip(self.keys, fds.tolist(), strict=True)
+            names = [k.relpath.encode() if fd < 0 else None for k, fd in pairs]
+        status = np.full(count, -7, np.int32)
+        seeds = np.array([k.seed for k in self.keys], np.uint64)
+        positions = np.arange(count, dtype=np.int32)
+        kept = read_rows(
+            self.dirfd, rows, ROW, positions, fds, names, seeds, HEADER, EXPECT,
+            os.geteuid(), keep, nowait, status,
+        )  # fmt: skip
+        return rows, status, fds, kept
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    made = Store(tmp_path / "store", 6)
+    try:
+        yield made
+    finally:
+        os.close(made.dirfd)
+
+
+def test_good_entries_are_read_into_their_rows(store: Store, read_rows: batch.ReadRows) -> None:
+    rows, status, fds, kept = store.read(read_rows)
+    assert status.tolist() == [batch.OK] * 6 and kept == 0 and (fds == -1).all()
+    for row, array in zip(rows, store.arrays, strict=True):
+        assert np.array_equal(row, array)
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_every_bad_entry_is_refused_alike(store: Store, read_rows: batch.ReadRows) -> None:
+    flip(store.paths[0], len(HEADER) + 100)  # a pixel
+    flip(store.paths[1], 10)  # the .npy header
+    flip(store.paths[2], LENGTH + TRAILER_SIZE - 1)  # the checksum
+    write_entry(store.root, store.keys[3], store.arrays[3], digest=bytes(16))  # stale
+    store.paths[4].write_bytes(store.paths[4].read_bytes()[:-1])  # truncated
+    store.paths[5].unlink()  # missing
+    _, status, _, _ = store.read(read_rows)
+    bad, missing = batch.BAD, batch.MISSING
+    assert status.tolist() == [bad, bad, bad, bad, bad, missing]
+    # another key's entry in this key's place fails its checksum (the seed is the key's)
+    store.paths[5].write_bytes(store.paths[0].read_bytes())
+    assert store.read(read_rows)[1][5] == bad
+
+
+def test_an_entry_others_may_write_is_refused(store: Store, read_rows: batch.ReadRows) -> None:
+    store.paths[2].chmod(stat.S_IMODE(store.paths[2].stat().st_mode) | 0o020)
+    store.paths[3].chmod(0o646)
+    _, status, _, _ = store.read(read_rows)
+    assert status.tolist() == [batch.OK, batch.OK, batch.BAD, batch.BAD, batch.OK, batch.OK]
+
+
+def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
+    store: Store, read_rows: batch.ReadRows
+) -> None:
+    _, status, fds, kept = store.read(read_rows, keep=4)
+    assert kept == 4 and (status == batch.OK).all()
+    assert (fds[:4] >= 0).all() and (fds[4:] == -1).all()
+    for fd, path in zip(fds[:4], store.paths, strict=False):
+        assert os.path.samestat(os.fstat(int(fd)), path.stat())
+    try:
+        store.paths[0].unlink()  # evicted
+        rebuilt = write_entry(store.root / "tmp", store.keys[1], store.arrays[1])
+        rebuilt.rename(store.paths[1])  # rebuilt as the daemon does: the kept file unlinked
+        again = fds.copy()
+        rows, status, after, kept = store.read(read_rows, fds=again, keep=0)
+        assert kept == 0 and status.tolist()[:4] == [batch.GONE, batch.GONE, batch.OK, batch.OK]
+        assert (after == fds).all()  # a gone file's descriptor is the caller's to close
+        assert np.array_equal(rows[3], store.arrays[3]) and np.array_equal(rows[5], store.arrays[5])
+    finally:
+        for fd in fds[:4]:
+            os.close(int(fd))
+
+
+def dropped(path: Path, check: bool = True) -> bool:
+    """Drop ``path``'s pages from the page cache; whether a read now would wait for the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if check:
+            os.preadv(fd, [bytearray(8)], 0, os.RWF_NOWAIT)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_row_not_in_the_page_cache_is_started_and_said(
+    store: Store, read_rows: batch.ReadRows
+) -> None:
+    scratch = store.root / "scratch"
+    scratch.write_bytes(bytes(4096))
+    if not any(dropped(scratch) for _ in range(5)):  # (a read without waiting starts reading
+        pytest.skip(f"{store.root} keeps pages after a drop (a tmpfs?)")  # ahead: not an entry)
+    for path in store.paths:
+        dropped(path, check=False)
+    _, status, _, _ = store.read(read_rows, nowait=True)
+    assert set(status.tolist()) <= {batch.NOT_CACHED, batch.OK} and batch.NOT_CACHED in status
+    rows, status, _, _ = store.read(read_rows, nowait=False)
+    assert (status == batch.OK).all()
+    assert all(np.array_equal(r, a) for r, a in zip(rows, store.arrays, strict=True))
+
+
+def test_no_name_is_missing_and_bad_arguments_raise(
+    store: Store, read_rows: batch.ReadRows
+) -> None:
+    _, status, _, _ = store.read(read_rows, names=[None] * 6)
+    assert (status == batch.MISSING).all()
+    if read_rows is batch.read_entries_py:
+        return
+    rows = np.zeros((1, SIZE, SIZE, 3), np.uint8)
+    one = np.zeros(1, np.int32)
+    seeds = np.zeros(1, np.uint64)
+    with pytest.raises(IndexError, match="outside rows"):
+        read_rows(
+            store.dirfd, rows, ROW, np.array([1], np.int32), one.copy(), [None], seeds,
+            HEADER, EXPECT, 0, 0, False, one.copy(),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="holds"):
+        read_rows(
+            store.dirfd, rows, ROW, np.array([0], np.int32), one.copy(), [None],
+            np.zeros(2, np.uint64), HEADER, EXPECT, 0, 0, False, one.copy(),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="one name"):
+        read_rows(
+            store.dirfd, rows, ROW, np.array([0], np.int32), one.copy(), [], seeds,
+            HEADER, EXPECT, 0, 0, False, one.copy(),
+        )  # fmt: skip
+
+
+@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+@given(st.binary(max_size=5000), st.integers(0, 2**64 - 1))
+def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int) -> None:
+    from decodefs.client import _batchread  # type: ignore[attr-defined]
+
+    assert _batchread.checksum(data, seed) == xxhash.xxh3_64_intdigest(data, seed=seed)
