@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -480,3 +482,27 @@ def test_read_stored_rows_reads_the_hits_and_names_the_misses(
     assert not rows[misses].any()
     with pytest.raises(ValueError, match="paths for"):
         read_stored_rows(paths, rows[1:])
+
+
+def test_the_training_script_trains_from_every_path(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    # A smoke test of scripts/train_resnet.py on CPU: every path trains, every epoch says
+    # its rate and how busy the device was (its figures are the benchmark's, not the test's).
+    mount = mounts({"v1": photos_dir})
+    script = Path(__file__).parents[1] / "scripts" / "train_resnet.py"
+    result = subprocess.run(
+        [
+            sys.executable, str(script),
+            "--mount", str(mount.mountpoint), "--config", str(mount.config), "--version", "v1",
+            "--size", "32", "--width", "2", "--epochs", "2", "--steps", "2", "--batch", "4",
+            "--workers", "1",
+        ],
+        capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line.strip("| ").split(" | ") for line in result.stdout.splitlines()]
+    seen = {(row[0], row[1]): float(row[3]) for row in rows if len(row) == 4 and row[1].isdigit()}
+    assert sorted(seen) == [(p, e) for p in ["batch", "live", "mount", "npload"] for e in "12"]
+    assert all(0 < busy <= 1 for busy in seen.values()), seen
+    assert mount.stats()["decodes"] == len(photos)  # the mount's paths decoded each once
