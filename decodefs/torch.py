@@ -317,10 +317,10 @@ class BatchLoader:
     by the dataset's ``batch_reader``: the arrays the store holds by one call
     that reads and checks them without the GIL, each checked and reported to
     the daemon as ``read_array`` does; a miss, or an entry that fails its check,
-    through the mount (the daemon decodes it), each on a thread of its own as
-    soon as the batch's first pass found it. The same bytes as
+    through the mount (the daemon decodes it), on one of ``2 * threads``
+    threads as soon as the batch's first pass found it. The same bytes as
     ``MountDataset``. ``threads`` (default: the CPUs, at least 2) read batches
-    and misses side by side. The next ``prefetch`` batches are read while the
+    side by side. The next ``prefetch`` batches are read while the
     current one is used. A read
     that fails (a key the version lacks, a mount that is gone) raises its
     error when its batch is due, and stops the epoch's threads; so does
@@ -426,15 +426,19 @@ class BatchLoader:
 class _Reads:
     """One epoch's reading threads.
 
-    A batch is read by one call of the dataset's BatchReader, which holds the GIL
-    only for its Python work per batch: threads reading batches side by side run
-    their copies in parallel. Each miss the call names is handed to a thread of
-    its own at once, before the batch's entries not in the page cache are read,
-    so the daemon decodes a batch's misses in parallel while its disk reads go on.
+    A batch is read by one call of the dataset's BatchReader (``threads`` of
+    them at once), which holds the GIL only for its Python work per batch:
+    threads reading batches side by side run their copies in parallel. Each miss
+    the call names is handed at once, before the batch's entries not in the page
+    cache are read, to a pool of its own of twice as many threads: they only
+    wait for the daemon, and twice its decode pool's worth of requests keeps
+    that pool busy while finished arrays are read back.
     """
 
     def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="decodefs-batchloader")
+        name = "decodefs-batchloader"
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._misses = ThreadPoolExecutor(2 * threads, thread_name_prefix=f"{name}-miss")
         self._stop = threading.Event()
 
     def submit(
@@ -445,6 +449,7 @@ class _Reads:
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._misses.shutdown(wait=True, cancel_futures=True)
 
     def _read(self, dataset: MountDataset, indices: list[int], rows: Array) -> list[Future[None]]:
         misses: list[Future[None]] = []
@@ -453,7 +458,8 @@ class _Reads:
 
         def miss(p: int) -> None:
             if not self._stop.is_set():
-                misses.append(self._pool.submit(self._read_miss, dataset.path(indices[p]), rows[p]))
+                path = dataset.path(indices[p])
+                misses.append(self._misses.submit(self._read_miss, path, rows[p]))
 
         dataset.batch_reader().read(indices, rows, on_miss=miss)
         return misses
