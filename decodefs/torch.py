@@ -45,6 +45,7 @@ try:
         default_collate,
         get_worker_info,
     )
+    from torch.utils.data._utils.collate import collate_numpy_array_fn, default_collate_fn_map
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         "decodefs.torch needs PyTorch: pip install torch (or decodefs's torch extra: "
@@ -230,7 +231,7 @@ class MountDataset(_KeyDataset):
         rows = images.numpy()
         for p in self.batch_reader().read(indices, rows):  # the misses, through the mount
             read_array_into(self.path(indices[p]), rows[p])
-        items = [(rows[p], self.target(index)) for p, index in enumerate(indices)]
+        items = [(_row_of(rows, images, p), self.target(i)) for p, i in enumerate(indices)]
         return _worker_batches.made(_Rows(items, images))
 
     def _array(self, index: int, key: str) -> Array:
@@ -626,6 +627,50 @@ def _populate(address: int, length: int) -> None:
     start = address - address % mmap.PAGESIZE
     if _libc.madvise(start, address + length - start, _MADV_POPULATE_WRITE) != 0:
         _populating = ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)
+
+
+class _Row(np.ndarray):
+    """A row of a batch tensor as ``MountDataset.__getitems__`` hands it out: a numpy
+    array in every other way. torch's ``default_collate``, given a batch's rows in
+    order, passes the batch tensor on as the batch, uncopied, as ``collate_uint8``
+    does (registered in ``default_collate_fn_map``, torch's documented way to teach
+    it a type); a copy or a slice of a row is a plain array to it."""
+
+    batch: tuple[torch.Tensor, int]  # the batch tensor, and this row's place in it
+
+
+def _row_of(rows: Array, images: torch.Tensor, position: int) -> Array:
+    row: _Row = rows[position].view(_Row)
+    row.batch = (images, position)
+    return row
+
+
+def _collate_rows(batch: Sequence[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """``default_collate`` of images that are ``_Row``s: the batch tensor if they are
+    all of its rows, in order, and it may leave the process as it is; else a copy."""
+    images = _whole_batch(batch)
+    if images is not None:
+        _worker_batches.passed = True
+        return images
+    out: torch.Tensor = collate_numpy_array_fn(batch, collate_fn_map=collate_fn_map)
+    return out
+
+
+def _whole_batch(batch: Sequence[Any]) -> torch.Tensor | None:
+    first = getattr(batch[0], "batch", None)
+    if first is None or len(batch) != len(first[0]):
+        return None
+    images: torch.Tensor = first[0]
+    for p, row in enumerate(batch):
+        place = getattr(row, "batch", None)
+        if place is None or place[0] is not images or place[1] != p:
+            return None
+    if get_worker_info() is not None and not images.is_shared():  # type: ignore[no-untyped-call]
+        return None  # memory the worker uses again: default_collate copies it
+    return images
+
+
+default_collate_fn_map[_Row] = _collate_rows
 
 
 class _Rows(list[tuple[Any, Any]]):

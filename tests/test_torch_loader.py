@@ -273,6 +273,23 @@ def test_kept_files_stay_within_the_bound_and_close_with_the_mount(
     for _ in range(2):
         assert_same_batches(batches(BatchLoader(dataset, batch_size=4, threads=3)), want)
         assert dataset.batch_reader().kept == 3 and open_entries() == 3
+    # Entries evicted while no batch reads their keys: batches of other keys find their
+    # kept files (a batch of N arrays looks at N keys' in turn) and close them.
+    kept_keys = [k for k in keys if str(entry_file(mount, k)) in open_files()]
+    assert len(kept_keys) == 3
+    for key in kept_keys:
+        entry_file(mount, key).unlink()
+
+    def evicted_open() -> int:
+        return sum(1 for link in open_files() if link.startswith(store) and "(deleted)" in link)
+
+    assert evicted_open() == 3
+    others = [i for i, k in enumerate(keys) if k not in kept_keys][:4]
+    rows = np.zeros((len(others), SIZE, SIZE, 3), np.uint8)
+    for _ in range(len(keys) // len(others) + 1):
+        dataset.batch_reader().read(others, rows)
+    assert evicted_open() == 0
+    assert_same_batches(batches(BatchLoader(dataset, batch_size=4)), want)  # decoded again
     restart(mount)  # another daemon: the files kept for the last one are closed
     assert_same_batches(batches(BatchLoader(dataset, batch_size=4)), want)
     assert open_entries() == 3
@@ -383,9 +400,12 @@ def test_a_dataloader_batch_is_read_into_one_tensor_and_passed_on_uncopied(
     images, targets = collate_uint8(items)
     assert images.data_ptr() == items[0][0].ctypes.data  # the rows read into: no copy
     assert torch.equal(targets, torch.tensor([3, len(keys) - 1, 0]))
-    assert torch.equal(default_collate(items)[0], images)  # default_collate copies, same bytes
+    assert default_collate(items)[0].data_ptr() == images.data_ptr()  # torch's too
+    assert all(isinstance(array, np.ndarray) for array, _ in items)
     items[1] = (items[1][0].copy(), items[1][1])  # a collate_fn may replace an item: copied
     copied, _ = collate_uint8(items)
+    assert copied.data_ptr() != images.data_ptr() and torch.equal(copied, images)
+    copied, _ = default_collate(items)
     assert copied.data_ptr() != images.data_ptr() and torch.equal(copied, images)
     with pytest.raises(IndexError):
         dataset.__getitems__([0, len(keys)])
@@ -398,6 +418,41 @@ def test_a_dataloader_batch_is_read_into_one_tensor_and_passed_on_uncopied(
     ):
         assert images.is_shared()  # read in the worker into shared memory
         assert torch.equal(images, want) and torch.equal(targets, want_targets)
+
+
+def stack_collate(batch: list[tuple[Any, Any]]) -> tuple[torch.Tensor, list[Any]]:
+    """What a user writes by hand."""
+    return torch.stack([torch.from_numpy(image) for image, _ in batch]), [t for _, t in batch]
+
+
+@pytest.mark.parametrize("collate", [default_collate, stack_collate])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_dataloader_with_a_collate_that_copies_gets_every_batch_right(
+    mounts: MountFactory,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    collate: Any,
+    context: str,
+) -> None:
+    # After its first batch, a worker reads into memory of its own, used again once the
+    # collate let go: batches the training process holds are never overwritten.
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys, targets=list(range(len(keys))))
+    want = batches(BatchLoader(dataset, batch_size=2))
+    loader = DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        collate_fn=collate,
+        multiprocessing_context=context,
+        persistent_workers=True,
+    )
+    for _ in range(2):  # the second epoch: every batch read into reused memory
+        held = list(loader)
+        for (images, targets), (want_images, want_targets) in zip(held, want, strict=True):
+            assert torch.equal(images, want_images)
+            assert [int(t) for t in targets] == want_targets.tolist()
 
 
 def test_batch_memory_is_used_again_only_once_nothing_refers_to_it(

@@ -256,6 +256,7 @@ class BatchReader:
         self._lock = threading.Lock()  # the fields below, and _fds' changes
         self._serving: _Serving | None = None
         self._kept = 0
+        self._sweep_from = 0  # where the next sweep of kept files starts (_sweep)
         _readers.add(self)
 
     @property
@@ -337,6 +338,7 @@ class BatchReader:
                 status=status_again,
             )
             status[again] = status_again
+        self._sweep(serving, count)
         hits = np.flatnonzero(status == OK).tolist()
         given_back = []
         for p in np.flatnonzero((status != OK) & (status != MISSING)).tolist():
@@ -412,6 +414,28 @@ class BatchReader:
                         self._kept -= 1
                     else:
                         self._fds[i] = fd
+
+    def _sweep(self, serving: _Serving, count: int) -> None:
+        """Close the kept files of the next ``count`` keys whose entry is gone (evicted, or
+        rebuilt): a batch of N arrays looks at the next N keys' in turn, so a kept file
+        holds an evicted entry's disk space for about an epoch at most, even if its key
+        is not read again."""
+        with self._lock:
+            start = self._sweep_from
+            window = self._fds[start : start + count]
+            self._sweep_from = 0 if start + count >= len(self._fds) else start + count
+            if serving.retired:
+                return
+            for offset in np.flatnonzero(window >= 0).tolist():
+                fd = int(window[offset])
+                try:
+                    gone = os.fstat(fd).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    os.close(fd)
+                    self._fds[start + offset] = -1
+                    self._kept -= 1
 
     def _recheck(self, serving: _Serving, i: int, row: npt.NDArray[np.uint8]) -> bool:
         """An entry that failed the batch's check: reader.py reads it again and notes why
