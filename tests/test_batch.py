@@ -31,6 +31,9 @@ if batch._compiled is not None:
     IMPLEMENTATIONS["compiled"] = batch._compiled
 
 
+GONE_CHECKS = [batch.gone_py] + ([batch._compiled_gone] if batch._compiled_gone else [])
+
+
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
 def read_rows(request: pytest.FixtureRequest) -> batch.ReadRows:
     return IMPLEMENTATIONS[request.param]
@@ -143,6 +146,10 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
         rows, status, after, kept = store.read(read_rows, fds=again, keep=0)
         assert kept == 0 and status.tolist()[:4] == [batch.GONE, batch.GONE, batch.OK, batch.OK]
         assert (after == fds).all()  # a gone file's descriptor is the caller's to close
+        for gone in GONE_CHECKS:
+            out = np.full(6, 7, np.uint8)
+            gone(np.array([*fds[:4], -1, 999_999], np.int32), out)
+            assert out.tolist() == [1, 1, 0, 0, 0, 1]  # unlinked, unlinked, ..., none, closed
         assert np.array_equal(rows[3], store.arrays[3]) and np.array_equal(rows[5], store.arrays[5])
     finally:
         for fd in fds[:4]:

@@ -49,7 +49,13 @@ from ..common.entry import EntryKey
 from ..common.inodes import Kind, Node
 from ..common.names import array_name
 from ..common.npy import npy_header
-from ..common.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+from ..common.protocol import (
+    STORE_FORMAT,
+    TRAILER,
+    TRAILER_MAGIC,
+    TRAILER_SIZE,
+    encode_access,
+)
 from ..common.trusted import owned_alone
 from .discovery import Mount, readable_mount
 from .hits import report_hits
@@ -181,6 +187,15 @@ def _read_row_py(
     return OK if hasher.intdigest() == recorded else BAD
 
 
+def gone_py(fds: npt.NDArray[np.int32], out: npt.NDArray[np.uint8]) -> None:
+    """``_batchread.gone`` in Python: out[i] = 1 where fds[i]'s file is unlinked or closed."""
+    for i, fd in enumerate(fds.tolist()):
+        try:
+            out[i] = fd >= 0 and os.fstat(fd).st_nlink == 0
+        except OSError:
+            out[i] = 1
+
+
 _nowait_works = True  # until a file system says it cannot
 
 
@@ -199,9 +214,11 @@ try:
     from . import _batchread  # type: ignore[attr-defined]
 
     _compiled: ReadRows | None = _batchread.read_rows
+    _compiled_gone: Callable[[Any, Any], None] | None = _batchread.gone
     EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
 except ImportError:  # not built here: a compiler or Python's headers were missing
     _compiled = None
+    _compiled_gone = None
     EXTENSION = None  # type: ignore[misc]
 
 
@@ -222,6 +239,7 @@ class _Serving:
     dirfd: int
     expect: bytes
     generation: int
+    report_prefix: bytes  # a hit's report line before its key (protocol.encode_access)
     users: int = 0  # calls reading with dirfd or kept descriptors of this mount now
     retired: bool = False
     closing: list[int] = field(default_factory=list)  # kept descriptors, once retired
@@ -246,6 +264,9 @@ class BatchReader:
         self.size = size
         self.open_entries = _default_open_entries() if open_entries is None else open_entries
         self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
+        self._gone: Callable[[Any, Any], None] = gone_py
+        if self._read_rows is _compiled and _compiled_gone is not None:
+            self._gone = _compiled_gone
         self._keys = keys
         self._header = npy_header(size)
         self._row_bytes = size * size * 3
@@ -345,10 +366,10 @@ class BatchReader:
             # BAD: reader.py reads it again and says why (reporting it if fine after all)
             if status[p] != BAD or not self._recheck(serving, keys[p], rows[p]):
                 given_back.append(p)
-        report_hits(
-            serving.mount.access_socket,
-            [EntryKey(serving.version, self.size, self._key(keys[p])) for p in hits],
-        )
+        prefix = serving.report_prefix  # the daemon's LRU order sees the hits
+        hit_keys = self._keys[index[hits]].tolist()
+        lines = b"".join([prefix + key + b"\n" for key in hit_keys])
+        report_hits(serving.mount.access_socket, lines, len(hits))
         return sorted(misses + self._give_back(given_back, on_miss))
 
     def _call(
@@ -401,7 +422,9 @@ class BatchReader:
         never closed twice (it may be another file's by then)."""
         with self._lock:
             self._kept -= room - kept
-            for p, i in enumerate(index):
+            changed = np.flatnonzero((fds != self._fds[index]) | (status == GONE)).tolist()
+            for p in changed:
+                i = int(index[p])
                 fd, was = int(fds[p]), int(self._fds[i])
                 if status[p] == GONE:
                     if not serving.retired and was == fd:
@@ -424,18 +447,14 @@ class BatchReader:
             start = self._sweep_from
             window = self._fds[start : start + count]
             self._sweep_from = 0 if start + count >= len(self._fds) else start + count
-            if serving.retired:
+            if serving.retired or not (window >= 0).any():
                 return
-            for offset in np.flatnonzero(window >= 0).tolist():
-                fd = int(window[offset])
-                try:
-                    gone = os.fstat(fd).st_nlink == 0
-                except OSError:
-                    gone = True
-                if gone:
-                    os.close(fd)
-                    self._fds[start + offset] = -1
-                    self._kept -= 1
+            gone = np.zeros(len(window), np.uint8)
+            self._gone(window, gone)
+            for offset in np.flatnonzero(gone).tolist():
+                os.close(int(window[offset]))
+                self._fds[start + offset] = -1
+                self._kept -= 1
 
     def _recheck(self, serving: _Serving, i: int, row: npt.NDArray[np.uint8]) -> bool:
         """An entry that failed the batch's check: reader.py reads it again and notes why
@@ -522,7 +541,8 @@ class BatchReader:
         expect = TRAILER.pack(TRAILER_MAGIC, STORE_FORMAT, digest, length, 0)[:_EXPECT_SIZE]
         global _generation
         _generation += 1
-        return _Serving(mount, st.st_ino, version, dirfd, expect, _generation)
+        prefix = encode_access(version, self.size, "")[:-1]
+        return _Serving(mount, st.st_ino, version, dirfd, expect, _generation, prefix)
 
     def _retire(self, serving: _Serving) -> None:
         """Under _lock: ``serving`` is no longer the directory's; its descriptors close

@@ -26,13 +26,16 @@ _REPORT_SECONDS: Final = 1.0
 class HitReporter:
     """Batches access report lines (protocol.encode_access) into datagrams to the daemon.
 
-    A hit costs one tuple appended; the lines are made when they are sent.
+    A hit costs one tuple appended; the lines are made when they are sent. A
+    batch's hits come as their lines, made by the caller in one join.
     Fire and forget: a full or absent socket only makes LRU order approximate.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[str, EntryKey]] = []  # (socket address, key) to send
+        # (socket address, a key or whole report lines) to send, and how many lines
+        self._pending: list[tuple[str, EntryKey | bytes]] = []
+        self._lines = 0
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
 
@@ -40,35 +43,41 @@ class HitReporter:
         """A direct hit of ``key``, for the daemon listening at ``address`` (None: none)."""
         if address is None:
             return
-        with self._lock:
-            self._pending.append((address, key))
-            full = len(self._pending) >= _REPORT_LINES
-        if full or time.monotonic() - self._last_flush >= _REPORT_SECONDS:
-            self.flush()
+        self._add(address, key, 1)
 
-    def report_many(self, address: str | None, keys: list[EntryKey]) -> None:
-        """Direct hits of ``keys`` (a batch's), with one lock taken."""
-        if address is None or not keys:
+    def report_lines(self, address: str | None, lines: bytes, count: int) -> None:
+        """``count`` direct hits (a batch's) as their report lines (protocol.encode_access)."""
+        if address is None or not count:
             return
+        self._add(address, lines, count)
+
+    def _add(self, address: str, hits: EntryKey | bytes, count: int) -> None:
         with self._lock:
-            self._pending += [(address, key) for key in keys]
-            full = len(self._pending) >= _REPORT_LINES
+            self._pending.append((address, hits))
+            self._lines += count
+            full = self._lines >= _REPORT_LINES
         if full or time.monotonic() - self._last_flush >= _REPORT_SECONDS:
             self.flush()
 
     def flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            self._lines = 0
             self._last_flush = time.monotonic()
         if not pending:
             return
         datagrams: dict[str, list[bytearray]] = {}
-        for address, key in pending:
-            line = encode_access(*key)
+        for address, hits in pending:
             lines = datagrams.setdefault(address, [bytearray()])
-            if lines[-1] and len(lines[-1]) + len(line) > _REPORT_BYTES:
-                lines.append(bytearray())
-            lines[-1] += line
+            if isinstance(hits, bytes) and len(lines[-1]) + len(hits) <= _REPORT_BYTES:
+                lines[-1] += hits  # a batch's lines, whole
+                continue
+            each = hits.splitlines(keepends=True) if isinstance(hits, bytes) else [hits]
+            for one in each:
+                line = one if isinstance(one, bytes) else encode_access(*one)
+                if lines[-1] and len(lines[-1]) + len(line) > _REPORT_BYTES:
+                    lines.append(bytearray())
+                lines[-1] += line
         sock = self._sock()
         for address, lines in datagrams.items():
             for datagram in lines:
@@ -79,6 +88,7 @@ class HitReporter:
         """In a forked child (a DataLoader worker): start afresh, sharing nothing."""
         self._lock = threading.Lock()  # another thread may have held it at the fork
         self._pending = []
+        self._lines = 0
         self._last_flush = time.monotonic()
         self._socket = None
 
@@ -96,9 +106,9 @@ def report_hit(address: str | None, key: EntryKey) -> None:
     _reporter.report(address, key)
 
 
-def report_hits(address: str | None, keys: list[EntryKey]) -> None:
-    """``report_hit`` for each of ``keys``."""
-    _reporter.report_many(address, keys)
+def report_hits(address: str | None, lines: bytes, count: int) -> None:
+    """``count`` direct hits as their report lines, sent with the next batch."""
+    _reporter.report_lines(address, lines, count)
 
 
 def flush_reports() -> None:

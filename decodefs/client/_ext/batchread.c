@@ -17,6 +17,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <sys/stat.h>
+
 #include "rows.h"
 
 int decodefs_nowait_works = 1;
@@ -140,6 +142,39 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(gone_doc, "gone(fds, out): out[i] (uint8) = 1 where the file open at fds[i] (int32,\n"
+"-1: none) is unlinked (evicted, replaced) or no longer open, else 0; without the GIL.");
+
+static PyObject *gone(PyObject *self, PyObject *args) {
+    PyObject *fds_obj, *out_obj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO", &fds_obj, &out_obj))
+        return NULL;
+    Py_buffer fds = {0}, out = {0};
+    PyObject *result = NULL;
+    if (!get(fds_obj, &fds, PyBUF_SIMPLE, -1, "fds"))
+        goto done;
+    Py_ssize_t n = fds.len / (Py_ssize_t)sizeof(int32_t);
+    if (!get(out_obj, &out, PyBUF_WRITABLE, n, "out"))
+        goto done;
+    const int32_t *fd_of = fds.buf;
+    unsigned char *gone_of = out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        struct stat st;
+        gone_of[i] = fd_of[i] >= 0 && (fstat(fd_of[i], &st) != 0 || st.st_nlink == 0);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (fds.obj)
+        PyBuffer_Release(&fds);
+    if (out.obj)
+        PyBuffer_Release(&out);
+    return result;
+}
+
 PyDoc_STRVAR(checksum_doc, "checksum(data, seed) -> xxh3-64 of data with seed, as read_rows has it");
 
 static PyObject *checksum(PyObject *self, PyObject *args) {
@@ -155,6 +190,7 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"read_rows", read_rows, METH_VARARGS, read_rows_doc},
+    {"gone", gone, METH_VARARGS, gone_doc},
     {"checksum", checksum, METH_VARARGS, checksum_doc},
     {NULL, NULL, 0, NULL},
 };
