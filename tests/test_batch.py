@@ -69,10 +69,13 @@ class Store:
         keep: int = 0,
         nowait: bool = False,
         names: list[bytes | None] | None = None,
+        maps: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         count = len(self.keys)
         rows = np.zeros((count, SIZE, SIZE, 3), np.uint8)
         fds = np.full(count, -1, np.int32) if fds is None else fds
+        maps = np.zeros(count, np.uint64) if maps is None else maps
+        mapping = read_rows is not batch.read_entries_py
         if names is None:
             pairs = zip(self.keys, fds.tolist(), strict=True)
             names = [k.relpath.encode() if fd < 0 else None for k, fd in pairs]
@@ -80,9 +83,10 @@ class Store:
         seeds = np.array([k.seed for k in self.keys], np.uint64)
         positions = np.arange(count, dtype=np.int32)
         kept = read_rows(
-            self.dirfd, rows, ROW, positions, fds, names, seeds, HEADER, EXPECT,
-            os.geteuid(), keep, nowait, status,
+            self.dirfd, rows, ROW, positions, fds, maps, names, seeds, HEADER, EXPECT,
+            os.geteuid(), keep, mapping, nowait, status,
         )  # fmt: skip
+        self.maps = maps
         return rows, status, fds, kept
 
 
@@ -134,8 +138,15 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
     store: Store, read_rows: batch.ReadRows
 ) -> None:
     _, status, fds, kept = store.read(read_rows, keep=4)
+    maps = store.maps
     assert kept == 4 and (status == batch.OK).all()
     assert (fds[:4] >= 0).all() and (fds[4:] == -1).all()
+    compiled = read_rows is not batch.read_entries_py
+    assert (maps[:4] != 0).all() if compiled else not maps.any()  # kept files are mapped
+    assert not maps[4:].any()
+    rows, status, _, _ = store.read(read_rows, fds=fds.copy(), maps=maps.copy(), nowait=True)
+    assert (status == batch.OK).all()  # read out of the mappings, in the page cache
+    assert all(np.array_equal(r, a) for r, a in zip(rows, store.arrays, strict=True))
     for fd, path in zip(fds[:4], store.paths, strict=False):
         assert os.path.samestat(os.fstat(int(fd)), path.stat())
     try:
@@ -143,7 +154,9 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
         rebuilt = write_entry(store.root / "tmp", store.keys[1], store.arrays[1])
         rebuilt.rename(store.paths[1])  # rebuilt as the daemon does: the kept file unlinked
         again = fds.copy()
-        rows, status, after, kept = store.read(read_rows, fds=again, keep=0)
+        rows, status, after, kept = store.read(
+            read_rows, fds=again, maps=maps.copy(), keep=0, nowait=True
+        )
         assert kept == 0 and status.tolist()[:4] == [batch.GONE, batch.GONE, batch.OK, batch.OK]
         assert (after == fds).all()  # a gone file's descriptor is the caller's to close
         for gone in GONE_CHECKS:
@@ -154,6 +167,8 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
     finally:
         for fd in fds[:4]:
             os.close(int(fd))
+        if batch._unmap is not None:
+            batch._unmap(maps, LENGTH + TRAILER_SIZE)
 
 
 def dropped(path: Path, check: bool = True) -> bool:
@@ -199,18 +214,18 @@ def test_no_name_is_missing_and_bad_arguments_raise(
     seeds = np.zeros(1, np.uint64)
     with pytest.raises(IndexError, match="outside rows"):
         read_rows(
-            store.dirfd, rows, ROW, np.array([1], np.int32), one.copy(), [None], seeds,
-            HEADER, EXPECT, 0, 0, False, one.copy(),
+            store.dirfd, rows, ROW, np.array([1], np.int32), one.copy(), seeds.copy(), [None],
+            seeds, HEADER, EXPECT, 0, 0, True, False, one.copy(),
         )  # fmt: skip
     with pytest.raises(ValueError, match="holds"):
         read_rows(
-            store.dirfd, rows, ROW, np.array([0], np.int32), one.copy(), [None],
-            np.zeros(2, np.uint64), HEADER, EXPECT, 0, 0, False, one.copy(),
+            store.dirfd, rows, ROW, np.array([0], np.int32), one.copy(), seeds.copy(), [None],
+            np.zeros(2, np.uint64), HEADER, EXPECT, 0, 0, True, False, one.copy(),
         )  # fmt: skip
     with pytest.raises(ValueError, match="one name"):
         read_rows(
-            store.dirfd, rows, ROW, np.array([0], np.int32), one.copy(), [], seeds,
-            HEADER, EXPECT, 0, 0, False, one.copy(),
+            store.dirfd, rows, ROW, np.array([0], np.int32), one.copy(), seeds.copy(), [],
+            seeds, HEADER, EXPECT, 0, 0, True, False, one.copy(),
         )  # fmt: skip
 
 
@@ -220,3 +235,26 @@ def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int) -> None:
     from decodefs.client import _batchread  # type: ignore[attr-defined]
 
     assert _batchread.checksum(data, seed) == xxhash.xxh3_64_intdigest(data, seed=seed)
+
+
+@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+def test_a_mapped_file_truncated_under_a_copy_fails_it_and_the_process_lives(
+    store: Store,
+) -> None:
+    from decodefs.client import _batchread  # type: ignore[attr-defined]
+
+    big = store.root / "big"  # a file of several pages (a SIGBUS needs a whole page past EOF)
+    big.write_bytes(bytes(range(256)) * 256)
+    assert _batchread.probe(str(big), 65536)
+    os.truncate(big, 100)  # in place, as no daemon does
+    assert not _batchread.probe(str(big), 65536)
+    assert not _batchread.probe(str(big), 65536)  # and again: still guarded
+    length = LENGTH + TRAILER_SIZE
+    os.truncate(store.paths[0], 100)
+    _, status, fds, _ = store.read(IMPLEMENTATIONS["compiled"], keep=6)
+    try:
+        assert status.tolist() == [batch.BAD] + [batch.OK] * 5
+    finally:
+        for fd in fds[fds >= 0]:
+            os.close(int(fd))
+        _batchread.unmap(store.maps, length)

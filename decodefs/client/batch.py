@@ -87,12 +87,14 @@ class ReadRows(Protocol):
         row_bytes: int,
         positions: npt.NDArray[np.int32],
         fds: npt.NDArray[np.int32],
+        maps: npt.NDArray[np.uint64],
         names: Sequence[bytes | None],
         seeds: npt.NDArray[np.uint64],
         header: bytes,
         expect: bytes,
         owner: int,
         keep: int,
+        map: bool,
         nowait: bool,
         status: npt.NDArray[np.int32],
     ) -> int: ...
@@ -104,17 +106,20 @@ def read_entries_py(
     row_bytes: int,
     positions: npt.NDArray[np.int32],
     fds: npt.NDArray[np.int32],
+    maps: npt.NDArray[np.uint64],
     names: Sequence[bytes | None],
     seeds: npt.NDArray[np.uint64],
     header: bytes,
     expect: bytes,
     owner: int,
     keep: int,
+    map: bool,
     nowait: bool,
     status: npt.NDArray[np.int32],
 ) -> int:
     """``_batchread.read_rows`` in Python: the same rows, statuses and kept descriptors
-    (see its docstring), where the extension did not build."""
+    (see its docstring), where the extension did not build. It maps nothing: ``map``
+    and ``maps`` (all 0) are taken for the same signature."""
     memory = memoryview(rows).cast("B")
     kept = 0
     for i in range(len(positions)):
@@ -215,10 +220,12 @@ try:
 
     _compiled: ReadRows | None = _batchread.read_rows
     _compiled_gone: Callable[[Any, Any], None] | None = _batchread.gone
+    _unmap: Callable[[Any, int], None] | None = _batchread.unmap
     EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
 except ImportError:  # not built here: a compiler or Python's headers were missing
     _compiled = None
     _compiled_gone = None
+    _unmap = None
     EXTENSION = None  # type: ignore[misc]
 
 
@@ -242,7 +249,9 @@ class _Serving:
     report_prefix: bytes  # a hit's report line before its key (protocol.encode_access)
     users: int = 0  # calls reading with dirfd or kept descriptors of this mount now
     retired: bool = False
-    closing: list[int] = field(default_factory=list)  # kept descriptors, once retired
+    # Kept descriptors and their mappings (0: none) to close once no call uses them: a
+    # call in flight may be copying out of a mapping, or reading a descriptor's number.
+    closing: list[tuple[int, int]] = field(default_factory=list)
 
 
 class BatchReader:
@@ -272,6 +281,9 @@ class BatchReader:
         self._row_bytes = size * size * 3
         count = len(keys)
         self._fds = np.full(count, -1, np.int32)  # a kept descriptor per key, or -1
+        self._maps = np.zeros(count, np.uint64)  # its mapping's address (compiled reads), or 0
+        self._map = self._read_rows is _compiled
+        self._length = len(self._header) + self._row_bytes + TRAILER_SIZE
         self._verified = np.zeros(count, np.uint32)  # the generation a key was looked up in
         self._seeds = np.zeros(count, np.uint64)
         self._lock = threading.Lock()  # the fields below, and _fds' changes
@@ -328,6 +340,7 @@ class BatchReader:
             self._verify(serving, int(index[p]))
         known = self._verified[index] == serving.generation
         fds = np.where(known, self._fds[index], -1).astype(np.int32)
+        maps = np.where(known, self._maps[index], 0).astype(np.uint64)
         opening = (known & (fds < 0)).tolist()
         keys = index.tolist()
         names = [
@@ -335,7 +348,7 @@ class BatchReader:
         ]
         positions = np.arange(count, dtype=np.int32)
         status = np.empty(count, np.int32)
-        self._call(serving, rows, index, positions, fds, names, nowait=True, status=status)
+        self._call(serving, rows, index, positions, fds, maps, names, nowait=True, status=status)
         misses = np.flatnonzero(status == MISSING).tolist()
         if on_miss is not None:
             for p in misses:
@@ -343,6 +356,7 @@ class BatchReader:
         again = np.flatnonzero((status == NOT_CACHED) | (status == GONE)).astype(np.int32)
         if len(again):  # not in the page cache (on its way now), or to open again
             fds_again = self._fds[index[again]].copy()
+            maps_again = self._maps[index[again]].copy()
             names_again = [
                 self._relpath(serving, keys[p]) if fd < 0 else None
                 for p, fd in zip(again.tolist(), fds_again.tolist(), strict=True)
@@ -354,6 +368,7 @@ class BatchReader:
                 index[again],
                 again,
                 fds_again,
+                maps_again,
                 names_again,
                 nowait=False,
                 status=status_again,
@@ -379,6 +394,7 @@ class BatchReader:
         index: npt.NDArray[np.int64],
         positions: npt.NDArray[np.int32],
         fds: npt.NDArray[np.int32],
+        maps: npt.NDArray[np.uint64],
         names: list[bytes | None],
         *,
         nowait: bool,
@@ -396,30 +412,33 @@ class BatchReader:
                 self._row_bytes,
                 positions,
                 fds,
+                maps,
                 names,
                 self._seeds[index],
                 self._header,
                 serving.expect,
                 serving.mount.owner,
                 room,
+                self._map,
                 nowait,
                 status,
             )
         finally:
-            self._keep(serving, index, fds, status, room, kept)
+            self._keep(serving, index, fds, maps, status, room, kept)
 
     def _keep(
         self,
         serving: _Serving,
         index: npt.NDArray[np.int64],
         fds: npt.NDArray[np.int32],
+        maps: npt.NDArray[np.uint64],
         status: npt.NDArray[np.int32],
         room: int,
         kept: int,
     ) -> None:
-        """Record the descriptors a call left open, and close kept ones whose file is gone.
-        Kept descriptors are closed here alone, under the lock: a descriptor number is
-        never closed twice (it may be another file's by then)."""
+        """Record the descriptors (and mappings) a call left open, and let go of kept ones
+        whose file is gone. Kept descriptors are let go of here alone, under the lock,
+        and closed once no call uses them (_release)."""
         with self._lock:
             self._kept -= room - kept
             changed = np.flatnonzero((fds != self._fds[index]) | (status == GONE)).tolist()
@@ -427,20 +446,25 @@ class BatchReader:
                 i = int(index[p])
                 fd, was = int(fds[p]), int(self._fds[i])
                 if status[p] == GONE:
-                    if not serving.retired and was == fd:
-                        os.close(fd)  # retired: closed with the others, once unused
-                        self._fds[i] = -1
-                        self._kept -= 1
+                    if was == fd and not serving.retired:  # (retired: already let go of)
+                        self._release(serving, i)
                 elif fd != was and fd >= 0:  # opened and left open by the call
-                    if was >= 0 or serving.retired:
-                        os.close(fd)  # another thread kept one first, or the mount changed
+                    if was >= 0 or serving.retired:  # another thread kept one, or a new mount
+                        serving.closing.append((fd, int(maps[p])))
                         self._kept -= 1
                     else:
-                        self._fds[i] = fd
+                        self._fds[i], self._maps[i] = fd, maps[p]
+
+    def _release(self, serving: _Serving, i: int) -> None:
+        """Under _lock: key ``i``'s kept file is no longer read; closed (and unmapped)
+        once no call of ``serving`` is in flight."""
+        serving.closing.append((int(self._fds[i]), int(self._maps[i])))
+        self._fds[i], self._maps[i] = -1, 0
+        self._kept -= 1
 
     def _sweep(self, serving: _Serving, count: int) -> None:
-        """Close the kept files of the next ``count`` keys whose entry is gone (evicted, or
-        rebuilt): a batch of N arrays looks at the next N keys' in turn, so a kept file
+        """Let go of the kept files of the next ``count`` keys whose entry is gone (evicted,
+        or rebuilt): a batch of N arrays looks at the next N keys' in turn, so a kept file
         holds an evicted entry's disk space for about an epoch at most, even if its key
         is not read again."""
         with self._lock:
@@ -452,9 +476,7 @@ class BatchReader:
             gone = np.zeros(len(window), np.uint8)
             self._gone(window, gone)
             for offset in np.flatnonzero(gone).tolist():
-                os.close(int(window[offset]))
-                self._fds[start + offset] = -1
-                self._kept -= 1
+                self._release(serving, start + offset)
 
     def _recheck(self, serving: _Serving, i: int, row: npt.NDArray[np.uint8]) -> bool:
         """An entry that failed the batch's check: reader.py reads it again and notes why
@@ -548,28 +570,33 @@ class BatchReader:
         """Under _lock: ``serving`` is no longer the directory's; its descriptors close
         once no call uses them."""
         serving.retired = True
-        serving.closing = [int(fd) for fd in self._fds if fd >= 0]
-        self._fds[:] = -1
-        self._kept -= len(serving.closing)
+        for i in np.flatnonzero(self._fds >= 0).tolist():
+            self._release(serving, i)
         if serving.users == 0:
-            _close(serving)
+            self._close(serving)
 
     def _end(self, serving: _Serving) -> None:
         with self._lock:
             serving.users -= 1
-            if serving.retired and serving.users == 0:
-                _close(serving)
+            if serving.users == 0:
+                self._close(serving)
+
+    def _close(self, serving: _Serving) -> None:
+        """Under _lock, no call of ``serving`` in flight: close what it let go of (and,
+        retired, its store directory)."""
+        for fd, address in serving.closing:
+            os.close(fd)
+            if address and _unmap is not None:
+                _unmap(np.array([address], np.uint64), self._length)
+        serving.closing.clear()
+        if serving.retired and serving.dirfd >= 0:
+            os.close(serving.dirfd)
+            serving.dirfd = -1
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # another thread may have held it at the fork
         if self._serving is not None:
             self._serving.users = 0  # the calls of the parent's threads are not here
-
-
-def _close(serving: _Serving) -> None:
-    for fd in [*serving.closing, serving.dirfd]:
-        os.close(fd)
-    serving.closing.clear()
 
 
 _generation = 0  # of _Serving: each mount found anew gets the next; 0 is none

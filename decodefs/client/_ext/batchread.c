@@ -17,11 +17,49 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include "rows.h"
 
 int decodefs_nowait_works = 1;
+__thread sigjmp_buf *decodefs_guard;
+
+/* SIGBUS: a copy out of a mapping whose file was truncated in place (the daemon never
+ * does that; a person or a test may). In a guarded copy of this thread, it jumps back
+ * (the row fails its check); anywhere else it is none of ours: the handler that was
+ * there before is put back and sees the signal as if this one had never been. */
+static struct sigaction previous_sigbus;
+static int guarding;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context) {
+    (void)context;
+    sigjmp_buf *jump = decodefs_guard;
+    if (jump != NULL && info->si_code > 0) {
+        decodefs_guard = NULL;
+        siglongjmp(*jump, 1);
+    }
+    sigaction(SIGBUS, &previous_sigbus, NULL);
+    guarding = 0;
+    if (info->si_code <= 0)
+        raise(sig); /* sent, not a fault: it does not come again by itself */
+}
+
+static int guard_sigbus(void) {
+    if (guarding)
+        return 1;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_sigbus;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, &previous_sigbus) != 0)
+        return 0;
+    guarding = 1;
+    return 1;
+}
 
 static ssize_t (*read_rows_impl)(struct batch *) = read_rows_base;
 static uint64_t (*checksum_impl)(const void *, size_t, uint64_t) = checksum_base;
@@ -39,28 +77,30 @@ static int get(PyObject *obj, Py_buffer *view, int flags, Py_ssize_t want, const
 }
 
 PyDoc_STRVAR(read_rows_doc,
-"read_rows(dirfd, rows, row_bytes, positions, fds, names, seeds, header, expect, owner,\n"
-"          keep, nowait, status) -> how many descriptors it opened and left in fds\n\n"
+"read_rows(dirfd, rows, row_bytes, positions, fds, maps, names, seeds, header, expect,\n"
+"          owner, keep, map, nowait, status) -> how many descriptors it opened and left in fds\n\n"
 "Item i (of len(positions), int32) is read into row positions[i] of rows (row_bytes\n"
 "each): the entry open at fds[i] (int32), or where fds[i] is -1 the entry at names[i]\n"
 "(bytes, below dirfd; None: not stored), checked against header (the .npy header),\n"
+"copied out of the mapping maps[i] (uint64, 0: none) with nowait if it is in the page\n"
+"cache; with map, the descriptors left open are mapped too (their maps[i] set).\n"
 "expect (the trailer but its checksum) and seeds[i] (uint64). status[i] (int32) says how\n"
 "it went: OK, MISSING, NOT_CACHED (not in the page cache; with nowait, its reading ahead\n"
 "started), BAD (failed a check), GONE (a kept descriptor's file was unlinked since;\n"
 "left open: the caller closes it). Up to keep descriptors opened here are left open in fds.");
 
 static PyObject *read_rows(PyObject *self, PyObject *args) {
-    int dirfd, nowait;
+    int dirfd, map, nowait;
     Py_ssize_t row_bytes, keep;
     unsigned long owner;
-    PyObject *rows_obj, *positions_obj, *fds_obj, *names_obj, *seeds_obj, *status_obj;
+    PyObject *rows_obj, *positions_obj, *fds_obj, *maps_obj, *names_obj, *seeds_obj, *status_obj;
     Py_buffer header, expect;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOnOOOOy*y*knpO", &dirfd, &rows_obj, &row_bytes,
-                          &positions_obj, &fds_obj, &names_obj, &seeds_obj, &header, &expect,
-                          &owner, &keep, &nowait, &status_obj))
+    if (!PyArg_ParseTuple(args, "iOnOOOOOy*y*knppO", &dirfd, &rows_obj, &row_bytes,
+                          &positions_obj, &fds_obj, &maps_obj, &names_obj, &seeds_obj, &header,
+                          &expect, &owner, &keep, &map, &nowait, &status_obj))
         return NULL;
-    Py_buffer rows = {0}, positions = {0}, fds = {0}, seeds = {0}, status = {0};
+    Py_buffer rows = {0}, positions = {0}, fds = {0}, maps = {0}, seeds = {0}, status = {0};
     PyObject *names = NULL, *result = NULL;
     const char **name_of = NULL;
     Py_ssize_t n = 0;
@@ -69,9 +109,14 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
     n = positions.len / (Py_ssize_t)sizeof(int32_t);
     if (!get(rows_obj, &rows, PyBUF_WRITABLE, -1, "rows") ||
         !get(fds_obj, &fds, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "fds") ||
+        !get(maps_obj, &maps, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(uint64_t), "maps") ||
         !get(seeds_obj, &seeds, PyBUF_SIMPLE, n * (Py_ssize_t)sizeof(uint64_t), "seeds") ||
         !get(status_obj, &status, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "status"))
         goto done;
+    if (map && !guard_sigbus()) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
     if (row_bytes <= 0 || header.len > HEADER_MAX || expect.len != EXPECT_SIZE || keep < 0) {
         PyErr_SetString(PyExc_ValueError, "read_rows: a bad row size, header or trailer");
         goto done;
@@ -112,6 +157,8 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
         .n = n,
         .positions = position_of,
         .fds = fds.buf,
+        .maps = maps.buf,
+        .map = map,
         .names = name_of,
         .seeds = seeds.buf,
         .header = header.buf,
@@ -133,7 +180,7 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(name_of);
     Py_XDECREF(names);
-    Py_buffer *views[] = {&rows, &positions, &fds, &seeds, &status};
+    Py_buffer *views[] = {&rows, &positions, &fds, &maps, &seeds, &status};
     for (size_t k = 0; k < sizeof views / sizeof *views; k++)
         if (views[k]->obj)
             PyBuffer_Release(views[k]);
@@ -175,6 +222,57 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(unmap_doc, "unmap(maps, length): munmap each nonzero address of maps (uint64).");
+
+static PyObject *unmap(PyObject *self, PyObject *args) {
+    PyObject *maps_obj;
+    Py_ssize_t length;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "On", &maps_obj, &length))
+        return NULL;
+    Py_buffer maps = {0};
+    if (!get(maps_obj, &maps, PyBUF_SIMPLE, -1, "maps"))
+        return NULL;
+    const uint64_t *address = maps.buf;
+    for (Py_ssize_t i = 0; i < maps.len / (Py_ssize_t)sizeof(uint64_t); i++)
+        if (address[i])
+            munmap((void *)(uintptr_t)address[i], (size_t)length);
+    PyBuffer_Release(&maps);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(probe_doc, "probe(path, length) -> whether a guarded read of the file mapped for length\n"
+"bytes (truncated to fewer, say) got through: False after a SIGBUS (for the tests).");
+
+static PyObject *probe(PyObject *self, PyObject *args) {
+    const char *path;
+    Py_ssize_t length;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "sn", &path, &length))
+        return NULL;
+    if (!guard_sigbus())
+        return PyErr_SetFromErrno(PyExc_OSError);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+    unsigned char *at = mmap(NULL, (size_t)length, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (at == MAP_FAILED)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    volatile unsigned sum = 0;
+    int through = 0;
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0) == 0) {
+        decodefs_guard = &jump;
+        for (Py_ssize_t k = 0; k < length; k += 512)
+            sum += at[k];
+        decodefs_guard = NULL;
+        through = 1;
+    }
+    munmap(at, (size_t)length);
+    return PyBool_FromLong(through);
+}
+
 PyDoc_STRVAR(checksum_doc, "checksum(data, seed) -> xxh3-64 of data with seed, as read_rows has it");
 
 static PyObject *checksum(PyObject *self, PyObject *args) {
@@ -191,6 +289,8 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"read_rows", read_rows, METH_VARARGS, read_rows_doc},
     {"gone", gone, METH_VARARGS, gone_doc},
+    {"unmap", unmap, METH_VARARGS, unmap_doc},
+    {"probe", probe, METH_VARARGS, probe_doc},
     {"checksum", checksum, METH_VARARGS, checksum_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -3,6 +3,7 @@
 #ifndef DECODEFS_ROWS_H
 #define DECODEFS_ROWS_H
 
+#include <setjmp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -24,6 +25,8 @@ struct batch {
     ssize_t n;              /* items */
     const int32_t *positions; /* item i's row */
     int32_t *fds;           /* item i's kept descriptor, or -1: open names[i] */
+    uint64_t *maps;         /* item i's kept descriptor's mapping (its address), or 0 */
+    int map;                /* map the descriptors kept here */
     const char **names;     /* item i's entry path below dirfd, or NULL */
     const uint64_t *seeds;  /* item i's checksum seed */
     const unsigned char *header;
@@ -36,6 +39,10 @@ struct batch {
 };
 
 extern int decodefs_nowait_works; /* until a file system says EOPNOTSUPP */
+
+/* Where a SIGBUS in this thread's copy out of a mapping jumps (a file truncated in place
+ * under the copy), or NULL: batchread.c's handler (guard.c) */
+extern __thread sigjmp_buf *decodefs_guard;
 
 ssize_t read_rows_base(struct batch *b);
 uint64_t checksum_base(const void *data, size_t len, uint64_t seed);
