@@ -3,6 +3,10 @@
 #ifndef DECODEFS_ROWS_H
 #define DECODEFS_ROWS_H
 
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* preadv2, RWF_NOWAIT; first, before any system header */
+#endif
+
 #include <setjmp.h>
 #include <stddef.h>
 #include <stdint.h>
