@@ -9,24 +9,31 @@ inodes) and one call that reads every stored entry of the batch into its row
 with the GIL released, checking each as ``read_array`` does (regular file of
 the daemon's alone, length, .npy header, trailer: magic, store format, decoder
 fingerprint, length; the key-seeded xxh3-64 of the bytes read, computed piece
-by piece as they are copied). The rows it could not serve are given back: the
-caller reads those through the mount (``read_array_into``), where the daemon
-decodes a miss and rebuilds an entry that failed its check.
+by piece as they are copied, each piece while it is in the CPU's cache). The
+rows it could not serve are given back: the caller reads those through the
+mount (``read_array_into``), where the daemon decodes a miss and rebuilds an
+entry that failed its check.
 
 What is done once, not per array:
 - a key is looked up on the mount (``lstat``, as ``read_array`` does) the first
   time it is read while that mount is the same one (reader.py's ``Mount``: a
   daemon restarted or another store.json makes a new one), not every time;
 - up to ``open_entries`` entry files stay open (default: a quarter of the
-  process's soft limit on open files, at most 65,536), so a hit costs no
-  ``open``/``close``; a kept file is checked to be still linked before every
-  read (one ``fstat``): an entry evicted, or replaced by a rebuild, is never read
-  through a kept descriptor, but opened again by its path, or read through the
-  mount. Entries past the bound are opened and closed by the same call.
+  process's soft limit on open files and of ``vm.max_map_count``, at most
+  65,536), and, read by the
+  compiled reader, mapped: a hit in the page cache is then one ``fstat``, one
+  ``mincore`` and a copy out of the mapping, with no ``open``, ``close`` or
+  kernel copy. A kept file is checked to be still linked before every read: an
+  entry evicted, or replaced by a rebuild, is never read through it, but opened
+  again by its path, or read through the mount. Each batch also looks at as many
+  other keys' kept files as it has arrays (``_sweep``), so an evicted entry's
+  disk space is held for about an epoch at most. Entries past the bound are
+  opened and closed by the same call, and read by ``preadv2``.
 Entries not in the page cache are read in two passes: the first reads what is
 cached and starts reading ahead every other entry of the batch at once
 (``posix_fadvise(WILLNEED)``) and names the misses (``on_miss``) so their
-decodes can start; the second reads the rest, by then on its way from disk.
+decodes can start; the second reads the rest by ``preadv2``, by then on its way
+from disk.
 """
 
 from __future__ import annotations
@@ -230,10 +237,18 @@ except ImportError:  # not built here: a compiler or Python's headers were missi
 
 
 def _default_open_entries() -> int:
+    """A quarter of the soft limit on open files, and of the mappings a process may have."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return _OPEN_ENTRIES_MAX
-    return max(0, min(_OPEN_ENTRIES_MAX, soft // 4))
+    files = _OPEN_ENTRIES_MAX if soft == resource.RLIM_INFINITY else soft // 4
+    return max(0, min(_OPEN_ENTRIES_MAX, files, _max_map_count() // 4))
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65_530  # Linux's default
 
 
 @dataclass
@@ -282,7 +297,9 @@ class BatchReader:
         count = len(keys)
         self._fds = np.full(count, -1, np.int32)  # a kept descriptor per key, or -1
         self._maps = np.zeros(count, np.uint64)  # its mapping's address (compiled reads), or 0
-        self._map = self._read_rows is _compiled
+        # Each mapping is one of the process's max_map_count (65,530 by default): kept
+        # files past half of that are not mapped at all.
+        self._map = self._read_rows is _compiled and self.open_entries <= _max_map_count() // 2
         self._length = len(self._header) + self._row_bytes + TRAILER_SIZE
         self._verified = np.zeros(count, np.uint32)  # the generation a key was looked up in
         self._seeds = np.zeros(count, np.uint64)

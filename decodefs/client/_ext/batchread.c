@@ -4,9 +4,11 @@
  *
  * One call reads every item of a batch with the GIL released. An item's entry file is a
  * descriptor the caller keeps open, or a path below the store's directory descriptor,
- * opened here (and left open for the caller while it allows). The bytes are read by
- * preadv2 in pieces straight into the item's row, and each piece is fed to the entry's
- * xxh3-64 while it is still in the CPU's cache: the check rides on the copy. An item is
+ * opened here (and left open, and mapped, for the caller while it allows). A kept
+ * entry in the page cache is copied out of its mapping, else the bytes are read by
+ * preadv2; either way in pieces straight into the item's row, each piece fed to the
+ * entry's xxh3-64 while it is still in the CPU's cache: the check rides on the copy.
+ * A copy out of a file truncated in place meanwhile (SIGBUS) fails its row. An item is
  * OK only if its file is a regular file of the daemon's alone (checked when opened) of
  * the expected length, still linked, with the expected .npy header and trailer (magic,
  * store format, decoder fingerprint, length) and the checksum of the bytes read. Any
