@@ -318,8 +318,9 @@ def small_memory(
     with _cgroup() as group:
         usage = int((group / "memory.usage_in_bytes").read_text())
         # This process's own memory was charged elsewhere (cgroup v1 charges what is
-        # allocated after the move): the limit is the page cache's room and the batches'.
-        batches = (args.batch * args.size * args.size * 3) * 8
+        # allocated after the move): the limit is the page cache's room and the batch
+        # memory BatchLoader keeps (prefetch 2 + 3 batches) or Packed's one batch.
+        batches = (args.batch * args.size * args.size * 3) * 5
         (group / "memory.limit_in_bytes").write_text(str(usage + room + batches))
         for name, loader in made.items():
             _drop_caches()
