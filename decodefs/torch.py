@@ -218,10 +218,10 @@ class MountDataset(_KeyDataset):
         """``[self[i] for i in indices]``, as a DataLoader asks for a batch: without a
         ``transform``, the batch's arrays are read (``batch_reader``) straight into
         the rows of one uint8 tensor allocated for the batch. In a worker whose
-        batches ``collate_uint8`` passes on, that tensor is in shared memory and
-        becomes the batch, uncopied; in one whose collate copies (torch's
-        ``default_collate``, a ``torch.stack``), it is memory of the worker's own,
-        used again once the collate let go of it."""
+        batches ``collate_uint8`` or torch's ``default_collate`` pass on, that
+        tensor is in shared memory and becomes the batch, uncopied; in one whose
+        collate copies (a hand-written ``torch.stack``), it is memory of the
+        worker's own, used again once the collate let go of it."""
         if self.transform is not None:
             return [self[i] for i in indices]
         for index in indices:
@@ -515,10 +515,10 @@ class _Batch:
 class _WorkerBatches:
     """Where ``MountDataset.__getitems__`` reads a batch, by what became of the last one.
 
-    In a DataLoader worker whose collate is ``collate_uint8``, the batch tensor
-    goes to the training process as it is: it is made in shared memory, as
-    ``default_collate`` would make it. A collate that copies (torch's
-    ``default_collate``, a hand-written ``torch.stack``) makes its own shared
+    In a DataLoader worker whose collate is ``collate_uint8`` or torch's
+    ``default_collate`` (``_Row``), the batch tensor goes to the training process
+    as it is: it is made in shared memory. A collate that copies (a hand-written
+    ``torch.stack``) makes its own shared
     batch: reading into shared memory first would cost a fresh allocation and
     its page faults per batch for nothing, so after a batch that was not passed
     on uncopied, batches are read into memory of the worker's own, used again
