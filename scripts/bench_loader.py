@@ -30,11 +30,14 @@ are checked once against read_array's arrays.
 
 Then cold first epochs (--cold originals, a fresh store for each contender, so
 every read is a miss the daemon decodes): ``mount-uint8`` and BatchLoader with each
-thread count, to show how misses scale with threads. Last, with --memory 0.5 (as
-root, cgroup v1's memory controller, as bench_plain.py), a store bigger than
-memory: this process moves into a memory cgroup whose limit leaves the page cache
-0.5x the store's bytes, and BatchLoader and the packed copy read --epochs epochs,
-the page cache dropped before each contender.
+thread count, beside ``pool-N``, decode_image of the same originals in a pool of
+one thread per core, as the daemon's decode pool (the rate a cold epoch can reach).
+Last, with --memory 0.5 (as root, cgroup v1's memory controller, as
+bench_plain.py), a store bigger than memory: this process moves into a memory
+cgroup whose limit leaves the page cache 0.5x the store's bytes, and BatchLoader,
+the packed copy and ``disk`` (every entry file read whole, shuffled, a batch of
+them at a time by as many threads: the disk's rate for them) read --epochs
+epochs, the page cache dropped before each contender.
 
     flock /tmp/decodefs-heavy.lock .venv/bin/python scripts/bench_loader.py \\
         [--count 2000] [--size 224] [--batch 64] [--workers 2] [--threads 1 2 N] [--memory 0.5]
@@ -50,6 +53,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +63,7 @@ import torch
 from benchlib import DECODEFS, VERSION, WORK, BenchMount
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from decodefs import list_keys, read_array
+from decodefs import decode_image, list_keys, read_array
 from decodefs.client import EXTENSION
 from decodefs.client.batch import read_entries_py
 from decodefs.sample import make_sample_corpus
@@ -113,6 +117,24 @@ class Packed:
                 yield out, [self.keys[i] for i in index.tolist()]
         finally:
             torch.set_num_threads(1)
+
+
+class Disk:
+    """The disk's rate for these files: every entry file read whole, shuffled, a batch
+    of them at a time by as many threads (as deep a queue as a batch's reads ahead)."""
+
+    def __init__(self, files: list[Path], batch: int) -> None:
+        self.files = files
+        self.batch = batch
+        self.rng = np.random.default_rng(3)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        order = self.rng.permutation(len(self.files)).tolist()
+        with ThreadPoolExecutor(self.batch) as readers:
+            for start in range(0, len(order), self.batch):
+                paths = [self.files[i] for i in order[start : start + self.batch]]
+                sizes = list(readers.map(lambda p: len(p.read_bytes()), paths))
+                yield torch.empty((len(sizes), 0)), [str(p) for p in paths]
 
 
 def main() -> None:
@@ -178,6 +200,11 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
         for path in names:
             (subset / path.name).hardlink_to(path)  # a symlink out of the source is no original
     rates = {}
+    pool = len(os.sched_getaffinity(0))  # the daemon's decode pool: one thread per core
+    started = time.perf_counter()
+    with ThreadPoolExecutor(pool) as decoders:
+        arrays = sum(1 for _ in decoders.map(lambda p: decode_image(p, args.size), names))
+    rates[f"pool-{pool}"] = arrays / (time.perf_counter() - started)
     for name in ["mount-uint8", *(f"threads-{n}" for n in args.threads)]:
         bench = BenchMount(subset, [args.size])  # its store in its own run directory
         try:
@@ -201,7 +228,10 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
             assert bench.stats()["decodes"] == len(keys)
         finally:
             bench.remove()
-    print(f"\ncold first epoch, {args.cold} arrays (every one decoded by the daemon)\n")
+    print(
+        f"\ncold first epoch, {args.cold} arrays (every one decoded by the daemon; pool-N: "
+        f"decode_image of the same originals in N threads, the decode pool's own rate)\n"
+    )
     print(f"| {'contender':<12} | {'arrays/s':>9} | {'x mount':>7} |")
     print(f"| {'-' * 12} | {'-' * 9}: | {'-' * 7}: |")
     for name, rate in rates.items():
@@ -313,6 +343,7 @@ def small_memory(
     made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {
         f"threads-{two}": BatchLoader(dataset, batch_size=args.batch, shuffle=True, threads=two),
         f"packed-{two}": Packed(packed, keys, args.batch, two, seed=7),
+        "disk": Disk(sorted(store.rglob("*.npy")), args.batch),
     }
     rates: dict[str, list[float]] = {}
     with _cgroup() as group:
