@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,3 +260,29 @@ def test_a_mapped_file_truncated_under_a_copy_fails_it_and_the_process_lives(
         for fd in fds[fds >= 0]:
             os.close(int(fd))
         _batchread.unmap(store.maps, length)
+
+
+_REPLACED_GUARD = """
+import faulthandler, os, sys
+from decodefs.client import _batchread
+path = sys.argv[1]
+assert _batchread.probe(path, 65536)  # installs the guard
+faulthandler.enable()
+faulthandler.disable()  # puts back what it found first (what pytest does to an inner session)
+os.truncate(path, 100)
+print(_batchread.probe(path, 65536))
+"""
+
+
+@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+def test_the_guard_is_put_back_when_someone_replaced_it(tmp_path: Path) -> None:
+    big = tmp_path / "big"
+    big.write_bytes(bytes(65536))
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _REPLACED_GUARD, str(big)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stdout) == (0, "False\n"), result.stderr

@@ -34,23 +34,35 @@ __thread sigjmp_buf *decodefs_guard;
  * (the row fails its check); anywhere else it is none of ours: the handler that was
  * there before is put back and sees the signal as if this one had never been. */
 static struct sigaction previous_sigbus;
-static int guarding;
+static int guarding; /* ours was installed (and may have been replaced since) */
 
 static void on_sigbus(int sig, siginfo_t *info, void *context) {
     (void)context;
     sigjmp_buf *jump = decodefs_guard;
-    if (jump != NULL && info->si_code > 0) {
+    if (jump != NULL) { /* this thread is in a guarded copy: its fault (or the same fault
+                         * raised again by a handler that ran first, as faulthandler does) */
         decodefs_guard = NULL;
         siglongjmp(*jump, 1);
     }
+    static volatile sig_atomic_t passed_on;
+    if (passed_on) { /* back here from the handler passed to: end as a SIGBUS ends */
+        signal(SIGBUS, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    passed_on = 1;
     sigaction(SIGBUS, &previous_sigbus, NULL);
     guarding = 0;
     if (info->si_code <= 0)
         raise(sig); /* sent, not a fault: it does not come again by itself */
 }
 
+/* Ours is the SIGBUS handler now, installed again if someone replaced it since (pytest
+ * and faulthandler.disable() put back what they found first, for one). Once per call. */
 static int guard_sigbus(void) {
-    if (guarding)
+    struct sigaction current;
+    if (guarding && sigaction(SIGBUS, NULL, &current) == 0 &&
+        (current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus)
         return 1;
     struct sigaction action;
     memset(&action, 0, sizeof action);
