@@ -248,6 +248,8 @@ class Mount:
         return code
 
     def kill9(self) -> None:
+        """Kill the mount's holder: the mount is lost with it (its serving process, told
+        by the kernel, dies too, and may say so first)."""
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()

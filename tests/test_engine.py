@@ -138,7 +138,8 @@ async def test_stats_report_every_figure(daemons: DaemonFactory, originals: Path
     d.store.wait_for_usage()  # the catalog's fill scan runs in the background
     stats = d.stats()
     assert set(stats) == {
-        "hits", "misses", "decodes", "decode_errors", "coalesced", "corrupt_entries",
+        "hits", "misses", "decodes", "decode_errors", "coalesced", "claim_waits",
+        "corrupt_entries",
         "store_bytes", "store_entries", "store_usage_complete", "store_writable",
         "store_max_bytes", "evictions", "store_write_errors", "memory_fallbacks",
         "memory_cache_bytes", "memory_cache_entries", "memory_bytes", "memory_limit_bytes",

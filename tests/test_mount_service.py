@@ -61,14 +61,18 @@ def test_notify_ready_watchdog_and_stopping(
         stderr=log,
     )
     try:
-        assert receive_until(sock, "READY=1") == [
-            f"STATUS=indexing originals for {mountpoint}",
-            f"READY=1\nSTATUS=serving {mountpoint}",
-        ]
+        started = [m for m in receive_until(sock, "READY=1") if m != "WATCHDOG=1"]
+        serving = f"READY=1\nSTATUS=serving {mountpoint}"
+        assert started == [f"STATUS=starting {mountpoint}", serving]
         assert is_live_mount(mountpoint)  # READY=1 came only once the mount answers
 
         pings = [sock.recv(4096).decode() for _ in range(5)]
         assert pings == ["WATCHDOG=1"] * 5  # every 0.1 s: half of WATCHDOG_USEC
+
+        # systemctl reload: SIGHUP (or ExecReload's `decodefs reload`) to the holder.
+        daemon.send_signal(signal.SIGHUP)
+        reloading = [m for m in receive_until(sock, "READY=1") if m != "WATCHDOG=1"]
+        assert reloading == [f"RELOADING=1\nSTATUS=reload of {mountpoint}", serving]
 
         daemon.send_signal(signal.SIGTERM)
         *before, stopping = receive_until(sock, "STOPPING=1")

@@ -19,6 +19,7 @@ from decodefs.common.config import parse_config
 from decodefs.common.metrics import Metrics, render_prometheus
 from decodefs.common.source import scan_source
 from decodefs.common.stats_schema import STATS
+from decodefs.common.status import holder_figures
 from decodefs.daemon.engine import Engine
 from decodefs.daemon.stats import snapshot
 from decodefs.store.store import Store
@@ -67,6 +68,23 @@ def full_snapshot(tmp_path: Path, photos_dir: Path) -> Iterator[dict[str, object
             version="0.1.0+g0123456789ab",
             log="/var/log/decodefs.log",
             started=engine.metrics.started,
+            **holder_figures(
+                {
+                    "pid": 1,
+                    "state": "serving",
+                    "version": "0.1.0+g0123456789ab",
+                    "started": 1.0,
+                    "handovers": 2,
+                    "crashes": 1,
+                    "refused": 0,
+                    "remounts": 0,
+                    "eio_answers": 0,
+                    "rss_bytes": 1 << 20,
+                    "last_problem": "serving process 7 (#2, reload) killed by SIGKILL",
+                    "decodes_before": 3,
+                }
+            ),
+            mount_decodes=4,
         )
     finally:
         engine.close()

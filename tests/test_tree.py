@@ -75,11 +75,9 @@ class Model:
         return None
 
     def shards(self, version: int) -> dict[bytes, int]:
-        """Shard name -> the index of its first entry."""
-        found: dict[bytes, int] = {}
-        for i, uuid in enumerate(self.keys[self.versions[version]]):
-            found.setdefault(os.fsencode(uuid[:2]), i)
-        return found
+        """Shard name -> its number: at a mount's first start, the shards in name order."""
+        names = sorted({uuid[:2] for uuid in self.keys[self.versions[version]]})
+        return {os.fsencode(name): number for number, name in enumerate(names)}
 
     def entries(self, version: int) -> dict[bytes, int]:
         uuids = self.keys[self.versions[version]]
@@ -103,12 +101,14 @@ class Model:
             index = self.entries(parent.version).get(name)
             if index is not None:
                 uuids = self.keys[self.versions[parent.version]]
-                if parent.kind == Kind.SIZE or uuids[index][:2] == uuids[parent.number][:2]:
+                shard = {n: name for name, n in self.shards(parent.version).items()}
+                prefix = os.fsencode(uuids[index][:2])
+                if parent.kind == Kind.SIZE or prefix == shard[parent.number]:
                     return Node(Kind.ENTRY, parent.version, parent.size, index)
                 return None
             if parent.kind == Kind.SIZE and name in self.shards(parent.version):
-                start = self.shards(parent.version)[name]
-                return Node(Kind.SHARD, parent.version, parent.size, start)
+                number = self.shards(parent.version)[name]
+                return Node(Kind.SHARD, parent.version, parent.size, number)
         return None
 
     def exists(self, node: Node) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import logging
 import os
 import signal
@@ -15,13 +16,15 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from ..client import warm
 from ..common.advice import empty_version_warning, store_warning
-from ..common.config import load_config
-from ..common.mounts import clear_stale, find_mount, prepare_mountpoint, unmount
+from ..common.config import Config, load_config
+from ..common.mounts import MountError, clear_stale, find_mount, prepare_mountpoint, unmount
 from ..common.protocol import FS_TYPE, STATS_FILE, STATUS_DIR
-from ..common.status import parse_status, read_status_bytes
+from ..common.status import holder_figures, parse_status, read_status_bytes
+from ..holder import ControlError, HolderUnreachable, ask_holder, mount_problem
 from ..store import adopt, recorded_digests, verify_store
 from .checks import (
     check_log_file,
@@ -38,6 +41,7 @@ from .checks import (
     version_size_dir,
 )
 from .errors import EXIT_ERROR, UsageError, error_text, exit_status, is_user_error
+from .spawn import spawn
 from .status import counter, format_all_stats, format_stats, read_stats, serving
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "run_make_sample",
     "run_mount",
     "run_stats",
+    "run_switch",
     "run_umount",
     "run_verify",
     "run_warm",
@@ -52,8 +57,8 @@ __all__ = [
 
 
 def run_mount(args: argparse.Namespace) -> int:
-    """`decodefs mount`: checks what it can in the user's terminal, then serves here
-    (--foreground) or starts a daemon and returns once the mount is live."""
+    """`decodefs mount`: checks what it can in the user's terminal, then becomes the mount's
+    holder (--foreground) or starts one and returns once the mount is live."""
     config = named_config(args)
     mountpoint = named_mountpoint(args.mountpoint, config.mountpoint)
     log_file = None
@@ -63,25 +68,19 @@ def run_mount(args: argparse.Namespace) -> int:
     if args.mkdir:
         with contextlib.suppress(OSError):  # a stale mount there is dealt with below
             os.makedirs(mountpoint, exist_ok=True)
-    if log_file is None:
-        _setup_logging(args.log_level or config.log_level)
-    else:
-        logging.basicConfig(
-            level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr
-        )
+    logging.basicConfig(level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr)
     ready = _Ready(args.ready_fd)
-    with ready.reporting():  # fail before the daemon (pyfuse3, trio) is even loaded
+    with ready.reporting():  # every mistake said here, before anything is mounted
         prepare_mountpoint(mountpoint, args.nonempty)
-    from .. import daemon  # here alone: it loads pyfuse3 and trio, which no other command needs
-
+        problem = mount_problem(config.allow_other)
+        if problem is not None:
+            raise MountError(f"cannot mount {mountpoint}: {problem}")
     if log_file is None:
-        with ready.reporting():
-            daemon.serve(config, mountpoint, ready.tell)
-        return 0
+        _become_holder(args, config, mountpoint)
     warning = store_warning(config)
     if warning is not None:  # the daemon logs it too, but the user is here
         print(f"decodefs: warning: {warning}", file=sys.stderr)
-    pid = daemon.spawn(args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty)
+    pid = spawn(args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty)
     print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
     print("\n".join(serving(Path(mountpoint))))
     stats = read_stats(Path(mountpoint))
@@ -94,28 +93,79 @@ def run_mount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _become_holder(args: argparse.Namespace, config: Config, mountpoint: str) -> NoReturn:
+    """Replace this process with the mount's holder (same pid: systemd's main process,
+    a caller's child), so that it keeps none of the command's imports."""
+    command = [sys.executable, "-P", "-m", "decodefs.holder", mountpoint]
+    command += ["--config", str(args.config.resolve()), "--initial-log-level", config.log_level]
+    if args.log_level:
+        command += ["--log-level", args.log_level]
+    if config.allow_other:
+        command.append("--allow-other")
+    if args.ready_fd is not None:
+        command += ["--ready-fd", str(args.ready_fd)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir("/")  # the holder holds none of the user's directories
+    try:
+        os.execv(sys.executable, command)
+    except OSError as exc:
+        raise MountError(
+            f"cannot start the mount's holder ({sys.executable}: {exc.strerror}); this user "
+            "must be able to run the Python that runs decodefs"
+        ) from None
+
+
+def run_switch(args: argparse.Namespace) -> int:
+    """`decodefs reload` and `decodefs restart`: a new serving process takes the mount over."""
+    command = args.switch
+    mountpoint = named_mountpoint(args.mountpoint, _configured_mountpoint(args))
+    info = find_mount(mountpoint)
+    if info is None or info.fstype != FS_TYPE:
+        raise UsageError(f"{mountpoint} is not a decodefs mount{mounted_at(decodefs_mounts())}")
+    config_path = _holder_config(mountpoint)
+    if config_path is not None:  # a config that does not load is refused here, in one line
+        load_config(Path(config_path))
+    try:
+        answer = ask_holder(mountpoint, command)
+    except HolderUnreachable as exc:
+        raise UsageError(
+            f"{mountpoint} has no holder to {command} it ({exc}); is it a decodefs mount? "
+            "(`decodefs stats` says)"
+        ) from None
+    except ControlError as exc:
+        raise UsageError(f"{command} of {mountpoint} failed: {exc}; the serving process "
+                         "before it keeps serving") from None  # fmt: skip
+    server = answer.get("server") or {}
+    print(f"decodefs: {command}ed {mountpoint}: serving process {server.get('pid')} "
+          f"(decodefs {server.get('version')})")  # fmt: skip
+    for line in answer.get("changes") or ["nothing else changed"]:
+        print(f"  {line}")
+    return 0
+
+
+def _configured_mountpoint(args: argparse.Namespace) -> Path | None:
+    if args.mountpoint is not None:
+        return None
+    return named_config(args).mountpoint
+
+
+def _holder_config(mountpoint: str) -> str | None:
+    """The config file the mount's holder gives its serving processes."""
+    try:
+        status = ask_holder(mountpoint, "status", timeout=10.0)
+    except (HolderUnreachable, ControlError):
+        return None
+    path = status.get("holder", {}).get("config")
+    return path if isinstance(path, str) else None
+
+
 class _Ready:
     """The pipe a spawning parent waits on (--ready-fd): "ready" once the mount is
     live, or the user error that stopped it, for the parent to print."""
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
-
-    def tell(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            os.write(self._fd, b"ready\n")
-        except BrokenPipeError:
-            # The command that asked for this mount is gone before it heard that the
-            # mount is live (Ctrl-C): the mount is not wanted. SIGTERM unmounts cleanly.
-            logging.getLogger(__name__).warning(
-                "the command that started this mount is gone; unmounting"
-            )
-            os.kill(os.getpid(), signal.SIGTERM)
-        finally:
-            os.close(self._fd)
-            self._fd = None
 
     @contextlib.contextmanager
     def reporting(self) -> Iterator[None]:
@@ -340,14 +390,23 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    """`decodefs stats`: prints a live mount's counters (a table, --all, or --json)."""
-    mountpoint = live_mount(args.mountpoint, "stats {}")
-    path = mountpoint / STATUS_DIR / STATS_FILE
+    """`decodefs stats`: prints a live mount's counters (a table, --all, or --json); when no
+    serving process answers, what the mount's holder says."""
+    path = args.mountpoint / STATUS_DIR / STATS_FILE
     try:
+        mountpoint = live_mount(args.mountpoint, "stats {}")
         raw = read_status_bytes(mountpoint, STATS_FILE)
         stats = parse_status(raw, STATS_FILE)
     except OSError as exc:
-        raise mount_failure(args.mountpoint, exc) from None
+        held = _holder_only(args.mountpoint)
+        if held is None:
+            raise mount_failure(args.mountpoint, exc) from None
+        raw, stats = (json.dumps(held, indent=2) + "\n").encode(), held
+    except UsageError:
+        held = _holder_only(args.mountpoint)
+        if held is None:
+            raise
+        raw, stats = (json.dumps(held, indent=2) + "\n").encode(), held
     except ValueError as exc:
         raise UsageError(f"{path} is not JSON ({exc}); is this decodefs?") from None
     if args.json:
@@ -355,6 +414,19 @@ def run_stats(args: argparse.Namespace) -> int:
         return 0
     print(format_all_stats(stats) if args.all else format_stats(stats))
     return 0
+
+
+def _holder_only(mountpoint: Path) -> dict[str, object] | None:
+    """What the mount's holder says of it (no serving process answers), as stats figures."""
+    info = find_mount(os.path.realpath(mountpoint))
+    if info is None or info.fstype != FS_TYPE:
+        return None
+    try:
+        answer = ask_holder(info.mountpoint, "status", timeout=10.0)
+    except (HolderUnreachable, ControlError):
+        return None
+    holder = answer.get("holder")
+    return holder_figures(holder) if isinstance(holder, dict) else None
 
 
 def run_make_sample(args: argparse.Namespace) -> int:
@@ -378,11 +450,3 @@ def run_make_sample(args: argparse.Namespace) -> int:
         f"decodefs: {len(paths)} sample JPEGs ({args.width}x{args.height}) under {args.directory}"
     )
     return 0
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )

@@ -18,6 +18,7 @@ from .commands import (
     run_make_sample,
     run_mount,
     run_stats,
+    run_switch,
     run_umount,
     run_verify,
     run_warm,
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add_arguments in (
         _mount_arguments,
         _umount_arguments,
+        _reload_arguments,
+        _restart_arguments,
         _warm_arguments,
         _adopt_arguments,
         _verify_arguments,
@@ -119,6 +122,39 @@ def _umount_arguments(add_command: AddCommand) -> None:
         help="only clear a mount whose daemon is gone; never touch a live one (systemd)",
     )
     umount.set_defaults(run=run_umount)
+
+
+def _reload_arguments(add_command: AddCommand) -> None:
+    """The arguments of `decodefs reload`."""
+    reload = add_command(
+        "reload",
+        help="apply the config and the sources as they are now, without unmounting",
+        description="A new serving process reads the mount's config and scans its sources, "
+        "then takes the mount over from the running one: readers pause, never fail. A config "
+        "that does not load is refused and the running process keeps serving. SIGHUP to the "
+        "mount's holder (systemctl reload) does the same.",
+    )
+    reload.add_argument(
+        "mountpoint", type=Path, nargs="?", help="default: the config's `mountpoint`"
+    )
+    _config_option(reload)
+    reload.set_defaults(run=run_switch, switch="reload")
+
+
+def _restart_arguments(add_command: AddCommand) -> None:
+    """The arguments of `decodefs restart`."""
+    restart = add_command(
+        "restart",
+        help="serve the mount from the decodefs installed now (after an upgrade)",
+        description="A new serving process, started from the code installed now, takes the "
+        "mount over from the running one (it reads the config and the sources too): "
+        "readers pause, never fail.",
+    )
+    restart.add_argument(
+        "mountpoint", type=Path, nargs="?", help="default: the config's `mountpoint`"
+    )
+    _config_option(restart)
+    restart.set_defaults(run=run_switch, switch="restart")
 
 
 def _warm_arguments(add_command: AddCommand) -> None:

@@ -109,6 +109,8 @@ def format_stats(stats: dict[str, object]) -> str:
         assert key in _STAT_NAMES, key  # every figure shown is one of stats_schema.STATS
         return counter(stats, key)
 
+    if "hits" not in stats:  # no serving process answers: what its holder says
+        return _table(_served_by(stats))
     reads = n("hits") + n("direct_hits") + n("misses")
     latency = stats.get("decode_seconds")
     decode_count = latency.get("count", 0) if isinstance(latency, dict) else 0
@@ -176,19 +178,48 @@ def format_stats(stats: dict[str, object]) -> str:
                 f"{n('l2_lease_waits'):,} lease waits, {n('l2_corrupt'):,} corrupt",
             )
         )
-    width = max(len(label) for label, _ in rows)
+    return _table(rows)
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    width = max((len(label) for label, _ in rows), default=0)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
 def _served_by(stats: dict[str, object]) -> list[tuple[str, str]]:
     """The row naming the process that serves the mount: its version, pid and start."""
     version, started, pid = stats.get("version"), stats.get("started"), stats.get("pid")
-    if version is None:  # a daemon older than these figures
-        return []
     when = "at an unknown time"
     if isinstance(started, int | float):
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))
-    return [("serving", f"decodefs {version} (pid {pid}), started {when}")]
+    rows: list[tuple[str, str]] = []
+    if version is not None:
+        rows.append(("serving", f"decodefs {version} (pid {pid}), started {when}"))
+    holder = stats.get("holder_pid")
+    if holder is not None:
+        crashes, handovers = counter(stats, "crashes"), counter(stats, "handovers")
+        since = stats.get("mount_started")
+        mounted = (
+            time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(since))
+            if isinstance(since, int | float)
+            else "an unknown time"
+        )
+        rows.append(
+            (
+                "holder",
+                f"{holder} (decodefs {stats.get('holder_version')}): "
+                f"{stats.get('holder_state')}, mounted since {mounted}; {handovers:,} "
+                f"handover{'s' if handovers != 1 else ''}, {crashes:,} "
+                f"crash{'es' if crashes != 1 else ''}, "
+                f"{counter(stats, 'handovers_refused'):,} refused",
+            )
+        )
+        problem = stats.get("last_problem")
+        if problem:
+            rows.append(("last problem", str(problem)))
+        if stats.get("holder_state") == "backing off":
+            rows.append(("", "no serving process runs: every request is answered EIO"))
+    return rows
 
 
 def format_all_stats(stats: dict[str, object]) -> str:

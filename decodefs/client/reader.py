@@ -169,6 +169,8 @@ def _key_of(mount: Mount, st: os.stat_result, name: str, path: str) -> EntryKey 
     if not stat.S_ISREG(st.st_mode) or st.st_size != npy_file_size(node.size):
         return None
     version = mount.versions[node.version]
+    if not version:
+        return None
     if version in mount.mirrors:
         return _mirror_key(mount, st, path, version, node.size)
     return EntryKey(version, node.size, key)

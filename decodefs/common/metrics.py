@@ -75,6 +75,7 @@ class Metrics:
     decodes: int = 0  # decodes that ran, failed ones and rebuilds included
     decode_errors: int = 0  # originals that failed to decode
     coalesced: int = 0  # opens that waited on a decode already running for the same file
+    claim_waits: int = 0  # misses that waited while another serving process decoded the array
     corrupt_entries: int = 0  # stored entries that failed verification and were rebuilt
     store_write_errors: int = 0
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them

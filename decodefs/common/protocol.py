@@ -78,7 +78,7 @@ class StoreStatus(NamedTuple):
 
     store: str  # the store directory
     digests: Mapping[str, str]  # version -> the decoder fingerprint its entries carry (hex)
-    version_order: tuple[str, ...]  # versions by their index in inode numbers
+    version_order: tuple[str, ...]  # versions by their id in inode numbers ("": none)
     inode_layout: int  # inodes.INODE_LAYOUT of the daemon
     min_size: int
     max_size: int

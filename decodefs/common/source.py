@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -29,9 +30,11 @@ import os
 import secrets
 import stat
 import time
+from array import array
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Final, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 from .names import ARRAY_SUFFIX, key_of
 from .protocol import NAME_MAX
@@ -45,6 +48,7 @@ __all__ = [
     "OriginalMissing",
     "SourceError",
     "SourceIndex",
+    "changed_originals",
     "scan_source",
 ]
 
@@ -169,7 +173,7 @@ class SourceIndex:
     and name, see MirrorFolders).
 
     Indices are stable for the life of the object, so callers may use them as
-    compact keys (the fs layer packs them into inode numbers).
+    compact keys (the daemon's numbers.py gives each key an inode number).
     """
 
     version: str
@@ -182,11 +186,22 @@ class SourceIndex:
     skipped_names: int = 0
     from_cache: bool = False
     mirror: MirrorFolders | None = None  # the folders of a mirror version
+    # Each original's size and mtime (ns) as last seen, by index; -1 where never seen:
+    # what ``changed_originals`` compares with (and records anew).
+    sizes: array[int] = field(default_factory=lambda: array("q"), repr=False)
+    mtimes: array[int] = field(default_factory=lambda: array("q"), repr=False)
+    # Where and how it is cached, to save it again with new stamps (None: not cached).
+    cache: tuple[str, dict[str, object], dict[str, list[int]]] | None = field(
+        default=None, repr=False
+    )
     _positions: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self._positions:
             self._positions.update((uuid, i) for i, uuid in enumerate(self.keys))
+        if len(self.sizes) != len(self.keys):
+            self.sizes[:] = array("q", [-1]) * len(self.keys)
+            self.mtimes[:] = array("q", [-1]) * len(self.keys)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -247,11 +262,16 @@ def scan_source(
     if layout != "uuid":  # so that caches written before layouts existed stay valid
         key["layout"] = layout
     cache = os.path.join(cache_dir, f"{version}.json") if cache_dir else None
-    index = _load_cache(version, cache, key, root_real, layout) if cache else None
+    stamps: dict[str, tuple[int, int]] = {}
+    index = _load_cache(version, cache, key, root_real, layout, stamps) if cache else None
     if index is None:
         index, dirs, complete = _walk(version, root_real, extension_set, duplicates, layout)
         if cache and complete:  # a listing that failed may succeed next time: walk again
-            _save_cache(cache, key, index, dirs)
+            index = dataclasses.replace(index, cache=(cache, key, dirs))
+        for i, k in enumerate(index.keys):  # what the last index saw of each original
+            index.sizes[i], index.mtimes[i] = stamps.get(k, (-1, -1))
+        if index.cache is not None:
+            _save_cache(index)
     log.info(
         "version %s: %d originals under %s, %s in %.2f s",
         version,
@@ -329,8 +349,15 @@ def _walk(
 
 
 def _load_cache(
-    version: str, path: str, key: dict[str, object], root: str, layout: Layout = "uuid"
+    version: str,
+    path: str,
+    key: dict[str, object],
+    root: str,
+    layout: Layout = "uuid",
+    stamps: dict[str, tuple[int, int]] | None = None,
 ) -> SourceIndex | None:
+    """The cached index if the tree is as it was; ``stamps`` gets what it saw of each
+    original even when the tree changed since (a re-walk compares with them)."""
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_uid != os.getuid():
@@ -338,6 +365,9 @@ def _load_cache(
             cached = json.loads(f.read())
         if not isinstance(cached, dict) or cached.get("key") != key:
             return None
+        sizes, mtimes = _cached_stamps(cached)
+        if stamps is not None:
+            stamps.update(zip(cached["uuids"], zip(sizes, mtimes, strict=True), strict=True))
         mirror = None
         if layout == "mirror":
             _check_cached_mirror(cached)
@@ -365,6 +395,9 @@ def _load_cache(
             skipped_names=int(cached["skipped_names"]),
             from_cache=True,
             mirror=mirror,
+            sizes=sizes,
+            mtimes=mtimes,
+            cache=(path, key, cached["dirs"]),
         )
     except FileNotFoundError:
         return None
@@ -455,9 +488,57 @@ def _joined(strings: list[object]) -> str:
     return joined
 
 
-def _save_cache(
-    path: str, key: dict[str, object], index: SourceIndex, dirs: dict[str, list[int]]
-) -> None:
+def _cached_stamps(cached: dict[str, Any]) -> tuple[array[int], array[int]]:
+    """The stamps a cached index recorded (-1 for each where it recorded none)."""
+    count = len(cached["uuids"])
+    sizes, mtimes = cached.get("sizes"), cached.get("mtimes")
+    if not (isinstance(sizes, list) and isinstance(mtimes, list)):
+        return array("q", [-1]) * count, array("q", [-1]) * count
+    if len(sizes) != count or len(mtimes) != count:
+        raise ValueError("sizes and mtimes are not one per original")
+    return array("q", sizes), array("q", mtimes)  # TypeError for anything but integers
+
+
+def changed_originals(index: SourceIndex, threads: int = 16) -> list[int]:
+    """The originals whose size or mtime is not what ``index`` last saw (replaced or
+    rewritten in place, so their arrays are stale), by index; records what it sees
+    now (and saves the cached index with it). An original that cannot be stat'ed is
+    left as it was: a read of it says why."""
+    paths = [os.path.join(index.root, relpath) for relpath in index.relpaths]
+    if not paths:
+        return []
+    chunk = -(-len(paths) // threads)
+    with ThreadPoolExecutor(threads, thread_name_prefix="restat") as pool:
+        parts = pool.map(_stamps, [paths[i : i + chunk] for i in range(0, len(paths), chunk)])
+        seen = [stamp for part in parts for stamp in part]
+    changed = []
+    sizes, mtimes = index.sizes, index.mtimes
+    for i, stamp in enumerate(seen):
+        if stamp is None or (sizes[i], mtimes[i]) == stamp:
+            continue
+        if sizes[i] >= 0:  # seen before, and different now
+            changed.append(i)
+        sizes[i], mtimes[i] = stamp
+    if index.cache is not None and (changed or any(s is not None for s in seen)):
+        _save_cache(index)
+    return changed
+
+
+def _stamps(paths: list[str]) -> list[tuple[int, int] | None]:
+    found: list[tuple[int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            found.append(None)
+        else:
+            found.append((st.st_size, st.st_mtime_ns))
+    return found
+
+
+def _save_cache(index: SourceIndex) -> None:
+    assert index.cache is not None
+    path, key, dirs = index.cache
     value: dict[str, object] = {
         "key": key,
         "scanned_at_ns": index.scanned_at_ns,
@@ -467,6 +548,8 @@ def _save_cache(
         "duplicates": index.duplicates,
         "symlinks_outside": index.symlinks_outside,
         "skipped_names": index.skipped_names,
+        "sizes": list(index.sizes),
+        "mtimes": list(index.mtimes),
     }
     if index.mirror is not None:
         value["folders"] = index.mirror.paths

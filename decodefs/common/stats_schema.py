@@ -195,7 +195,7 @@ STATS: Final = (
     Stat(
         "versions", "per version", "originals", "Originals indexed, by version", family="originals"
     ),
-    Stat("pid", "gauge", "", "The daemon's process id", daemon=True),
+    Stat("pid", "gauge", "", "The serving process's id", daemon=True),
     Stat("mountpoint", "text", "", "Where the daemon is mounted", daemon=True),
     Stat(
         "version",
@@ -219,6 +219,83 @@ STATS: Final = (
         "When the serving process started (Unix time)",
         daemon=True,
         family="start_time_seconds",
+    ),
+    Stat(
+        "claim_waits",
+        "counter",
+        "decodes",
+        "Misses that waited while another serving process of the mount decoded the array",
+    ),
+    # -- the mount's holder (holder/): the same for every serving process of the mount --
+    Stat("holder_pid", "gauge", "", "The process that holds the mount", daemon=True),
+    Stat(
+        "holder_state",
+        "state",
+        "",
+        "What the holder is doing: serving, switching (a reload or restart), backing off "
+        "(serving processes keep dying: requests are answered EIO), starting, stopping",
+        daemon=True,
+        states=("serving", "switching", "backing off", "starting", "stopping", "none"),
+    ),
+    Stat("holder_version", "text", "", "The decodefs the holder runs", daemon=True),
+    Stat(
+        "mount_started",
+        "gauge",
+        "seconds",
+        "When the mount was mounted (Unix time)",
+        daemon=True,
+        family="mount_start_time_seconds",
+    ),
+    Stat(
+        "handovers",
+        "counter",
+        "switches",
+        "Serving processes that took the mount over (reloads, restarts, crashes)",
+        daemon=True,
+    ),
+    Stat("crashes", "counter", "processes", "Serving processes that died", daemon=True),
+    Stat(
+        "handovers_refused",
+        "counter",
+        "switches",
+        "Switches refused (the new process answered the kernel's INIT differently)",
+        daemon=True,
+    ),
+    Stat(
+        "remounts",
+        "counter",
+        "mounts",
+        "Times the holder mounted afresh because a crash could not be handed over",
+        daemon=True,
+    ),
+    Stat(
+        "holder_eio_answers",
+        "counter",
+        "requests",
+        "Requests the holder answered EIO while no serving process could run",
+        daemon=True,
+    ),
+    Stat("holder_rss_bytes", "gauge", "bytes", "The holder's resident memory", daemon=True),
+    Stat(
+        "decodes_before",
+        "counter",
+        "decodes",
+        "Decodes run by the mount's serving processes before this one, as each last said",
+        daemon=True,
+    ),
+    Stat(
+        "mount_decodes",
+        "counter",
+        "decodes",
+        "Decodes run in the mount's life, by every serving process (decodes_before + decodes)",
+        daemon=True,
+    ),
+    Stat(
+        "last_problem",
+        "text",
+        "",
+        "The holder's last crash or refused switch, if any",
+        daemon=True,
     ),
     # -- the cluster's L2 tier (cluster/tier.py) --
     Stat("l2", "text", "", "The L2 tier (its URL or directory)", l2=True),

@@ -34,8 +34,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 import trio
 
@@ -120,6 +121,10 @@ class _Flight:
 # EntryKey(...) without NamedTuple's Python-level __new__, for open's hot path.
 _new_key = tuple.__new__
 
+# How often a key another process claimed is tried again (seconds, doubling).
+CLAIM_POLL_FIRST: Final = 0.005
+CLAIM_POLL_MAX: Final = 0.1
+
 
 class Engine:
     def __init__(
@@ -160,6 +165,26 @@ class Engine:
         self._throttle = LogThrottle(log)
         # Requests of each other user waiting for a decode now (admission.py).
         self.admission = Admission(self.metrics, waiting_per_user)
+        # Versions none of whose arrays may be served yet (``hold``): their decode
+        # settings changed while an earlier serving process of the mount still serves.
+        self._held: dict[str, trio.Event] = {}
+
+    # -- versions held ----------------------------------------------------------
+
+    def hold(self, versions: Iterable[str]) -> None:
+        """Serve none of ``versions``' arrays until ``release_held``: opens and reads wait."""
+        for version in versions:
+            self._held.setdefault(version, trio.Event())
+
+    def release_held(self) -> None:
+        held, self._held = self._held, {}
+        for event in held.values():
+            event.set()
+
+    async def _unheld(self, version: str) -> None:
+        event = self._held.get(version)
+        if event is not None:
+            await event.wait()
 
     # -- arrays -------------------------------------------------------------
 
@@ -190,6 +215,8 @@ class Engine:
         running for the key, and waits for a store read slot, so a flood of them
         costs no more than a flood of reads.
         """
+        if self._held:
+            await self._unheld(version)
         key = EntryKey(version, size, self._sources[version].keys[index])
         if recheck:  # check it now, at this open, whatever was believed of it
             self.known.not_stored(key, index)
@@ -215,6 +242,8 @@ class Engine:
         are checked after the pin, so eviction cannot take the file once the check
         has passed. Written for the fewest steps: it runs for most requests.
         """
+        if self._held and version in self._held:
+            return None
         verified = self._verified.get((version, size))
         bit = 1 << (index & 7)
         unverified = verified is None or not verified.bits[index >> 3] & bit
@@ -274,6 +303,8 @@ class Engine:
         end = min(offset + size, handle.length)
         if offset >= end:
             return b""
+        if self._held:
+            await self._unheld(handle.key.version)
         if handle.unverified:
             await self._verify_for_read(handle)
         data: memoryview | bytes | bytearray
@@ -418,19 +449,35 @@ class Engine:
     ) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""
         flight = self._flights[key] = _Flight()
+        claims = self.store.flights
+        claimed = False
         try:
+            claimed = await self._claim(key)
             flight.outcome = await self._acquire(key, index, purpose, flight, may_store=may_store)
             if flight.outcome.stored:
                 self.known.mark_stored(key, index)
         except Exception as exc:
             flight.error = exc
         finally:
+            if claimed:
+                claims.release(key)
             del self._flights[key]
             if flight.outcome is not None and flight.outcome.held is not None:
                 for _ in range(flight.waiters):  # one hold each; the caller keeps the first
                     flight.outcome.held.retain()
             flight.done.set()
         return flight
+
+    async def _claim(self, key: EntryKey) -> bool:
+        """Claim ``key`` among the processes using the store (while serving processes of
+        the mount overlap, another may be decoding it: wait for it, then find its
+        entry stored). True once claimed."""
+        delay = CLAIM_POLL_FIRST
+        while not self.store.flights.claim(key):
+            self.metrics.claim_waits += delay == CLAIM_POLL_FIRST
+            await trio.sleep(delay)
+            delay = min(2 * delay, CLAIM_POLL_MAX)
+        return True
 
     async def _acquire(
         self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool

@@ -29,7 +29,6 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
@@ -50,7 +49,8 @@ from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
 from .capacity import Capacity, StoreUsage
 from .catalog import Catalog
-from .fingerprints import check_fingerprint, start_trash_cleanup
+from .fingerprints import check_fingerprint, recorded_digest, start_trash_cleanup
+from .flights import FlightClaims
 from .movein import CannotMove
 from .root import (
     StoreError,
@@ -60,6 +60,7 @@ from .root import (
     read_all,
     set_file_mode,
     set_mode,
+    temp_name,
 )
 from .walk import iter_entries
 
@@ -164,6 +165,10 @@ class Store:
         # Bumped whenever every entry may be gone at once (the store was removed):
         # whoever remembers entries as verified must forget them.
         self.generation = 0
+        self._handed_over = False  # the lock came from an earlier serving process
+        self.unsettled: list[str] = []  # versions to discard once it serves no more
+        # Claims of keys being decoded, among the processes using this store (flights.py).
+        self.flights = FlightClaims(None)
         self.root = self._root.path
         self.capacity = Capacity(
             max_bytes=max_bytes,
@@ -204,15 +209,44 @@ class Store:
 
     # -- life cycle -------------------------------------------------------------------
 
-    def open(self) -> None:
+    def open(self, held_lock: int | None = None, owner: int | None = None) -> None:
         """Prepare the store. Raises StoreError only for what a user must fix.
 
         A store that cannot be created, written or even read is not an error:
         the daemon then serves from memory and says so in the log.
+
+        ``held_lock``: the store lock of the mount's earlier serving process (root.py),
+        which may still serve: a version whose decode settings changed is then not
+        discarded yet, but once this process serves alone (``settle_versions``).
+        ``owner``: the pid the lock names (a mount's holder; default: this process).
         """
-        if not self._root.open():
+        self._handed_over = held_lock is not None
+        if not self._root.open(held_lock, owner):
             catalog, _ = Catalog.open(":memory:")
             self.capacity.attach(catalog, filled=True)
+        self._handed_over = self._handed_over and not self._root.lock_taken
+        self.flights = FlightClaims.beside(self.lock_fd)
+
+    @property
+    def lock_fd(self) -> int | None:
+        """The store's lock, to hand to the mount's next serving process."""
+        return self._root.lock_fd
+
+    @property
+    def lock_taken(self) -> bool:
+        """Whether this process took the lock (not handed it by an earlier one)."""
+        return self._root.lock_taken
+
+    def settle_versions(self) -> list[str]:
+        """Discard the arrays of versions whose decode settings changed, held back while
+        an earlier serving process of the mount still served them; those versions."""
+        fd = self._root.fd
+        pending, self.unsettled = self.unsettled, []
+        if fd is None or not self.writable:
+            return []
+        for version in pending:
+            self._check_fingerprint(fd, version)
+        return pending
 
     def close(self) -> None:
         self._root.closing.set()
@@ -222,6 +256,7 @@ class Store:
         catalog = self.capacity.detach()
         if catalog is not None:
             catalog.close()
+        self.flights.close()
         self._root.close()
 
     def wait_for_usage(self, timeout: float = 60.0) -> StoreUsage:
@@ -337,7 +372,7 @@ class Store:
         if self._root.fd is None or tmp_dir is None:
             raise StoreWriteError(key, OSError(errno.EROFS, "the store is not writable"))
         trailer = encode_trailer(key, payload, self.digest(key.version))
-        name = secrets.token_hex(8) + ".npy"
+        name = temp_name(".npy")
         flags = os.O_RDWR | CREATE_FLAGS
         try:
             fd = os.open(name, flags, self.file_mode, dir_fd=tmp_dir)
@@ -446,6 +481,19 @@ class Store:
             raise StoreWriteError(key, OSError(errno.EROFS, "the store is not writable"))
         return os.fstat(root).st_dev
 
+    def remove_if_present(self, key: EntryKey) -> bool:
+        """Delete ``key``'s entry if there is one (its original changed); True if there was."""
+        try:
+            self._unlink_entry(key)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.warning("cannot remove stale entry %s: %s", key, exc)
+            return False
+        with contextlib.suppress(OSError):
+            self.capacity.forget(key)
+        return True
+
     def remove(self, key: EntryKey) -> None:
         """Delete an entry (a bad one); its catalog row goes after its file."""
         try:
@@ -510,16 +558,11 @@ class Store:
         empty = self._open_catalog(fd, writable)
         if writable:
             for version, fingerprint in self._fingerprints.items():
-                # Before a fill scan sees what it discards.
-                check_fingerprint(
-                    fd,
-                    version,
-                    fingerprint,
-                    where=self.root,
-                    dir_mode=self.dir_mode,
-                    file_mode=self.file_mode,
-                    discard_rows=self.capacity.discard_version,
-                )
+                recorded = recorded_digest(fd, version)
+                if self._handed_over and recorded not in (None, fingerprint.digest):
+                    self.unsettled.append(version)  # an earlier process still serves it
+                    continue
+                self._check_fingerprint(fd, version)  # before a fill scan sees what it discards
             start_trash_cleanup(fd)
         if empty:
             # A new catalog on an existing store (or a read-only store): fill it
@@ -530,6 +573,17 @@ class Store:
                 durable=writable,
                 where=self.root,
             )
+
+    def _check_fingerprint(self, fd: int, version: str) -> None:
+        check_fingerprint(
+            fd,
+            version,
+            self._fingerprints[version],
+            where=self.root,
+            dir_mode=self.dir_mode,
+            file_mode=self.file_mode,
+            discard_rows=self.capacity.discard_version,
+        )
 
     def _gone(self) -> None:
         self.generation += 1

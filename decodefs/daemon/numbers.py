@@ -1,0 +1,316 @@
+"""The mount's inode numbers: given once, never changed in meaning while the mount lives.
+
+The kernel keeps node ids (and the pages behind them) across a switch of
+serving processes, so every serving process of one mount must read a number
+as the first one did. A version gets an id, and each of its originals, mirror
+folders and shards a number, the first time a serving process of the mount
+sees it; a name that goes away keeps its number unused, and comes back to it.
+They live in the mount's state directory (``numbers.json`` and one
+``numbers-<id>.json`` per version), written before a serving process answers
+anything, so a crash never loses one given out. Without a state directory (the
+tests' in-process daemon) numbers are the sorted positions, as they would be
+at a mount's first start.
+
+Positions (an original's index in its sorted ``SourceIndex``) are what the
+engine and the namespace's listings work with; numbers are what inode numbers
+carry. This module maps one to the other; it knows the sources, not the tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ..common.inodes import NUMBER_MASK, VERSION_MASK
+from ..common.source import SourceIndex
+from ..common.trusted import CREATE_FLAGS, DIRECTORY_FLAGS, READ_FLAGS
+
+__all__ = ["Allocation", "MountNumbers", "NumberChanges", "NumbersLost", "VersionNumbers"]
+
+log = logging.getLogger(__name__)
+
+_FORMAT: Final = 1
+_MOUNT_FILE: Final = "numbers.json"
+
+
+class NumbersLost(Exception):
+    """The mount's numbers are not where a serving process that is not the first expects
+    them: it cannot know what the kernel's node ids mean, so it must not serve."""
+
+
+class Allocation:
+    """Numbers of one kind of name (keys, folders or shards) of one version."""
+
+    def __init__(self, by_number: list[str | None]) -> None:
+        self.by_number = by_number  # number -> name (None: never given, or no longer there)
+        self._numbers = {name: n for n, name in enumerate(by_number) if name is not None}
+        self.given = 0  # numbers given by this process
+
+    def place(
+        self, names: Sequence[str], *, first: str | None = None
+    ) -> tuple[array[int], list[tuple[str, int]]]:
+        """Numbers for ``names`` (in their order), giving new ones as needed, and the
+        names that had a number but are not among ``names`` (with it). ``first``:
+        a name that must have number 0 (a mirror's root folder)."""
+        if first is not None and not self.by_number:
+            self._give(first)
+        numbers = array("q", bytes(8 * len(names)))
+        present = set()
+        for position, name in enumerate(names):
+            number = self._numbers.get(name)
+            if number is None:
+                number = self._give(name)
+            numbers[position] = number
+            present.add(number)
+        gone = [(name, n) for name, n in self._numbers.items() if n not in present]
+        return numbers, gone
+
+    def number(self, name: str) -> int | None:
+        """The number ``name`` was given (whether or not it is there now)."""
+        return self._numbers.get(name)
+
+    def _give(self, name: str) -> int:
+        number = len(self.by_number)
+        if number > NUMBER_MASK:
+            raise OverflowError("a version has used every number an inode can hold")
+        self.by_number.append(name)
+        self._numbers[name] = number
+        self.given += 1
+        return number
+
+
+@dataclass
+class VersionNumbers:
+    """One version's numbers, by position and back."""
+
+    version_id: int
+    key_numbers: array[int]  # by position in the source's sorted keys
+    key_positions: array[int]  # by number: the position, or -1
+    folder_numbers: array[int]  # a mirror's folders, by folder index (empty otherwise)
+    folder_positions: array[int]
+    shard_names: list[str | None]  # by number
+    shard_numbers: dict[str, int]
+    new_keys: int = 0  # originals given a number by this process (new since the last)
+    gone_keys: list[tuple[str, int]] = field(default_factory=list)  # since the last server
+    gone_folders: list[tuple[str, int]] = field(default_factory=list)
+    gone_shards: list[tuple[str, int]] = field(default_factory=list)
+    folders: Allocation = field(default_factory=lambda: Allocation([]))  # every folder given one
+    shards: Allocation = field(default_factory=lambda: Allocation([]))
+
+
+@dataclass
+class NumberChanges:
+    """What the mount's numbers say changed since the last serving process (its reload)."""
+
+    added: list[str] = field(default_factory=list)  # versions
+    removed: list[tuple[str, int]] = field(default_factory=list)  # (version, its id)
+    redecoded: list[str] = field(default_factory=list)  # versions whose fingerprint changed
+    sizes_seen: dict[str, set[int]] = field(default_factory=dict)  # version -> sizes looked up
+
+
+class MountNumbers:
+    """Every version's id and numbers for one serving process of the mount."""
+
+    def __init__(
+        self,
+        ids: dict[str, int],
+        versions: dict[str, VersionNumbers],
+        state: _State | None,
+        recorded: dict[str, Any],
+    ) -> None:
+        self.ids = ids  # every version the mount has seen -> its id (removed ones too)
+        self.versions = versions  # the configured versions
+        self._state = state
+        self._recorded = recorded  # numbers.json, as written
+
+    @classmethod
+    def load(
+        cls,
+        state_dir: str | None,
+        sources: Mapping[str, SourceIndex],
+        digests: Mapping[str, str],
+        *,
+        first: bool,
+    ) -> tuple[MountNumbers, NumberChanges]:
+        """The numbers of this mount for ``sources`` (giving new ones, written before this
+        returns), and what changed since the last serving process. ``digests``: each
+        version's decoder fingerprint (hex). Raises NumbersLost, OSError."""
+        state = _State(state_dir) if state_dir is not None else None
+        recorded = state.read_mount() if state is not None else None
+        if recorded is None:
+            if state is not None and not first:
+                raise NumbersLost(
+                    f"{os.path.join(state_dir or '', _MOUNT_FILE)} is missing: the inode "
+                    "numbers this mount gave out are lost"
+                )
+            recorded = {"format": _FORMAT, "versions": {}}
+        entries: dict[str, dict[str, Any]] = recorded["versions"]
+        changes = NumberChanges()
+        ids = {name: int(entry["id"]) for name, entry in entries.items()}
+        versions: dict[str, VersionNumbers] = {}
+        for name in sorted(sources):
+            entry = entries.get(name)
+            if entry is None:
+                entry = entries[name] = {"id": _next_id(ids), "present": False, "sizes": []}
+                ids[name] = entry["id"]
+            if not entry.get("present"):
+                changes.added.append(name)
+            elif entry.get("digest") != digests.get(name):
+                changes.redecoded.append(name)
+            entry["present"], entry["digest"] = True, digests.get(name)
+            changes.sizes_seen[name] = set(entry.get("sizes", []))
+            versions[name] = _version_numbers(state, entry["id"], sources[name])
+        for name, entry in entries.items():
+            if name not in sources and entry.get("present"):
+                entry["present"] = False
+                changes.removed.append((name, int(entry["id"])))
+                changes.sizes_seen[name] = set(entry.get("sizes", []))
+        if state is not None:
+            state.write_mount(recorded)
+        return cls(ids, versions, state, recorded), changes
+
+    @classmethod
+    def positions(cls, sources: Mapping[str, SourceIndex]) -> MountNumbers:
+        """Numbers that are the sorted positions, versions in sorted order: a mount's
+        first start, without a state directory to keep them in."""
+        numbers, _ = cls.load(None, sources, {}, first=True)
+        return numbers
+
+    def version_order(self) -> tuple[str, ...]:
+        """Version names by id ("" for an id no configured version has): store.json's
+        ``version_order``."""
+        order = [""] * (max(self.ids.values(), default=-1) + 1)
+        for name in self.versions:
+            order[self.ids[name]] = name
+        return tuple(order)
+
+    def note_size(self, version: str, size: int) -> bool:
+        """Record that ``size`` of ``version`` was looked up (its pages may be cached);
+        True if that is new and must be saved (``save_sizes``) before answering."""
+        entry = self._recorded["versions"].get(version)
+        if self._state is None or entry is None or size in entry["sizes"]:
+            return False
+        entry["sizes"] = sorted({*entry["sizes"], size})
+        return True
+
+    def save_sizes(self) -> None:
+        if self._state is not None:
+            self._state.write_mount(self._recorded)
+
+    def sizes_seen(self, version: str) -> set[int]:
+        entry = self._recorded["versions"].get(version)
+        return set(entry["sizes"]) if entry is not None else set()
+
+
+def _next_id(ids: Mapping[str, int]) -> int:
+    new = max(ids.values(), default=-1) + 1
+    if new > VERSION_MASK:
+        raise OverflowError(
+            f"this mount has seen {new} versions, more than an inode number holds; remount"
+        )
+    return new
+
+
+def _version_numbers(state: _State | None, version_id: int, source: SourceIndex) -> VersionNumbers:
+    recorded = state.read_version(version_id) if state is not None else None
+    keys = Allocation(list(recorded["keys"]) if recorded else [])
+    folders = Allocation(list(recorded["folders"]) if recorded else [])
+    shards = Allocation(list(recorded["shards"]) if recorded else [])
+    key_numbers, gone_keys = keys.place(source.keys)
+    if source.mirror is not None:
+        folder_numbers, gone_folders = folders.place(source.mirror.paths, first="")
+        shard_list: list[str] = []
+    else:
+        folder_numbers, gone_folders = array("q"), []
+        shard_list = sorted({key[:2] for key in source.keys})
+    _, gone_shards = shards.place(shard_list)
+    present = set(shard_list)
+    if state is not None and (keys.given or folders.given or shards.given or not recorded):
+        state.write_version(
+            version_id,
+            {"keys": keys.by_number, "folders": folders.by_number, "shards": shards.by_number},
+        )
+    return VersionNumbers(
+        version_id=version_id,
+        key_numbers=key_numbers,
+        key_positions=_inverse(key_numbers, len(keys.by_number)),
+        folder_numbers=folder_numbers,
+        folder_positions=_inverse(folder_numbers, len(folders.by_number)),
+        shard_names=[name if name in present else None for name in shards.by_number],
+        shard_numbers={n: i for i, n in enumerate(shards.by_number) if n in present},
+        new_keys=keys.given if recorded else 0,
+        gone_keys=gone_keys,
+        gone_folders=gone_folders,
+        gone_shards=gone_shards,
+        folders=folders,
+        shards=shards,
+    )
+
+
+def _inverse(numbers: Iterable[int], count: int) -> array[int]:
+    positions = array("q", [-1]) * count
+    for position, number in enumerate(numbers):
+        positions[number] = position
+    return positions
+
+
+class _State:
+    """The files of the mount's state directory (its holder's user's alone)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def read_mount(self) -> dict[str, Any] | None:
+        value = self._read(_MOUNT_FILE)
+        if value is None:
+            return None
+        if value.get("format") != _FORMAT or not isinstance(value.get("versions"), dict):
+            raise NumbersLost(f"{os.path.join(self.path, _MOUNT_FILE)} is not this format")
+        return value
+
+    def write_mount(self, value: dict[str, Any]) -> None:
+        self._write(_MOUNT_FILE, value)
+
+    def read_version(self, version_id: int) -> dict[str, Any] | None:
+        return self._read(f"numbers-{version_id}.json")
+
+    def write_version(self, version_id: int, value: dict[str, Any]) -> None:
+        self._write(f"numbers-{version_id}.json", value)
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        directory = os.open(self.path, DIRECTORY_FLAGS)
+        try:
+            fd = os.open(name, READ_FLAGS, dir_fd=directory)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(directory)
+        with open(fd, "rb") as f:
+            value = json.loads(f.read())
+        if not isinstance(value, dict):
+            raise NumbersLost(f"{os.path.join(self.path, name)} is not an object")
+        return value
+
+    def _write(self, name: str, value: dict[str, Any]) -> None:
+        directory = os.open(self.path, DIRECTORY_FLAGS)
+        tmp = f".{name}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | CREATE_FLAGS, 0o600, dir_fd=directory)
+            with open(fd, "w", encoding="utf-8") as f:
+                json.dump(value, f)  # ensure_ascii: non-UTF-8 names survive as escapes
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+        finally:
+            os.close(directory)
