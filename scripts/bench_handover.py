@@ -221,6 +221,7 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
     )
 
     events: list[tuple[str, float, float]] = []  # (kind, start, end)
+    pauses: dict[str, list[float]] = {}  # kind -> the holder's measure of each switch's pause
     memory = {"before": _memory(bench)}
     config = bench.config.read_text()
     second = WORK / "handover-second"
@@ -234,6 +235,7 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
             lambda: _stats(bench).get("pid") not in (None, old), f"a new serving process ({kind})"
         )
         events.append((kind, started, time.time()))
+        pauses.setdefault(kind, []).append(_stats(bench)["switch_pause_seconds"])
         time.sleep(0.3)  # a bench's pacing between events, not a test's wait
 
     for i in range(args.reloads):
@@ -261,6 +263,7 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
     return {
         "results": results,
         "events": events,
+        "pauses": pauses,
         "memory": memory,
         "stats": stats,
         "first_epoch_decodes": first_epoch_decodes,
@@ -318,7 +321,8 @@ def report(args: argparse.Namespace, figures: dict[str, Any], epochs: dict[str, 
               f"{result['wrong']} |")  # fmt: skip
     slow = [(at, took) for result in results for at, took in result["slow"]]
     print()
-    print("| event | count | longest stall of any read | median of each event's longest |")
+    print("| event | count | longest read around it (max / median) | the switch's pause, "
+          "holder's measure (max / median) |")  # fmt: skip
     print("| --- | --- | --- | --- |")
     for kind in ("reload", "kill -9", "restart"):
         stalls = []
@@ -326,9 +330,11 @@ def report(args: argparse.Namespace, figures: dict[str, Any], epochs: dict[str, 
             if name == kind:
                 overlapping = [took for at, took in slow if at <= end + 1 and at + took >= start]
                 stalls.append(max(overlapping, default=0.0))
+        paused = sorted(figures["pauses"].get(kind, [0.0]))
         if stalls:
-            print(f"| {kind} | {len(stalls)} | {max(stalls) * 1000:.0f} ms | "
-                  f"{sorted(stalls)[len(stalls) // 2] * 1000:.0f} ms |")  # fmt: skip
+            print(f"| {kind} | {len(stalls)} | {max(stalls) * 1000:.0f} / "
+                  f"{sorted(stalls)[len(stalls) // 2] * 1000:.0f} ms | {paused[-1] * 1000:.0f} / "
+                  f"{paused[len(paused) // 2] * 1000:.0f} ms |")  # fmt: skip
     stats = figures["stats"]
     print()
     print(f"decodes per original: {figures['first_epoch_decodes'] / figures['originals']:.2f} "

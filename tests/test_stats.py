@@ -82,6 +82,8 @@ def full_snapshot(tmp_path: Path, photos_dir: Path) -> Iterator[dict[str, object
                     "rss_bytes": 1 << 20,
                     "last_problem": "serving process 7 (#2, reload) killed by SIGKILL",
                     "decodes_before": 3,
+                    "last_pause": 0.01,
+                    "longest_pause": 0.5,
                 }
             ),
             mount_decodes=4,

@@ -277,6 +277,21 @@ STATS: Final = (
     ),
     Stat("holder_rss_bytes", "gauge", "bytes", "The holder's resident memory", daemon=True),
     Stat(
+        "switch_pause_seconds",
+        "gauge",
+        "seconds",
+        "How long the last switch kept requests unread: from the old serving process told "
+        "to stop reading (or found dead) until the new one served",
+        daemon=True,
+    ),
+    Stat(
+        "longest_switch_pause_seconds",
+        "gauge",
+        "seconds",
+        "The longest such pause in the mount's life",
+        daemon=True,
+    ),
+    Stat(
         "decodes_before",
         "counter",
         "decodes",

@@ -71,6 +71,7 @@ class ServerProcess:
         self.last_pong = self.started
         self.ping_sent: float | None = None
         self.said_drained = False
+        self.paused_at: float | None = None  # when the switch to it stopped the reading
         self.decodes = 0  # as it last said (PONG, DRAINED): the mount's count sums them
         self.told_alone = False  # PREVIOUS_GONE sent: no earlier server answers any more
         self.killed = False  # by the holder (hung, refused): its requests need re-sending

@@ -129,6 +129,10 @@ class Holder:
             "decodes_before": 0,  # decodes of the serving processes gone, as each last said
         }
         self.last_problem: str | None = None
+        # The last and the longest pause of a switch: from the old process told to stop
+        # reading (or found dead) until the new one serves (seconds).
+        self.pauses = (0.0, 0.0)
+        self._crashed_at: float | None = None
         self._wakeup_r, self._wakeup_w = socket.socketpair()
 
     # -- the loop -------------------------------------------------------------------
@@ -368,6 +372,9 @@ class Holder:
         if message.fds:
             self._keep_lock(message.fds[0])
         old = self.current
+        # From here until it serves, nobody reads requests (after a crash: since then).
+        crashed = server.purpose is Purpose.CRASH and self._crashed_at is not None
+        server.paused_at = self._crashed_at if crashed else self._clock()
         if old is not None and old.alive and old.phase is Phase.SERVING:
             old.phase = Phase.DRAINING
             self._previous = old
@@ -395,6 +402,8 @@ class Holder:
         server.last_pong = self._clock()
         if server.purpose is not Purpose.FIRST:
             self.counts["handovers"] += 1
+            paused = server.last_pong - (server.paused_at or server.started)
+            self.pauses = (round(paused, 4), round(max(paused, self.pauses[1]), 4))
         resend_problem = message.get("resend_problem")
         log.info("%s serves %s (decodefs %s)", server, self.settings.mountpoint, server.version)
         if server.purpose is Purpose.FIRST and not self._ready_told:
@@ -459,6 +468,7 @@ class Holder:
     def _crashed(self, server: ServerProcess, how: str) -> None:
         self.current = None
         self._lost_requests = True
+        self._crashed_at = self._clock()
         if server.said_drained and self.pending is None:  # SIGTERM: it stopped on its own
             log.info("%s stopped on its own; starting another on the same connection", server)
             self._start(Purpose.CRASH)
@@ -819,6 +829,8 @@ class Holder:
             "recent_crashes": self._backoff.recent,
             "next_start_in": round(max(0.0, restart[0] - self._clock()), 1) if restart else None,
             "last_problem": self.last_problem,
+            "last_pause": self.pauses[0],
+            "longest_pause": self.pauses[1],
             "rss_bytes": _rss_bytes(),
             "socket": holder_socket_path(self.settings.mountpoint),
             "config": self.settings.config,
