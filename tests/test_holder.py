@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from decodefs.common import channel
+from decodefs.common.mounts import find_mount
 from decodefs.common.runtime import holder_socket_path
-from decodefs.holder import ControlError, HolderUnreachable, ask_holder
+from decodefs.holder import ControlError, HolderUnreachable, ask_holder, kernel
 from decodefs.holder.backoff import MAX_DELAY, WINDOW, CrashBackoff
 from decodefs.holder.control import ControlConnection, listen
 from decodefs.holder.kernel import FuseConnection, answer_with_eio
@@ -171,4 +172,23 @@ def test_while_no_serving_process_runs_the_holder_answers_each_request_eio(
         assert opcodes and set(opcodes) <= {1, 3}  # LOOKUP, GETATTR: each answered once
     finally:
         connection.close()
+        unmount_quietly(mountpoint)
+
+
+@needs_root
+def test_a_user_mounts_through_fusermount3_which_passes_the_connection_back(
+    tmp_path: Path,
+) -> None:
+    """What a holder that is not root does (here as root, which fusermount3 also serves):
+    fusermount3 mounts and passes /dev/fuse back over the socket libfuse would use."""
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    fd = kernel._fusermount(str(mountpoint), kernel.mount_options(allow_other=False))
+    try:
+        info = find_mount(str(mountpoint))
+        assert info is not None and info.fstype == "fuse.decodefs"
+        data = os.read(fd, kernel.READ_BUFFER)
+        assert struct.unpack_from("<I", data, 4)[0] == 26  # the kernel's INIT, on our descriptor
+    finally:
+        os.close(fd)
         unmount_quietly(mountpoint)

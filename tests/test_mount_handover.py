@@ -379,3 +379,33 @@ def test_the_holder_runs_no_decode_store_or_fuse_library_code(
     rss = int(Path(f"/proc/{holder}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     assert rss < 64 << 20
     assert mount.stats()["holder_rss_bytes"] == pytest.approx(rss, rel=0.5)
+
+
+@pytest.mark.parametrize("what", ["INIT answered otherwise", "no re-send"])
+def test_a_serving_process_that_cannot_take_over_falls_back_to_a_plain_remount(
+    mounts: MountFactory, originals: Path, tmp_path: Path, what: str
+) -> None:
+    failpoint = tmp_path / "failpoint"
+    env = {
+        "DECODEFS_FAILPOINT_INIT_REPLY"
+        if what == "INIT answered otherwise"
+        else "DECODEFS_FAILPOINT_NO_RESEND": str(failpoint)
+    }
+    mount = mounts({"v1": originals}, version_sizes=[SIZE], env=env,
+                   expect_errors=("remounting", "killed by SIGKILL", "NOTIFY_RESEND"))  # fmt: skip
+    path = mount.path("v1", str(SIZE), "camera-gray.npy")
+    want = path.read_bytes()
+    failpoint.write_text("")  # from now on (another libfuse; a kernel before 6.9)
+    if what == "INIT answered otherwise":
+        restarted = decodefs("restart", mount.mountpoint)
+        assert restarted.returncode == 0, restarted.stderr
+        assert "could not hand over (its libfuse answers the kernel's INIT" in restarted.stdout
+    else:
+        os.kill(serving_pid(mount), signal.SIGKILL)
+    wait_until(lambda: mount.stats()["remounts"] == 1, 60, "the remount")
+    failpoint.unlink()
+    assert path.read_bytes() == want
+    stats = mount.stats()
+    assert stats["last_problem"].startswith("remounted: ")
+    assert stats["handovers_refused"] == (1 if what == "INIT answered otherwise" else 0)
+    assert mount.process is not None and mount.process.poll() is None  # the same holder

@@ -53,6 +53,11 @@ _FAILPOINT_ENV: Final = "DECODEFS_FAILPOINT_OPEN"
 # file's has this bit (no inode number has it), a serial and the file's number.
 _STATUS_FH: Final = 1 << 63
 _STATUS_NUMBER: Final = 0xFFFF
+# Testing aids for the handover's fallbacks: while the file either names exists, the
+# reply to the replayed INIT differs from the mount's (another libfuse), or the kernel
+# seems to lack FUSE_NOTIFY_RESEND (a kernel before 6.9).
+_FAILPOINT_INIT_ENV: Final = "DECODEFS_FAILPOINT_INIT_REPLY"
+_FAILPOINT_RESEND_ENV: Final = "DECODEFS_FAILPOINT_NO_RESEND"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -439,6 +444,11 @@ class DecodeFS(pyfuse3.Operations):
         return entry
 
 
+def _failpoint(env: str) -> bool:
+    path = os.environ.get(env)
+    return path is not None and os.path.exists(path)
+
+
 class _DroppedRequestFilter(logging.Filter):
     """Demote pyfuse3's ERROR for a reply the kernel no longer wanted.
 
@@ -508,9 +518,12 @@ class FuseSession:
             trio.run(self._until_initialized)
             ours.settimeout(10.0)
             try:
-                return ours.recv(65536)
+                reply = ours.recv(65536)
             except TimeoutError:
                 raise InitReplayFailed("libfuse did not answer INIT") from None
+            if _failpoint(_FAILPOINT_INIT_ENV):
+                reply = reply[:-1] + bytes([reply[-1] ^ 1])
+            return reply
 
     async def _until_initialized(self) -> None:
         initialized = trio.Event()
@@ -537,6 +550,8 @@ class FuseSession:
         process that died); why it cannot (a kernel before 6.9), or None."""
         assert self._fd is not None
         try:
+            if _failpoint(_FAILPOINT_RESEND_ENV):
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
             os.write(self._fd, _NOTIFY.pack(_NOTIFY.size, _NOTIFY_RESEND, 0))
         except OSError as exc:
             return f"FUSE_NOTIFY_RESEND: {exc.strerror} (kernel 6.9 or later has it)"

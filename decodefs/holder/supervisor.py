@@ -28,6 +28,7 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -408,8 +409,11 @@ class Holder:
         log.info("%s serves %s (decodefs %s)", server, self.settings.mountpoint, server.version)
         if server.purpose is Purpose.FIRST and not self._ready_told:
             self._tell_ready()
-        if resend_problem and server.purpose is Purpose.CRASH:
-            self._remount(f"requests lost in the crash cannot be re-sent: {resend_problem}")
+        if resend_problem:  # requests an earlier process read would wait for good
+            self._remount(
+                f"requests read by the serving process before cannot be sent again: "
+                f"{resend_problem}"
+            )
             return
         if self._previous is None or not self._previous.alive:
             self._previous_gone(server)
@@ -516,26 +520,24 @@ class Holder:
             self._stuck(server, "to get ready")
 
     def _refuse(self, server: ServerProcess, why: str) -> None:
+        """The new serving process cannot take the connection over: fall back to a plain
+        remount (readers of the old mount see errors), as the mount's start would."""
         self.counts["refused"] += 1
-        self.last_problem = f"a switch was refused: {why}"
-        if server.purpose is Purpose.CRASH and self.current is None:
-            server.kill()
-            self._remount(why)
-            return
-        log.error("not handing %s over to %s: %s; a remount (decodefs umount, then mount) "
-                  "applies it", self.settings.mountpoint, server, why)  # fmt: skip
-        self._answer(server, {"ok": False, "error": f"{why}: a remount (decodefs umount, "
-                                                     "then mount) applies it"})  # fmt: skip
-        self.pending = None
         server.kill()
+        change = f"could not hand over ({why}): mounted afresh instead"
+        self._answer(server, {"ok": True, "changes": [change]})
+        self._remount(why)
 
     def _remount(self, why: str) -> None:
         """The connection cannot be handed on: end it and mount afresh (readers see errors)."""
         assert self._fuse is not None and self._state is not None
         log.error("remounting %s: %s", self.settings.mountpoint, why)
         self.counts["remounts"] += 1
+        self.last_problem = f"remounted: {why}"
         for server in list(self._servers):
             server.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.process.wait(timeout=30)  # its store lock goes with it
         self._unwatch(self._fuse.fd)
         with contextlib.suppress(MountError):
             lazy_unmount(self.settings.mountpoint)
@@ -546,7 +548,7 @@ class Holder:
         self._state = MountState.create()
         self.current = self.pending = self._previous = None
         self._lost_requests = False
-        self._mount()
+        self._fuse = None  # the new first serving process mounts once it is built
         self._start(Purpose.FIRST)
 
     def _keep_lock(self, fd: int) -> None:
