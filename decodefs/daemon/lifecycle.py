@@ -185,6 +185,7 @@ def build(
     crash_restart: bool,
     held_lock: int | None,
     holder_pid: int | None = None,
+    mount_allow_other: bool | None = None,
 ) -> Serving:
     """Everything a serving process runs, before it serves: the store (sharing the lock
     an earlier serving process of the mount held), the sources (originals changed in
@@ -216,12 +217,13 @@ def build(
         engine = Engine(config, sources, store, l2=_l2_tier(config))
         if not first:
             engine.hold(changes.redecoded)  # until no earlier process serves them
-        reload = Reload(
-            numbers,
-            changes,
-            sources,
-            config=config_changes(_saved_config(state_dir), config.as_dict()),
-        )
+        changed_keys = config_changes(_saved_config(state_dir), config.as_dict())
+        if mount_allow_other is not None and mount_allow_other != config.allow_other:
+            changed_keys.append(
+                f"allow_other stays {str(mount_allow_other).lower()} until a remount "
+                "(a mount option: decodefs umount, then mount)"
+            )
+        reload = Reload(numbers, changes, sources, config=changed_keys)
         if not crash_restart:
             for version, source in sources.items():
                 positions = changed_originals(source)

@@ -83,6 +83,7 @@ def _serve_process(
             crash_restart=purpose == "crash",
             held_lock=held_lock,
             holder_pid=os.getppid(),
+            mount_allow_other=bool(hello.get("allow_other")),
         )
     except StoreInUse as exc:
         hint = store_holder_hint(exc.holder_pid) if exc.holder_pid else ""
