@@ -41,9 +41,11 @@ from ..common.runtime import holder_socket_path
 from ..common.startlog import HeldLog
 from ..common.version import package_version
 from .backoff import CrashBackoff
-from .control import ControlConnection, listen
+from .control import listen
 from .kernel import FuseConnection, KernelError, answer_with_eio, mount_failure_hint
+from .loop import EventLoop
 from .notify import ServiceNotifier
+from .requests import Request, Requests, reply
 from .servers import Phase, Purpose, ServerProcess, describe_exit, server_command
 from .state import MountState
 
@@ -76,14 +78,6 @@ class HolderSettings:
     command: tuple[str, ...] = field(default_factory=lambda: tuple(server_command()))
 
 
-@dataclass
-class _Request:
-    """A reload or restart asked for, answered once a serving process applied it."""
-
-    command: str
-    connection: ControlConnection | None  # None: SIGHUP (the answer is logged)
-
-
 class Holder:
     def __init__(
         self,
@@ -98,16 +92,12 @@ class Holder:
         self._clock = clock
         self._notifier = notifier or ServiceNotifier.from_environment()
         self._backoff = CrashBackoff(clock)
-        self._epoll = select.epoll()
-        self._handlers: dict[int, Callable[[int], None]] = {}
-        self._timers: dict[str, tuple[float, Callable[[], None]]] = {}
+        self._loop = EventLoop(clock)
+        self._requests = Requests(self._loop, self._switch, self.status)
         self._servers: list[ServerProcess] = []
         self.current: ServerProcess | None = None  # the one given the connection last
         self.pending: ServerProcess | None = None  # one preparing to replace it
         self._previous: ServerProcess | None = None  # the one the current replaced, draining
-        self._queued: list[_Request] = []  # asked while a switch was under way
-        self._waiting: dict[int, list[_Request]] = {}  # pid -> requests it answers
-        self._connections: dict[int, ControlConnection] = {}
         self._fuse: FuseConnection | None = None
         self._state: MountState | None = None
         self._control: socket.socket | None = None
@@ -144,13 +134,14 @@ class Holder:
         try:
             self._state = MountState.create()
             self._control = listen(self.settings.mountpoint)
-            self._watch(self._control.fileno(), self._on_control_accept)
+            control = self._control
+            self._loop.watch(control.fileno(), lambda _: self._requests.accept(control))
             self._notifier.notify(f"STATUS=starting {self.settings.mountpoint}")
             self._start(Purpose.FIRST)  # mounted once it is built: a mistake mounts nothing
-            self._every("ping", PING_INTERVAL, self._ping)
+            self._loop.every("ping", PING_INTERVAL, self._ping)
             interval = self._notifier.watchdog_interval
             if interval is not None:
-                self._every("watchdog", interval, lambda: self._notifier.notify("WATCHDOG=1"))
+                self._loop.every("watchdog", interval, lambda: self._notifier.notify("WATCHDOG=1"))
             while not self._done:
                 self._step()
         except (FileExistsError, OSError) as exc:
@@ -160,41 +151,8 @@ class Holder:
         return self.exit_status
 
     def _step(self) -> None:
-        now = self._clock()
-        due = min((deadline for deadline, _ in self._timers.values()), default=now + 60)
-        try:
-            events = self._epoll.poll(max(0.0, due - now))
-        except InterruptedError:
-            events = []
-        for fd, mask in events:
-            handler = self._handlers.get(fd)
-            if handler is not None:
-                handler(mask)
-        now = self._clock()
-        for name, (deadline, action) in list(self._timers.items()):
-            if deadline <= now and self._timers.get(name, (None,))[0] == deadline:
-                del self._timers[name]
-                action()
+        self._loop.step()
         self._check_done()
-
-    def _watch(self, fd: int, handler: Callable[[int], None], events: int = select.EPOLLIN) -> None:
-        self._epoll.register(fd, events)
-        self._handlers[fd] = handler
-
-    def _unwatch(self, fd: int) -> None:
-        if self._handlers.pop(fd, None) is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self._epoll.unregister(fd)
-
-    def _at(self, name: str, delay: float, action: Callable[[], None]) -> None:
-        self._timers[name] = (self._clock() + delay, action)
-
-    def _every(self, name: str, interval: float, action: Callable[[], None]) -> None:
-        def tick() -> None:
-            action()
-            self._at(name, interval, tick)
-
-        self._at(name, interval, tick)
 
     # -- the mount --------------------------------------------------------------------
 
@@ -203,7 +161,7 @@ class Holder:
             self.settings.mountpoint, allow_other=self.settings.allow_other
         )
         # Errors only: the connection's end (an unmount, an abort) shows as EPOLLERR.
-        self._watch(self._fuse.fd, self._on_fuse, 0)
+        self._loop.watch(self._fuse.fd, self._on_fuse, 0)
         log.info(
             "mounted %s (FUSE protocol %s, mount %s)",
             self.settings.mountpoint,
@@ -231,7 +189,7 @@ class Holder:
         if self._fuse is None or self._eio == on or self._ended:
             return
         self._eio = on
-        self._epoll.modify(self._fuse.fd, select.EPOLLIN if on else 0)
+        self._loop.modify(self._fuse.fd, select.EPOLLIN if on else 0)
         if on:
             log.error("no serving process: every request of %s is answered EIO until one "
                       "starts", self.settings.mountpoint)  # fmt: skip
@@ -241,7 +199,7 @@ class Holder:
             return
         self._ended = True
         assert self._fuse is not None
-        self._unwatch(self._fuse.fd)
+        self._loop.unwatch(self._fuse.fd)
         if not self._stopping and find_mount(self.settings.mountpoint) is not None:
             # Still mounted, and nobody asked us to stop: the connection was aborted
             # under us. Fail, so that a service manager mounts again.
@@ -250,23 +208,23 @@ class Holder:
         else:
             log.info("%s was unmounted", self.settings.mountpoint)
         self._stopping = True
-        self._answer_all_waiting("the mount ended")
+        self._requests.answer_all("the mount ended")
         for server in self._servers:
             if server.phase in (Phase.PREPARING, Phase.PREPARED):
                 server.kill()  # it never served: nothing of it is needed
-        self._at("kill-servers", REQUESTS_GRACE, self._kill_all)
+        self._loop.at("kill-servers", REQUESTS_GRACE, self._kill_all)
 
     # -- serving processes ---------------------------------------------------------------
 
-    def _start(self, purpose: Purpose, requests: list[_Request] | None = None) -> ServerProcess:
+    def _start(self, purpose: Purpose, requests: list[Request] | None = None) -> ServerProcess:
         assert self._state is not None
         self._generation += 1
         server = ServerProcess(self._generation, purpose, self.settings.command, self._clock)
         self._servers.append(server)
         self.pending = server
-        self._waiting[server.pid] = list(requests or [])
-        self._watch(server.channel.fileno(), lambda _: self._on_message(server))
-        self._watch(server.pidfd, lambda _: self._on_exit(server))
+        self._requests.wait_for(server.pid, list(requests or []))
+        self._loop.watch(server.channel.fileno(), lambda _: self._on_message(server))
+        self._loop.watch(server.pidfd, lambda _: self._on_exit(server))
         sent = server.send(
             channel.HELLO,
             self._lock_fds,
@@ -283,7 +241,9 @@ class Holder:
         )
         if not sent:
             server.kill()
-        self._at(f"prepare-{server.pid}", PREPARE_TIMEOUT, lambda: self._prepare_timeout(server))
+        self._loop.at(
+            f"prepare-{server.pid}", PREPARE_TIMEOUT, lambda: self._prepare_timeout(server)
+        )
         log.info("started %s", server)
         return server
 
@@ -291,7 +251,7 @@ class Holder:
         try:
             message = server.receive()
         except channel.ChannelClosed:
-            self._unwatch(server.channel.fileno())
+            self._loop.unwatch(server.channel.fileno())
             return
         except ValueError as exc:
             log.error("%s sent a message this holder does not understand (%s); killing it",
@@ -354,7 +314,7 @@ class Holder:
 
     def _on_prepared(self, server: ServerProcess, message: channel.Message) -> None:
         assert self._fuse is not None
-        self._timers.pop(f"prepare-{server.pid}", None)
+        self._loop.cancel(f"prepare-{server.pid}")
         if server.phase is not Phase.PREPARING or self._stopping:
             server.kill()
             return
@@ -381,7 +341,7 @@ class Holder:
             self._previous = old
             if not old.send(channel.DRAIN):
                 return  # it is going: its exit is seen apart, and then this one serves
-            self._at(f"drain-{old.pid}", DRAIN_TIMEOUT,
+            self._loop.at(f"drain-{old.pid}", DRAIN_TIMEOUT,
                      lambda: self._stuck(old, "to answer what it had read"))  # fmt: skip
         else:
             self._serve(server, resend=self._lost_requests)
@@ -391,7 +351,7 @@ class Holder:
         if server.phase is not Phase.PREPARED:
             return
         if self._previous is not None:
-            self._timers.pop(f"drain-{self._previous.pid}", None)
+            self._loop.cancel(f"drain-{self._previous.pid}")
         self._set_eio(False)
         server.phase = Phase.SERVING
         self.current, self.pending = server, None
@@ -432,14 +392,13 @@ class Holder:
         server.kill()
 
     def _on_exit(self, server: ServerProcess) -> None:
-        self._unwatch(server.pidfd)
-        self._unwatch(server.channel.fileno())
+        self._loop.unwatch(server.pidfd)
+        self._loop.unwatch(server.channel.fileno())
         status = server.reap()
         server.close()
         self._servers.remove(server)
         self.counts["decodes_before"] += server.decodes
-        for name in [n for n in self._timers if n.endswith(f"-{server.pid}")]:
-            del self._timers[name]
+        self._loop.cancel_matching(f"-{server.pid}")
         how = describe_exit(status)
         if self._stopping:
             log.info("%s %s", server, how)
@@ -490,7 +449,7 @@ class Holder:
             log.error("%s %s (%d crashes in the last minute); the next starts in %.0f s",
                       server, how, self._backoff.recent, delay)  # fmt: skip
             self._set_eio(True)
-            self._at("restart", delay, self._start_after_crash)
+            self._loop.at("restart", delay, self._start_after_crash)
 
     def _failed_to_start(self, server: ServerProcess, how: str) -> None:
         self.pending = None
@@ -508,7 +467,7 @@ class Holder:
         delay = max(self._backoff.crashed(), 1.0)  # never a busy loop of failing starts
         log.error("%s: %s; the next starts in %.0f s", server, reason, delay)
         self._set_eio(True)
-        self._at("restart", delay, self._start_after_crash)
+        self._loop.at("restart", delay, self._start_after_crash)
 
     def _start_after_crash(self) -> None:
         if not self._stopping:
@@ -538,7 +497,7 @@ class Holder:
             server.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.process.wait(timeout=30)  # its store lock goes with it
-        self._unwatch(self._fuse.fd)
+        self._loop.unwatch(self._fuse.fd)
         with contextlib.suppress(MountError):
             lazy_unmount(self.settings.mountpoint)
         self._fuse.close()
@@ -582,76 +541,37 @@ class Holder:
 
     # -- requests ----------------------------------------------------------------------
 
-    def _on_control_accept(self, _: int) -> None:
-        assert self._control is not None
-        try:
-            sock, _ = self._control.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        sock.setblocking(False)
-        connection = ControlConnection(sock)
-        if not connection.allowed:
-            log.warning("refused a control request from uid %d (pid %d)",
-                        connection.peer_uid, connection.peer_pid)  # fmt: skip
-            connection.answer({"ok": False, "error": "only root or the mount's owner may ask"})
-            return
-        self._connections[sock.fileno()] = connection
-        self._watch(sock.fileno(), lambda _: self._on_control_request(connection))
-
-    def _on_control_request(self, connection: ControlConnection) -> None:
-        try:
-            request = connection.read_request()
-        except (OSError, ValueError, EOFError) as exc:
-            self._forget_connection(connection)
-            if not isinstance(exc, EOFError):
-                connection.answer({"ok": False, "error": f"bad request: {exc}"})
-            else:
-                connection.sock.close()
-            return
-        if request is None:
-            return
-        self._forget_connection(connection)
-        command = request["command"]
-        if command == "status":
-            connection.answer({"ok": True, "holder": self.status()})
-        else:
-            self._switch(_Request(command, connection))
-
-    def _forget_connection(self, connection: ControlConnection) -> None:
-        self._connections.pop(connection.sock.fileno(), None)
-        self._unwatch(connection.sock.fileno())
-
-    def _switch(self, request: _Request) -> None:
+    def _switch(self, request: Request) -> None:
         """Start a serving process for a reload or restart (after one under way)."""
         if self._stopping or self._fuse is None:
-            self._reply(request, {"ok": False, "error": "the mount is stopping"})
+            reply(request, {"ok": False, "error": "the mount is stopping"})
             return
         if self.pending is not None or not self._ready_told:
-            self._queued.append(request)
+            self._requests.queued.append(request)
             return
-        self._timers.pop("restart", None)  # asked while backing off: now, not later
+        self._loop.cancel("restart")  # asked while backing off: now, not later
         purpose = Purpose.RESTART if request.command == "restart" else Purpose.RELOAD
         log.info("%s of %s asked", request.command, self.settings.mountpoint)
-        self._notifier.notify(
-            "RELOADING=1", f"STATUS={request.command} of {self.settings.mountpoint}"
-        )
+        status = f"STATUS={request.command} of {self.settings.mountpoint}"
+        self._notifier.notify("RELOADING=1", status)
         self._start(purpose, [request])
 
     def _run_queued(self) -> None:
-        queued, self._queued = self._queued, []
-        if queued:
-            self._switch(queued[0])
-            server = self.pending
+        """The switch under way is over: start the next asked, for all asked meanwhile
+        (each new serving process reads the config as it is then)."""
+        queued, self._requests.queued = self._requests.queued, []
+        if not queued:
+            return
+        self._switch(queued[0])
+        server = self.pending
+        for request in queued[1:]:
             if server is not None:
-                self._waiting[server.pid].extend(queued[1:])
+                self._requests.wait_for(server.pid, [request])
             else:
-                for request in queued[1:]:
-                    self._reply(request, {"ok": False, "error": "the mount is stopping"})
+                reply(request, {"ok": False, "error": "the mount is stopping"})
 
     def _answer(self, server: ServerProcess, value: dict[str, Any]) -> None:
-        requests = self._waiting.pop(server.pid, [])
-        for request in requests:
-            self._reply(request, value)
+        requests = self._requests.answer(server.pid, value)
         if requests:  # the reload is over, done or not: systemd waits for READY=1
             status = f"STATUS=serving {self.settings.mountpoint}"
             if not value.get("ok"):
@@ -659,24 +579,6 @@ class Holder:
             self._notifier.notify("READY=1", status)
         if server is not self.pending:
             self._run_queued()
-
-    def _answer_all_waiting(self, error: str) -> None:
-        for pid in list(self._waiting):
-            for request in self._waiting.pop(pid):
-                self._reply(request, {"ok": False, "error": error})
-        for request in self._queued:
-            self._reply(request, {"ok": False, "error": error})
-        self._queued = []
-
-    def _reply(self, request: _Request, value: dict[str, Any]) -> None:
-        if request.connection is not None:
-            request.connection.answer(value)
-        elif value.get("ok"):
-            log.info(
-                "%s applied: %s", request.command, "; ".join(value.get("changes") or ["no change"])
-            )
-        else:
-            log.error("%s failed: %s", request.command, value.get("error"))
 
     # -- life ---------------------------------------------------------------------------
 
@@ -729,7 +631,7 @@ class Holder:
         signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(signum, lambda *_: None)  # the wakeup fd carries it to the loop
-        self._watch(self._wakeup_r.fileno(), self._on_signals)
+        self._loop.watch(self._wakeup_r.fileno(), self._on_signals)
 
     def _on_signals(self, _: int) -> None:
         try:
@@ -738,7 +640,7 @@ class Holder:
             return
         for signum in data:
             if signum == signal.SIGHUP:
-                self._switch(_Request("reload", None))
+                self._switch(Request("reload", None))
             elif signum in (signal.SIGTERM, signal.SIGINT):
                 self._stop(f"{signal.Signals(signum).name} received")
             elif signum == signal.SIGUSR1:  # where a stuck mount is stuck: ask them all
@@ -755,7 +657,7 @@ class Holder:
         self._stopping = True
         log.info("%s; unmounting %s", why, self.settings.mountpoint)
         self._notifier.notify("STOPPING=1", f"STATUS=unmounting {self.settings.mountpoint}")
-        self._answer_all_waiting("the mount is stopping")
+        self._requests.answer_all("the mount is stopping")
         for server in list(self._servers):
             if server.phase in (Phase.PREPARING, Phase.PREPARED):
                 server.kill()
@@ -765,7 +667,7 @@ class Holder:
             log.warning("%s; stopping now", exc)
             self._drain_all()
             return
-        self._at("grace", SHUTDOWN_GRACE, self._grace_over)
+        self._loop.at("grace", SHUTDOWN_GRACE, self._grace_over)
 
     def _grace_over(self) -> None:
         if self._servers:
@@ -777,10 +679,11 @@ class Holder:
             if server.phase is Phase.SERVING:
                 server.phase = Phase.DRAINING
                 server.send(channel.DRAIN)
-        self._at("kill-servers", REQUESTS_GRACE, self._kill_all)
+        self._loop.at("kill-servers", REQUESTS_GRACE, self._kill_all)
 
     def _check_done(self) -> None:
-        if self._stopping and not self._servers and (self._ended or "grace" not in self._timers):
+        grace_over = self._loop.pending("grace") is None
+        if self._stopping and not self._servers and (self._ended or grace_over):
             self._done = True
 
     def _cleanup(self) -> None:
@@ -789,9 +692,8 @@ class Holder:
             with contextlib.suppress(Exception):
                 server.process.wait(timeout=10)
             server.close()
-        self._answer_all_waiting("the mount ended")
-        for connection in self._connections.values():
-            connection.sock.close()
+        self._requests.answer_all("the mount ended")
+        self._requests.close()
         if self._control is not None:
             self._control.close()
             with contextlib.suppress(OSError):
@@ -818,7 +720,7 @@ class Holder:
             state = "serving"
         else:
             state = "starting"
-        restart = self._timers.get("restart")
+        restart = self._loop.pending("restart")
         return {
             "pid": os.getpid(),
             "version": package_version(),
@@ -829,7 +731,7 @@ class Holder:
             "generation": self._generation,
             **self.counts,
             "recent_crashes": self._backoff.recent,
-            "next_start_in": round(max(0.0, restart[0] - self._clock()), 1) if restart else None,
+            "next_start_in": None if restart is None else round(restart, 1),
             "last_problem": self.last_problem,
             "last_pause": self.pauses[0],
             "longest_pause": self.pauses[1],
