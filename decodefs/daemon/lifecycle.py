@@ -73,12 +73,40 @@ class Serving:
     reload: Reload
     engine: Engine
     tree: Tree
-    operations: DecodeFS
-    session: FuseSession
     state_dir: str | None
     crash_restart: bool  # its predecessor died: originals are checked once it serves
     holder: dict[str, Any] = field(default_factory=dict)  # the holder's figures (stats.json)
     log_place: str = ""
+    operations: DecodeFS = field(init=False)  # made here, from the above
+    session: FuseSession = field(init=False)
+
+    def __post_init__(self) -> None:
+        config, store = self.config, self.store
+        status = StoreStatus(
+            store=store.root,
+            digests=store.digests(),
+            version_order=self.numbers.version_order(),  # as inode numbers name versions
+            inode_layout=INODE_LAYOUT,
+            min_size=config.min_size,
+            max_size=config.max_size,
+            access_socket=store.access_socket_path(),
+            mirrors=frozenset(n for n, v in config.versions.items() if v.layout == "mirror"),
+        )
+        status_files: dict[str, Callable[[], bytes]] = {
+            STATS_FILE: lambda: _json(self.stats()),
+            METRICS_FILE: lambda: render_prometheus(self.stats()),
+            CONFIG_FILE: lambda: _json(config.as_dict()),
+            STORE_FILE: status.to_json,  # what read_array() needs (client/discovery.py)
+        }
+        self.operations = DecodeFS(self.tree, self.engine, status_files)
+        self.operations.size_seen = self._size_seen
+        self.session = FuseSession(self.operations)
+
+    async def _size_seen(self, version: str, size: int) -> None:
+        """A size directory looked up for the first time in the mount: recorded before the
+        kernel may cache its pages (a reload must know to drop them)."""
+        if self.numbers.note_size(version, size):
+            await trio.to_thread.run_sync(self.numbers.save_sizes)
 
     @property
     def digests(self) -> dict[str, str]:
@@ -124,13 +152,14 @@ class Serving:
         if unsettled:
             log.info("discarded the stored arrays of %s (decode settings changed)", unsettled)
         if self.crash_restart:
-            self.reload.changed = await trio.to_thread.run_sync(self._changed_originals)
+            self.reload.changed = await trio.to_thread.run_sync(
+                changed_in_place, self.config, self.store, self.sources, self.numbers
+            )
             for version, positions in self.reload.changed.items():
-                for index in positions:
-                    for size in self._sizes_of(version):
-                        self.engine.known.not_stored(
-                            EntryKey(version, size, self.sources[version].keys[index]), index
-                        )
+                keys = self.sources[version].keys
+                for size in self._sizes_of(version):
+                    for index in positions:
+                        self.engine.known.not_stored(EntryKey(version, size, keys[index]), index)
         kernel = (FuseSession.invalidate_entry, FuseSession.invalidate_inode)
         await trio.to_thread.run_sync(self.reload.invalidate, kernel)
         self.engine.release_held()
@@ -155,15 +184,6 @@ class Serving:
             except OSError as exc:
                 log.warning("cannot write what was verified for the next serving process: %s", exc)
 
-    def _changed_originals(self) -> dict[str, list[int]]:
-        changed = {}
-        for version, source in self.sources.items():
-            positions = changed_originals(source)
-            if positions:
-                changed[version] = positions
-                _remove_entries(self.store, version, source, positions, self._sizes_of(version))
-        return changed
-
     def _sizes_of(self, version: str) -> set[int]:
         return {*self.config.versions[version].sizes, *self.numbers.sizes_seen(version)}
 
@@ -176,92 +196,44 @@ class Serving:
         os.replace(tmp, path)
 
 
-def build(
-    config: Config,
-    mountpoint: str,
-    *,
-    state_dir: str | None,
-    first: bool,
-    crash_restart: bool,
-    held_lock: int | None,
-    holder_pid: int | None = None,
-    mount_allow_other: bool | None = None,
-) -> Serving:
+@dataclass(frozen=True)
+class MountFacts:
+    """What the holder says of the mount a serving process is started for."""
+
+    state_dir: str | None  # the mount's state directory (numbers, what was verified)
+    first: bool  # the mount's first serving process: it answers the kernel's INIT
+    crash_restart: bool  # its predecessor died: originals are checked once it serves
+    held_lock: int | None  # the store lock an earlier serving process held
+    holder_pid: int | None = None
+    allow_other: bool | None = None  # the mount's option (changed only by a remount)
+
+
+def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
     """Everything a serving process runs, before it serves: the store (sharing the lock
     an earlier serving process of the mount held), the sources (originals changed in
     place found now, unless its predecessor crashed: then once it serves), the
     mount's numbers, the engine, the tree and the operations."""
     log_place = log_destination()
-    os.chdir("/")  # the daemon holds none of the user's directories (paths are absolute)
-    warning = store_warning(config)
-    if warning is not None:
-        log.warning("%s", warning)
-    quiet_pillow_warnings()
-    raise_open_file_limit()
-    return_large_allocations()
+    _tune_process(config)
     store = Store.from_config(config)
-    store.open(held_lock, holder_pid)
+    store.open(facts.held_lock, facts.holder_pid)
     try:
-        index_cache = store.cache_dir("index")
-        sources = {
-            name: scan_source(
-                name, v.source, v.extensions, v.duplicates, index_cache, layout=v.layout
-            )
-            for name, v in config.versions.items()
-        }
-        for name, index in sources.items():
-            if not len(index):
-                log.warning("%s", empty_version_warning(config, name))
+        sources = _scan(config, store)
         digests = store.digests()
-        numbers, changes = MountNumbers.load(state_dir, sources, digests, first=first)
+        numbers, changes = MountNumbers.load(facts.state_dir, sources, digests, first=facts.first)
         engine = Engine(config, sources, store, l2=_l2_tier(config))
-        if not first:
+        if not facts.first:
             engine.hold(changes.redecoded)  # until no earlier process serves them
-        changed_keys = config_changes(_saved_config(state_dir), config.as_dict())
-        if mount_allow_other is not None and mount_allow_other != config.allow_other:
-            changed_keys.append(
-                f"allow_other stays {str(mount_allow_other).lower()} until a remount "
-                "(a mount option: decodefs umount, then mount)"
-            )
-        reload = Reload(numbers, changes, sources, config=changed_keys)
-        if not crash_restart:
-            for version, source in sources.items():
-                positions = changed_originals(source)
-                if positions:
-                    reload.changed[version] = positions
-                    sizes = {*config.versions[version].sizes, *numbers.sizes_seen(version)}
-                    _remove_entries(store, version, source, positions, sizes)
-        if state_dir is not None and not first:
-            mark_verified(read_verified(state_dir), engine.known, numbers, digests, reload.changed)
+        reload = Reload(numbers, changes, sources, config=_config_changes(config, facts))
+        if not facts.crash_restart:
+            reload.changed = changed_in_place(config, store, sources, numbers)
+        if facts.state_dir is not None and not facts.first:
+            verified = read_verified(facts.state_dir)
+            mark_verified(verified, engine.known, numbers, digests, reload.changed)
     except BaseException:
         store.close()
         raise
-    status = StoreStatus(
-        store=store.root,
-        digests=digests,
-        version_order=numbers.version_order(),  # as inode numbers name versions
-        inode_layout=INODE_LAYOUT,
-        min_size=config.min_size,
-        max_size=config.max_size,
-        access_socket=store.access_socket_path(),
-        mirrors=frozenset(n for n, v in config.versions.items() if v.layout == "mirror"),
-    )
-    serving: Serving
-    status_files: dict[str, Callable[[], bytes]] = {
-        STATS_FILE: lambda: _json(serving.stats()),
-        METRICS_FILE: lambda: render_prometheus(serving.stats()),
-        CONFIG_FILE: lambda: _json(config.as_dict()),
-        STORE_FILE: status.to_json,  # what read_array() needs (client/discovery.py)
-    }
-    tree = Tree(config, sources, numbers=numbers)  # lists protocol.STATUS_FILES, the keys above
-    operations = DecodeFS(tree, engine, status_files)
-
-    async def size_seen(version: str, size: int) -> None:
-        if numbers.note_size(version, size):  # saved before the kernel may cache its pages
-            await trio.to_thread.run_sync(numbers.save_sizes)
-
-    operations.size_seen = size_seen
-    serving = Serving(
+    return Serving(
         config=config,
         mountpoint=mountpoint,
         store=store,
@@ -269,14 +241,60 @@ def build(
         numbers=numbers,
         reload=reload,
         engine=engine,
-        tree=tree,
-        operations=operations,
-        session=FuseSession(operations),
-        state_dir=state_dir,
-        crash_restart=crash_restart,
+        tree=Tree(config, sources, numbers=numbers),  # lists protocol.STATUS_FILES
+        state_dir=facts.state_dir,
+        crash_restart=facts.crash_restart,
         log_place=log_place,
     )
-    return serving
+
+
+def _tune_process(config: Config) -> None:
+    os.chdir("/")  # the daemon holds none of the user's directories (paths are absolute)
+    warning = store_warning(config)
+    if warning is not None:
+        log.warning("%s", warning)
+    quiet_pillow_warnings()
+    raise_open_file_limit()
+    return_large_allocations()
+
+
+def _scan(config: Config, store: Store) -> dict[str, SourceIndex]:
+    """Every version's originals (from the index cached in the store while unchanged)."""
+    cache = store.cache_dir("index")
+    sources = {
+        name: scan_source(name, v.source, v.extensions, v.duplicates, cache, layout=v.layout)
+        for name, v in config.versions.items()
+    }
+    for name, index in sources.items():
+        if not len(index):
+            log.warning("%s", empty_version_warning(config, name))
+    return sources
+
+
+def _config_changes(config: Config, facts: MountFacts) -> list[str]:
+    """The config keys changed since the mount's last serving process applied its config."""
+    changed = config_changes(_saved_config(facts.state_dir), config.as_dict())
+    if facts.allow_other is not None and facts.allow_other != config.allow_other:
+        changed.append(
+            f"allow_other stays {str(facts.allow_other).lower()} until a remount "
+            "(a mount option: decodefs umount, then mount)"
+        )
+    return changed
+
+
+def changed_in_place(
+    config: Config, store: Store, sources: dict[str, SourceIndex], numbers: MountNumbers
+) -> dict[str, list[int]]:
+    """Originals whose size or mtime changed since the index last saw them, by version
+    (blocking): their stored arrays (every size the mount has seen) are removed."""
+    changed = {}
+    for version, source in sources.items():
+        positions = changed_originals(source)
+        if positions:
+            changed[version] = positions
+            sizes = {*config.versions[version].sizes, *numbers.sizes_seen(version)}
+            _remove_entries(store, version, source, positions, sizes)
+    return changed
 
 
 def _remove_entries(

@@ -34,7 +34,7 @@ from ..common.version import package_version
 from ..store import StoreError, StoreInUse
 from .debug import dump_on_sigusr1, stacks_on_sigusr1
 from .fs import InitReplayFailed
-from .lifecycle import Serving, build
+from .lifecycle import MountFacts, Serving, build
 from .numbers import NumbersLost
 
 __all__ = ["main"]
@@ -75,16 +75,15 @@ def _serve_process(
         config = load_config(Path(str(hello.get("config"))))
         if hello.get("log_level") is None:
             logging.getLogger().setLevel(config.log_level.upper())
-        serving = build(
-            config,
-            mountpoint,
+        facts = MountFacts(
             state_dir=hello.get("state_dir"),
             first=bool(hello.get("first")),
             crash_restart=purpose == "crash",
             held_lock=held_lock,
             holder_pid=os.getppid(),
-            mount_allow_other=bool(hello.get("allow_other")),
+            allow_other=bool(hello.get("allow_other")),
         )
+        serving = build(config, mountpoint, facts)
     except StoreInUse as exc:
         hint = store_holder_hint(exc.holder_pid) if exc.holder_pid else ""
         _fail(sock, f"{exc}{hint}", held)
