@@ -154,8 +154,9 @@ def test_changes_since_the_last_serving_process(tmp_path: Path) -> None:
     assert changes.redecoded == ["v1"]  # its decoder fingerprint changed
     v1 = numbers.versions["v1"]
     assert [key for key, _ in v1.gone_keys] == ["ay1"] and v1.new_keys == 1
-    assert numbers.note_size("v1", 64) and not numbers.note_size("v1", 64)
-    numbers.save_sizes()
+    assert numbers.note_size("v1", 64)
+    numbers.save_size("v1", 64)
+    assert not numbers.note_size("v1", 64)
     again, _ = MountNumbers.load(str(state), after, {"v1": "c"}, first=False)
     assert again.sizes_seen("v1") == {64}
     recorded = json.loads((state / "numbers.json").read_text())
@@ -191,3 +192,21 @@ def test_mirror_folders_keep_their_numbers(tmp_path: Path) -> None:
     assert path_ino(after, b"pets", b"64", b"dog", b"young", b"1.npy") == one
     assert path_ino(after, b"pets", b"64", b"cat", b"1.npy") is None
     assert path_ino(after, b"pets", b"64", b"ant", b"1.npy") not in (None, young, one)
+
+
+def test_a_size_the_serving_process_saves_keeps_what_the_next_one_gave(tmp_path: Path) -> None:
+    """One serving process prepares (giving a new version its id) while the one before
+    still serves, and records a size looked up for the first time: neither loses the other's."""
+    state = tmp_path / "state"
+    state.mkdir()
+    one = {"v1": index_of("v1", {"ax0"})}
+    two = {**one, "v2": index_of("v2", {"by1"})}
+    serving, _ = MountNumbers.load(str(state), one, {"v1": "d"}, first=True)
+    preparing, _ = MountNumbers.load(str(state), two, {"v1": "d", "v2": "d"}, first=False)
+    assert serving.note_size("v1", 64)
+    serving.save_size("v1", 64)  # from its view of before v2
+    after, changes = MountNumbers.load(str(state), two, {"v1": "d", "v2": "d"}, first=False)
+    assert after.ids == preparing.ids and not changes.added
+    assert after.sizes_seen("v1") == {64}
+    preparing.refresh_sizes()
+    assert preparing.sizes_seen("v1") == {64}

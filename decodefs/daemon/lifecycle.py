@@ -106,7 +106,7 @@ class Serving:
         """A size directory looked up for the first time in the mount: recorded before the
         kernel may cache its pages (a reload must know to drop them)."""
         if self.numbers.note_size(version, size):
-            await trio.to_thread.run_sync(self.numbers.save_sizes)
+            await trio.to_thread.run_sync(self.numbers.save_size, version, size)
 
     @property
     def digests(self) -> dict[str, str]:
@@ -160,6 +160,7 @@ class Serving:
                 for size in self._sizes_of(version):
                     for index in positions:
                         self.engine.known.not_stored(EntryKey(version, size, keys[index]), index)
+        await trio.to_thread.run_sync(self.numbers.refresh_sizes)  # the last one's too
         kernel = (FuseSession.invalidate_entry, FuseSession.invalidate_inode)
         await trio.to_thread.run_sync(self.reload.invalidate, kernel)
         self.engine.release_held()

@@ -19,12 +19,13 @@ carry. This module maps one to the other; it knows the sources, not the tree.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import secrets
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _FORMAT: Final = 1
 _MOUNT_FILE: Final = "numbers.json"
+_LOCK_FILE: Final = "numbers.lock"
 
 
 class NumbersLost(Exception):
@@ -143,6 +145,19 @@ class MountNumbers:
         returns), and what changed since the last serving process. ``digests``: each
         version's decoder fingerprint (hex). Raises NumbersLost, OSError."""
         state = _State(state_dir) if state_dir is not None else None
+        with state.locked() if state is not None else contextlib.nullcontext():
+            return cls._load(state, sources, digests, first=first)
+
+    @classmethod
+    def _load(
+        cls,
+        state: _State | None,
+        sources: Mapping[str, SourceIndex],
+        digests: Mapping[str, str],
+        *,
+        first: bool,
+    ) -> tuple[MountNumbers, NumberChanges]:
+        state_dir = state.path if state is not None else None
         recorded = state.read_mount() if state is not None else None
         if recorded is None:
             if state is not None and not first:
@@ -192,17 +207,36 @@ class MountNumbers:
         return tuple(order)
 
     def note_size(self, version: str, size: int) -> bool:
-        """Record that ``size`` of ``version`` was looked up (its pages may be cached);
-        True if that is new and must be saved (``save_sizes``) before answering."""
+        """Whether ``size`` of ``version`` is looked up for the first time: then it must be
+        saved (``save_size``) before the lookup is answered (its pages may be cached)."""
         entry = self._recorded["versions"].get(version)
-        if self._state is None or entry is None or size in entry["sizes"]:
-            return False
-        entry["sizes"] = sorted({*entry["sizes"], size})
-        return True
+        return self._state is not None and entry is not None and size not in entry["sizes"]
 
-    def save_sizes(self) -> None:
-        if self._state is not None:
-            self._state.write_mount(self._recorded)
+    def save_size(self, version: str, size: int) -> None:
+        """Record that ``size`` of ``version`` was looked up (blocking). Merged into what
+        the file says: another serving process of the mount may have written since."""
+        if self._state is None:
+            return
+        with self._state.locked():
+            recorded = self._state.read_mount() or self._recorded
+            entry = recorded["versions"].get(version)
+            if entry is not None:
+                entry["sizes"] = sorted({*entry.get("sizes", []), size})
+                self._state.write_mount(recorded)
+                self._recorded = recorded
+
+    def refresh_sizes(self) -> None:
+        """Take the sizes an earlier serving process recorded after this one started
+        (blocking): they may have pages cached too."""
+        if self._state is None:
+            return
+        with self._state.locked():
+            recorded = self._state.read_mount()
+        if recorded is None:
+            return
+        for name, entry in self._recorded["versions"].items():
+            theirs = recorded["versions"].get(name, {}).get("sizes", [])
+            entry["sizes"] = sorted({*entry.get("sizes", []), *theirs})
 
     def sizes_seen(self, version: str) -> set[int]:
         entry = self._recorded["versions"].get(version)
@@ -266,6 +300,22 @@ class _State:
 
     def __init__(self, path: str) -> None:
         self.path = path
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """numbers.json read, changed and written by one serving process at a time (one
+        prepares while another serves)."""
+        directory = os.open(self.path, DIRECTORY_FLAGS)
+        try:
+            fd = os.open(_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=directory)  # fmt: skip
+        finally:
+            os.close(directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def read_mount(self) -> dict[str, Any] | None:
         value = self._read(_MOUNT_FILE)
