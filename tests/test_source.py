@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from decodefs.common.config import DEFAULT_EXTENSIONS
-from decodefs.common.source import OriginalMissing, SourceError, scan_source
+from decodefs.common.source import OriginalMissing, SourceError, changed_originals, scan_source
 from tests.conftest import needs_root_because
 
 
@@ -293,3 +293,24 @@ def test_a_cache_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
     assert scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
     os.chown(tmp_path / "v1.json", 65534, 65534)
     assert not scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
+
+
+def test_originals_changed_in_place_are_found_by_size_and_mtime(tmp_path: Path) -> None:
+    source, cache = tmp_path / "src", tmp_path / "cache"
+    cache.mkdir()
+    for name in ("a", "b", "c"):
+        touch(source / "d" / f"{name}.jpg", name.encode())
+    make_old(source, source / "d")  # a tree the cached index is trusted for
+    index = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert changed_originals(index) == []  # first seen: nothing to compare with
+    os.utime(source / "d" / "b.jpg", ns=(1, 1))  # touched: another mtime
+    (source / "d" / "c.jpg").write_bytes(b"longer now")  # rewritten in place
+    assert changed_originals(index) == [index.find("b"), index.find("c")]
+    assert changed_originals(index) == []  # what it saw is what it compares with now
+    (source / "d" / "a.jpg").write_bytes(b"A")  # in place: its directory is unchanged
+    again = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert again.from_cache and changed_originals(again) == [again.find("a")]  # kept in the cache
+    touch(source / "d" / "e.jpg")  # the tree changed: walked again, what it saw kept
+    (source / "d" / "b.jpg").write_bytes(b"bb")
+    walked = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert not walked.from_cache and changed_originals(walked) == [walked.find("b")]
