@@ -512,6 +512,7 @@ def changed_originals(index: SourceIndex, threads: int = 16) -> list[int]:
         parts = pool.map(_stamps, [paths[i : i + chunk] for i in range(0, len(paths), chunk)])
         seen = [stamp for part in parts for stamp in part]
     changed = []
+    updated = False
     sizes, mtimes = index.sizes, index.mtimes
     for i, stamp in enumerate(seen):
         if stamp is None or (sizes[i], mtimes[i]) == stamp:
@@ -519,7 +520,8 @@ def changed_originals(index: SourceIndex, threads: int = 16) -> list[int]:
         if sizes[i] >= 0:  # seen before, and different now
             changed.append(i)
         sizes[i], mtimes[i] = stamp
-    if index.cache is not None and (changed or any(s is not None for s in seen)):
+        updated = True
+    if index.cache is not None and updated:
         _save_cache(index)
     return changed
 
