@@ -19,6 +19,7 @@ from .errors import UsageError
 from .status import read_status
 
 __all__ = [
+    "check_l2_client",
     "check_log_file",
     "daemon_gone",
     "decodefs_mounts",
@@ -50,6 +51,19 @@ def named_config(args: argparse.Namespace) -> Config:
             "or $DECODEFS_CONFIG (a minimal one: docs/configuration.md)"
         )
     return load_config(args.config)
+
+
+def check_l2_client(config: Config) -> None:
+    """An S3 l2 needs boto3, which decodefs installs only with its ``s3`` extra."""
+    if config.l2 is None or not config.l2.is_s3:
+        return
+    try:
+        import boto3  # noqa: F401  (the daemon imports it anyway, for this l2)
+    except ImportError:
+        raise UsageError(
+            f"{config.path}: l2 = {config.l2.url!r} needs boto3, which is not installed: "
+            "pip install 'decodefs[s3]' (in decodefs's clone: .venv/bin/pip install -e '.[s3]')"
+        ) from None
 
 
 def named_mountpoint(given: Path | None, configured: Path | None) -> str:

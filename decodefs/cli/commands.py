@@ -24,6 +24,7 @@ from ..common.protocol import FS_TYPE, STATS_FILE, STATUS_DIR
 from ..common.status import parse_status, read_status_bytes
 from ..store import adopt, recorded_digests, verify_store
 from .checks import (
+    check_l2_client,
     check_log_file,
     daemon_gone,
     decodefs_mounts,
@@ -55,6 +56,7 @@ def run_mount(args: argparse.Namespace) -> int:
     """`decodefs mount`: checks what it can in the user's terminal, then serves here
     (--foreground) or starts a daemon and returns once the mount is live."""
     config = named_config(args)
+    check_l2_client(config)
     mountpoint = named_mountpoint(args.mountpoint, config.mountpoint)
     log_file = None
     if not args.foreground:  # the one thing the daemon cannot report: checked first
@@ -218,6 +220,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
     config = named_config(args)
     if config.l2 is None:
         raise UsageError(f"{args.config}: no l2 to warm (--cluster fills the cluster's L2)")
+    check_l2_client(config)
     if args.version not in config.versions:
         names = ", ".join(sorted(config.versions))
         raise UsageError(f"{args.config} has no version {args.version!r} (it has: {names})")
