@@ -20,7 +20,7 @@ loads Pillow.
 from typing import TYPE_CHECKING, Final
 
 from . import reader as reader  # decodefs.reader.read_array_into, as documented
-from .client import class_labels, list_keys, read_array
+from .client import class_labels, failed_keys, list_keys, read_array
 from .common.npy import npy_bytes, npy_file_size, npy_header
 from .common.version import package_version
 
@@ -39,6 +39,7 @@ __all__ = [
     "__version__",
     "class_labels",
     "decode_image",
+    "failed_keys",
     "list_keys",
     "load_config",
     "npy_bytes",

@@ -27,6 +27,7 @@ __all__ = [
     "live_mount",
     "mount_failure",
     "mounted_at",
+    "mounted_version",
     "named_config",
     "named_mountpoint",
     "read_keys",
@@ -178,8 +179,8 @@ def mount_failure(mountpoint: Path, exc: OSError) -> UsageError:
     return UsageError(f"cannot read {exc.filename or mountpoint}: {exc.strerror or exc}")
 
 
-def version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
-    """``<mountpoint>/<version>/<size>``, or a UsageError naming what the mount lacks."""
+def mounted_version(mountpoint: Path, version: str) -> None:
+    """A UsageError unless the live mount at ``mountpoint`` serves ``version``."""
     try:
         versions = sorted(n for n in os.listdir(mountpoint) if not n.startswith("."))
     except OSError as exc:
@@ -188,6 +189,11 @@ def version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
         raise UsageError(
             f"{mountpoint} has no version {version!r} (it has: {', '.join(versions) or 'none'})"
         )
+
+
+def version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
+    """``<mountpoint>/<version>/<size>``, or a UsageError naming what the mount lacks."""
+    mounted_version(mountpoint, version)
     directory = mountpoint / version / str(size)
     try:
         os.stat(directory)

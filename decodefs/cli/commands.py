@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..client import warm
+from ..client import failed_originals, warm
 from ..common.advice import empty_version_warning, store_warning
 from ..common.config import load_config
 from ..common.mounts import clear_stale, find_mount, prepare_mountpoint, unmount
@@ -32,6 +32,7 @@ from .checks import (
     live_mount,
     mount_failure,
     mounted_at,
+    mounted_version,
     named_config,
     named_mountpoint,
     read_keys,
@@ -39,10 +40,18 @@ from .checks import (
     version_size_dir,
 )
 from .errors import EXIT_ERROR, UsageError, error_text, exit_status, is_user_error
-from .status import counter, format_all_stats, format_stats, read_stats, serving
+from .status import (
+    counter,
+    failed_summary,
+    format_all_stats,
+    format_stats,
+    read_stats,
+    serving,
+)
 
 __all__ = [
     "run_adopt",
+    "run_failed",
     "run_make_sample",
     "run_mount",
     "run_stats",
@@ -356,7 +365,34 @@ def run_stats(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(raw.decode())
         return 0
-    print(format_all_stats(stats) if args.all else format_stats(stats))
+    if args.all:
+        print(format_all_stats(stats))
+        return 0
+    try:
+        failed = failed_originals(mountpoint)
+    except (OSError, ValueError):
+        failed = None  # a daemon older than failed.json: the count alone
+    print(format_stats(stats, failed))
+    return 0
+
+
+def run_failed(args: argparse.Namespace) -> int:
+    """`decodefs failed`: the originals that failed to decode, one a line (or --json)."""
+    mountpoint = live_mount(args.mountpoint, "failed {}")
+    if args.version is not None:
+        mounted_version(mountpoint, args.version)
+    try:
+        listed = failed_originals(mountpoint, args.version)
+    except OSError as exc:
+        raise mount_failure(args.mountpoint, exc) from None
+    except ValueError as exc:
+        raise UsageError(f"{mountpoint}: {exc}; is this decodefs?") from None
+    if args.json:
+        sys.stdout.buffer.write(listed.to_json())
+        return 0
+    for row in listed.failed:
+        print(f"{row.version}\t{row.key}\t{row.path}\t{row.reason}")
+    print(failed_summary(listed, args.version, read_stats(mountpoint)), file=sys.stderr)
     return 0
 
 

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Final
 
 from ..common import status
-from ..common.protocol import CONFIG_FILE, STATS_FILE
+from ..common.protocol import CONFIG_FILE, STATS_FILE, FailedList
 from ..common.stats_schema import STATS, Stat
 
 __all__ = [
     "counter",
+    "failed_summary",
     "format_all_stats",
     "format_stats",
     "human_bytes",
@@ -102,8 +103,42 @@ def _first_entry(directory: Path) -> str | None:
 _STAT_NAMES: Final = frozenset(stat.name for stat in STATS)
 
 
-def format_stats(stats: dict[str, object]) -> str:
-    """The human table printed by `decodefs stats`: every counter a user acts on."""
+# How many failed originals `decodefs stats` names (`decodefs failed` lists them all).
+FAILED_SHOWN: Final = 10
+
+
+def failed_summary(listed: FailedList, version: str | None, stats: dict[str, object]) -> str:
+    """The line after `decodefs failed`'s list: how many, since when, what is not listed."""
+    count = len(listed.failed)
+    what = f"originals of {version}" if version else "originals"
+    since = _since(stats)
+    if not count:
+        text = f"decodefs: no {what} failed to decode{since}"
+    else:
+        text = (
+            f"decodefs: {count:,} {what} failed to decode{since} (their arrays are EIO; "
+            "a decode that succeeds later takes one off the list)"
+        )
+    if listed.not_listed:
+        text += (
+            f"; {listed.not_listed:,} more failures were not listed (the list is at its "
+            "bound; the daemon's log names them)"
+        )
+    return text
+
+
+def _since(stats: dict[str, object]) -> str:
+    started = stats.get("started")
+    if not isinstance(started, int | float):
+        return ""
+    return " since the daemon started at " + time.strftime(
+        "%Y-%m-%d %H:%M:%S", time.localtime(started)
+    )
+
+
+def format_stats(stats: dict[str, object], failed: FailedList | None = None) -> str:
+    """The human table printed by `decodefs stats`: every counter a user acts on; with
+    ``failed`` (failed.json), the first originals that failed to decode."""
 
     def n(key: str) -> int:
         assert key in _STAT_NAMES, key  # every figure shown is one of stats_schema.STATS
@@ -128,7 +163,7 @@ def format_stats(stats: dict[str, object]) -> str:
             f"{n('decodes'):,} (mean {mean_ms}); {n('warm_decodes'):,} for warm requests, "
             f"{n('background_decodes'):,} by the background warm",
         ),
-        ("decode errors", f"{n('decode_errors'):,} (originals that failed: the log names them)"),
+        ("decode errors", _decode_errors(stats, failed)),
         ("corrupt entries rebuilt", f"{n('corrupt_entries'):,}"),
         (
             "store",
@@ -178,6 +213,22 @@ def format_stats(stats: dict[str, object]) -> str:
         )
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _decode_errors(stats: dict[str, object], failed: FailedList | None) -> str:
+    """The decode errors row: the count, and the first failed originals, one a line."""
+    text = f"{counter(stats, 'decode_errors'):,}"
+    if failed is None or not (failed.failed or failed.not_listed):
+        return text + " (originals that failed: `decodefs failed` lists them)"
+    listed = len(failed.failed)
+    text += f"; {listed:,} originals fail now (`decodefs failed` lists them)"
+    for row in failed.failed[:FAILED_SHOWN]:
+        text += f"\n    {row.version} {row.key}: {row.path}: {row.reason}"
+    if listed > FAILED_SHOWN:
+        text += f"\n    ... and {listed - FAILED_SHOWN:,} more"
+    if failed.not_listed:
+        text += f"\n    {failed.not_listed:,} more failures not listed (the list is at its bound)"
+    return text
 
 
 def _served_by(stats: dict[str, object]) -> list[tuple[str, str]]:

@@ -54,6 +54,18 @@ STATS: Final = (
     Stat("decodes", "counter", "decodes", "Decodes that ran, failed ones and rebuilds included"),
     Stat("decode_errors", "counter", "originals", "Originals that failed to decode"),
     Stat(
+        "failed_originals",
+        "gauge",
+        "originals",
+        "Originals listed in failed.json: failed to decode, and not decoded since",
+    ),
+    Stat(
+        "failed_not_listed",
+        "counter",
+        "failures",
+        "Decode failures left out of failed.json because its list was at its bound",
+    ),
+    Stat(
         "coalesced",
         "counter",
         "opens",

@@ -154,6 +154,7 @@ class Engine:
         self.upkeep = StoreUpkeep(store, self.known, self._write_limiter)
         self._decodes = Decodes(config, sources, self.metrics, self._read_limiter, clock=clock)
         self.decode_memory = self._decodes.memory  # stats.py reports it
+        self.failed = self._decodes.failed  # originals that failed to decode (failed.json)
         self.memory = MemoryBudget(config.memory_cache_bytes)
         # Arrays the store did not take (stats.py reads its size).
         self.memory_cache = MemoryCache(self.memory)

@@ -30,6 +30,7 @@ from ..common.metrics import LogThrottle, render_prometheus
 from ..common.mounts import MountError, find_mount, lazy_unmount
 from ..common.protocol import (
     CONFIG_FILE,
+    FAILED_FILE,
     METRICS_FILE,
     STATS_FILE,
     STORE_FILE,
@@ -126,6 +127,7 @@ def _serve_mount(config: Config, mountpoint: str, on_ready: Callable[[], None] |
             METRICS_FILE: lambda: render_prometheus(stats()),
             CONFIG_FILE: lambda: _json(config.as_dict()),
             STORE_FILE: status.to_json,  # what read_array() needs (client/discovery.py)
+            FAILED_FILE: engine.failed.to_json,  # originals that failed to decode
         }
         tree = Tree(config, sources)  # lists protocol.STATUS_FILES, the keys above
         operations = DecodeFS(tree, engine, status_files)

@@ -41,6 +41,8 @@ def snapshot(
         "decode_memory_bytes": decode_memory.used,
         "decode_memory_limit_bytes": decode_memory.limit,
         "decode_memory_waits": decode_memory.waits,
+        "failed_originals": len(engine.failed),
+        "failed_not_listed": engine.failed.not_listed,
         **(engine.l2.stats() if engine.l2 is not None else {}),
         "uptime_seconds": round(time.time() - engine.metrics.started, 3),
         "versions": {
