@@ -414,7 +414,7 @@ def test_warm_stops_with_one_line_when_the_daemon_dies_under_it(
     for copy in range(4):  # enough decodes that the warm is still running when the daemon dies
         for path in large:
             shutil.copy(path, originals / f"{copy}-{path.name}")
-    mount = mounts({"v1": originals})
+    mount = mounts({"v1": originals}, sizes=[512])
     warm = subprocess.Popen(
         [sys.executable, "-m", "decodefs", "warm", str(mount.mountpoint), "v1", "512", "-j", "1"],
         stdout=subprocess.PIPE,

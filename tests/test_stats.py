@@ -31,6 +31,7 @@ PROMETHEUS_TYPES = {
     "flag": "gauge",
     "state": "gauge",
     "per version": "gauge",
+    "per version and size": "gauge",
     "text": "gauge",  # an info metric, in the text format: a gauge <name>_info of 1
     "histogram": "histogram",
 }

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..client import failed_originals, warm
-from ..common.advice import empty_version_warning, store_warning
+from ..common.advice import discarded_warning, empty_version_warning, store_warning
 from ..common.config import load_config
 from ..common.mounts import clear_stale, find_mount, prepare_mountpoint, unmount
-from ..common.protocol import FS_TYPE, STATS_FILE, STATUS_DIR
+from ..common.protocol import CONFIG_FILE, FS_TYPE, STATS_FILE, STATUS_DIR
 from ..common.status import parse_status, read_status_bytes
 from ..store import adopt, recorded_digests, verify_store
 from .checks import (
@@ -46,6 +46,7 @@ from .status import (
     format_all_stats,
     format_stats,
     read_stats,
+    read_status,
     serving,
 )
 
@@ -102,6 +103,9 @@ def run_mount(args: argparse.Namespace) -> int:
         if isinstance(served, dict) and served.get("originals") == 0:
             warning = empty_version_warning(config, name)
             print(f"decodefs: warning: {warning}", file=sys.stderr)
+        discarded = served.get("discarded") if isinstance(served, dict) else None
+        if isinstance(discarded, dict):
+            print(f"decodefs: warning: {discarded_warning(name, discarded)}", file=sys.stderr)
     return 0
 
 
@@ -182,6 +186,7 @@ def run_warm(args: argparse.Namespace) -> int:
         args.version,
         args.size,
     )
+    _refuse_unstored_size(args.mountpoint, args.version, args.size)
     before = read_stats(args.mountpoint)
     try:
         report = warm(
@@ -222,6 +227,22 @@ def run_warm(args: argparse.Namespace) -> int:
         )
         return EXIT_ERROR
     return exit_status(report.interrupted, failed=bool(report.failed or report.missing))
+
+
+def _refuse_unstored_size(mountpoint: Path, version: str, size: int) -> None:
+    """A warm of a size the daemon will not store (unlisted, ``unlisted_sizes = "memory"``)
+    would decode every original and keep none: a UsageError saying how to store it."""
+    config = read_status(mountpoint, CONFIG_FILE)
+    versions, unlisted = config.get("versions"), config.get("unlisted_sizes")
+    settings = versions.get(version) if isinstance(versions, dict) else None
+    sizes = settings.get("sizes") if isinstance(settings, dict) else None
+    if not isinstance(sizes, list) or size in sizes or unlisted != "memory":
+        return  # listed, stored anyway, or a daemon that does not say
+    raise UsageError(
+        f"size {size} is not one of {version}'s sizes ({', '.join(map(str, sizes))}), and "
+        f'the daemon stores no unlisted size (unlisted_sizes = "memory"): a warm would '
+        f"store nothing; add {size} to versions.{version}.sizes in its config and mount again"
+    )
 
 
 def _warm_cluster(args: argparse.Namespace) -> int:

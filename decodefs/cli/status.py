@@ -191,15 +191,20 @@ def format_stats(stats: dict[str, object], failed: FailedList | None = None) -> 
     counts = sorted(errors.items()) if isinstance(errors, dict) else []
     rows.append(("errors", ", ".join(f"{k} {v:,}" for k, v in counts) or "none"))
     versions = stats.get("versions")
+    stored = stats.get("store_by_size")
     if isinstance(versions, dict):
         for name, figures in sorted(versions.items()):
             if isinstance(figures, dict):
                 left = figures.get("duplicates_left_out")
+                held = stored.get(name) if isinstance(stored, dict) else None
+                usage = _usage_text({name: held}, named=False) if held else "nothing"
                 rows.append(
                     (
                         f"version {name}",
                         f"{figures.get('originals', 0):,} originals ({figures.get('layout')} "
-                        "layout)" + (f", {left:,} duplicate names left out" if left else ""),
+                        "layout)"
+                        + (f", {left:,} duplicate names left out" if left else "")
+                        + f"; stored: {usage}",
                     )
                 )
     if "l2" in stats:  # the cluster's L2 (cluster/tier.py)
@@ -229,6 +234,22 @@ def _decode_errors(stats: dict[str, object], failed: FailedList | None) -> str:
     if failed.not_listed:
         text += f"\n    {failed.not_listed:,} more failures not listed (the list is at its bound)"
     return text
+
+
+def _usage_text(value: object, *, named: bool = True) -> str:
+    """A store_by_size figure in words: ``v1/224 4.6 MiB in 32, v1/64 ...``."""
+    parts = []
+    for version, sizes in sorted(value.items()) if isinstance(value, dict) else []:
+        if not isinstance(sizes, dict):
+            continue
+        for size, held in sorted(sizes.items(), key=lambda item: int(item[0])):
+            if isinstance(held, dict):
+                where = f"{version}/{size}" if named else f"{size}"
+                parts.append(
+                    f"{where} {human_bytes(int(held.get('bytes', 0)))} in "
+                    f"{int(held.get('entries', 0)):,}"
+                )
+    return ", ".join(parts)
 
 
 def _served_by(stats: dict[str, object]) -> list[tuple[str, str]]:
@@ -270,6 +291,8 @@ def _figure_text(stat: Stat, value: object) -> str:
         figures = value if isinstance(value, dict) else {}
         count, total = figures.get("count", 0), figures.get("sum", 0.0)
         return f"{count:,} (mean {1000 * total / count:.0f} ms)" if count else "0"
+    if stat.kind == "per version and size":
+        return _usage_text(value) or "none"
     if stat.kind == "per version":
         versions = sorted(value.items()) if isinstance(value, dict) else []
         return ", ".join(

@@ -53,7 +53,10 @@ _BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-UnlistedSizes = Literal["owner", "everyone"]
+# Who gets an array of a size no version lists stored on flash: nobody ("memory": served
+# from memory, decoded again when the memory cache dropped it), the daemon's own user
+# ("owner"), or every user ("everyone").
+UnlistedSizes = Literal["memory", "owner", "everyone"]
 LOG_LEVELS: Final[tuple[LogLevel, ...]] = get_args(LogLevel)
 
 
@@ -156,7 +159,7 @@ class Config:
     io_workers: int = 8
     memory_cache_bytes: int = 512 << 20
     decode_memory_bytes: int = 1 << 30
-    unlisted_sizes: UnlistedSizes = "owner"
+    unlisted_sizes: UnlistedSizes = "memory"
     max_pixels: int = DEFAULT_MAX_PIXELS
     error_cache_seconds: float = 10.0
     log_level: LogLevel = "info"

@@ -186,6 +186,12 @@ def _family(stat: Stat, value: Any) -> Metric:
         return HistogramMetricFamily(
             name, documentation, buckets=list(value["buckets"].items()), sum_value=value["sum"]
         )
+    if stat.kind == "per version and size":
+        family = GaugeMetricFamily(name, documentation, labels=["version", "size"])
+        for version, sizes in sorted(value.items()):
+            for size, usage in sorted(sizes.items(), key=lambda item: int(item[0])):
+                family.add_metric([version, str(size)], usage["bytes"])
+        return family
     assert stat.kind == "per version", stat
     family = GaugeMetricFamily(name, documentation, labels=["version"])
     for version, info in sorted(value.items()):

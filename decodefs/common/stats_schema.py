@@ -22,6 +22,7 @@ StatKind = Literal[
     "counter by kind",  # {kind: count} (Prometheus: <name>_total{kind="..."})
     "histogram",  # {"count", "sum", "buckets": {bound: cumulative count}}
     "per version",  # {version: {"originals", "layout", ...}} (Prometheus: originals)
+    "per version and size",  # {version: {size: {"entries", "bytes"}}} (Prometheus: bytes)
 ]
 
 
@@ -78,6 +79,13 @@ STATS: Final = (
         "Stored entries that failed verification and were rebuilt",
     ),
     Stat("store_bytes", "gauge", "bytes", "Bytes of stored entries"),
+    Stat(
+        "store_by_size",
+        "per version and size",
+        "bytes",
+        "Stored entries and their bytes, by version and size",
+        family="stored_bytes",
+    ),
     Stat("store_entries", "gauge", "entries", "Stored entries"),
     Stat(
         "store_usage_complete",
@@ -158,7 +166,7 @@ STATS: Final = (
         "unlisted_not_stored",
         "counter",
         "arrays",
-        "Arrays of sizes no version lists, served from memory to other users",
+        "Arrays of sizes their version does not list, served from memory, not stored",
     ),
     Stat("bytes_served", "counter", "bytes", "Bytes delivered in READ replies"),
     Stat("inflight_decodes", "gauge", "decodes", "Decodes running in the pool"),

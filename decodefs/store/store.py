@@ -48,9 +48,9 @@ from ..common.trusted import CREATE_FLAGS
 from ..common.trusted import DIRECTORY_FLAGS as _DIR
 from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
-from .capacity import Capacity, StoreUsage
+from .capacity import Capacity, SizeUsage, StoreUsage
 from .catalog import Catalog
-from .fingerprints import check_fingerprint, start_trash_cleanup
+from .fingerprints import Discarded, check_fingerprint, start_trash_cleanup
 from .movein import CannotMove
 from .root import (
     StoreError,
@@ -70,7 +70,9 @@ __all__ = [
     "CATALOG_FILE",
     "CannotMove",
     "CorruptEntry",
+    "Discarded",
     "Fingerprint",
+    "SizeUsage",
     "Store",
     "StoreError",
     "StoreInUse",
@@ -164,6 +166,8 @@ class Store:
         # Bumped whenever every entry may be gone at once (the store was removed):
         # whoever remembers entries as verified must forget them.
         self.generation = 0
+        # Versions whose stored arrays were made by another fingerprint, discarded at open.
+        self.discarded: dict[str, Discarded] = {}
         self.root = self._root.path
         self.capacity = Capacity(
             max_bytes=max_bytes,
@@ -499,6 +503,9 @@ class Store:
     def usage(self) -> StoreUsage:
         return self.capacity.usage()
 
+    def usage_by_size(self) -> dict[tuple[str, int], SizeUsage]:
+        return self.capacity.usage_by_size()
+
     def stored_keys(self, version: str, size: int) -> set[str]:
         return self.capacity.stored_keys(version, size)
 
@@ -511,7 +518,7 @@ class Store:
         if writable:
             for version, fingerprint in self._fingerprints.items():
                 # Before a fill scan sees what it discards.
-                check_fingerprint(
+                discarded = check_fingerprint(
                     fd,
                     version,
                     fingerprint,
@@ -520,6 +527,8 @@ class Store:
                     file_mode=self.file_mode,
                     discard_rows=self.capacity.discard_version,
                 )
+                if discarded is not None:
+                    self.discarded[version] = discarded
             start_trash_cleanup(fd)
         if empty:
             # A new catalog on an existing store (or a read-only store): fill it
