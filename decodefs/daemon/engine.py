@@ -246,11 +246,13 @@ class Engine:
     ) -> None:
         """The engine's own work beside the requests, until cancelled (a task of the
         daemon's nursery): learn what is stored, record hits for LRU, watch the
-        store, drop the entry pages brought in, and publish to the cluster's L2."""
+        store, bring it within its limits, drop the entry pages brought in, and
+        publish to the cluster's L2."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.known.note_stored)
             nursery.start_soon(self.upkeep.flush_accesses_forever, access_flush)
             nursery.start_soon(self.upkeep.watch_store_forever, store_check)
+            nursery.start_soon(self.upkeep.trim_forever, store_check)
             nursery.start_soon(self.reads.drop_forever)
             if self.l2 is not None:
                 nursery.start_soon(self.l2.run)

@@ -378,6 +378,44 @@ class Capacity:
 
     # -- eviction --------------------------------------------------------------------
 
+    def over_limit(self) -> bool:
+        """Whether the store holds more than its limits allow now (a limit lowered since
+        the entries were written); False while a scan is still counting it."""
+        return self._filled and self.limited and self._trim_need() > 0
+
+    def trim(self) -> tuple[int, int]:
+        """Evict least-recently-used, unpinned entries until the store is within its
+        limits; returns the entries and bytes evicted. A batch at a time, the evict
+        lock let go between batches, so a writer waits for one batch at most, and a
+        reader never (pinned entries are skipped). Raises OSError if the catalog fails."""
+        evicted = freed = 0
+        skipped = 0  # pinned rows stay at the front of the LRU order
+        while True:
+            with self._evict_lock:
+                catalog = self._catalog
+                if catalog is None or self._trim_need() <= 0:
+                    return evicted, freed
+                self.flush_accesses()  # so that recent hits are not the oldest
+                rows = _catalog_call(catalog.oldest, _EVICT_BATCH, skipped)
+                if not rows:
+                    return evicted, freed  # every entry left is pinned
+                for row in rows:
+                    if self._trim_need() <= 0:
+                        break
+                    if self._evict(EntryKey(row.version, row.size, row.key)):
+                        evicted += 1
+                        freed += row.bytes
+                    else:
+                        skipped += 1
+
+    def _trim_need(self) -> int:
+        """Bytes to evict to be within the limits now; only ``max_bytes``'s share when
+        other data fills the filesystem (evicting every entry would not free enough)."""
+        need = self._shortfall(0)
+        if need > self._bytes:
+            need = 0 if self.max_bytes is None else self._bytes + self._reserved - self.max_bytes
+        return need
+
     def _shortfall(self, incoming: int) -> int:
         """Bytes to free before ``incoming`` more fit within the limits (<= 0: none).
 
