@@ -8,10 +8,11 @@ import argparse
 import errno
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
-from ..client import read_key_list
+from ..client import iter_key_list, read_key_list
 from ..common.config import DEFAULT_CONFIG_PATH, Config, load_config
 from ..common.mounts import PROBE_TIMEOUT, decodefs_mount_above, find_mount, mounts, probe
 from ..common.protocol import CONFIG_FILE, FS_TYPE, STORE_MARKER
@@ -21,6 +22,7 @@ from .status import read_status
 __all__ = [
     "check_l2_client",
     "check_log_file",
+    "count_keys",
     "daemon_gone",
     "decodefs_mounts",
     "default_log_file",
@@ -119,8 +121,21 @@ def _read_only(path: Path) -> bool:
 
 def read_keys(path: Path) -> list[str]:
     """The keys of a --keys file, one a line; a UsageError naming what is wrong with it."""
+    return _key_file(path, read_key_list)
+
+
+def count_keys(path: Path) -> int:
+    """How many keys a --keys file holds, every line checked, none kept (``read_keys``'s
+    UsageErrors): the file is read again, a line at a time, as the warm goes."""
+    return _key_file(path, lambda p: sum(1 for _ in iter_key_list(p)))
+
+
+T = TypeVar("T")
+
+
+def _key_file(path: Path, read: Callable[[Path], T]) -> T:
     try:
-        return read_key_list(path)
+        return read(path)
     except IsADirectoryError:
         raise UsageError(f"--keys {path}: is a directory, not a file of keys") from None
     except OSError as exc:

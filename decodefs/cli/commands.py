@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..client import failed_originals, warm
+from ..client import failed_originals, iter_key_list, warm
 from ..common.advice import discarded_warning, empty_version_warning, store_warning
 from ..common.config import load_config
 from ..common.mounts import clear_stale, find_mount, prepare_mountpoint, unmount
@@ -26,6 +26,7 @@ from ..store import adopt, recorded_digests, verify_store
 from .checks import (
     check_l2_client,
     check_log_file,
+    count_keys,
     daemon_gone,
     decodefs_mounts,
     default_log_file,
@@ -45,6 +46,7 @@ from .status import (
     failed_summary,
     format_all_stats,
     format_stats,
+    l2_problem,
     read_stats,
     read_status,
     serving,
@@ -106,6 +108,10 @@ def run_mount(args: argparse.Namespace) -> int:
         discarded = served.get("discarded") if isinstance(served, dict) else None
         if isinstance(discarded, dict):
             print(f"decodefs: warning: {discarded_warning(name, discarded)}", file=sys.stderr)
+    if config.l2 is not None:
+        problem = l2_problem(Path(mountpoint), config.l2.timeout_seconds)
+        if problem is not None:
+            print(f"decodefs: warning: {problem}", file=sys.stderr)
     return 0
 
 
@@ -180,7 +186,7 @@ def run_warm(args: argparse.Namespace) -> int:
         return _warm_cluster(args)
     if args.mountpoint is None:
         args.parser.error("the following arguments are required: mountpoint (or --cluster)")
-    keys = read_keys(args.keys) if args.keys else None
+    count = count_keys(args.keys) if args.keys else None  # every line checked first
     directory = version_size_dir(
         live_mount(args.mountpoint, f"warm {{}} {args.version} {args.size}"),
         args.version,
@@ -188,33 +194,47 @@ def run_warm(args: argparse.Namespace) -> int:
     )
     _refuse_unstored_size(args.mountpoint, args.version, args.size)
     before = read_stats(args.mountpoint)
+    if count is None:
+        versions = before.get("versions")
+        served = versions.get(args.version) if isinstance(versions, dict) else None
+        originals = served.get("originals") if isinstance(served, dict) else None
+        count = originals if isinstance(originals, int) else None
     try:
         report = warm(
             directory,
-            keys,
+            iter_key_list(args.keys) if args.keys else None,
             args.jobs,
             progress=sys.stderr.isatty(),
             refusals=lambda: counter(read_stats(args.mountpoint), "warm_not_stored"),
+            total=count,
         )
-    except OSError as exc:  # listing the size directory
+    except OSError as exc:  # listing the size directory, or reading --keys again
         raise mount_failure(args.mountpoint, exc) from None
+    except ValueError as exc:  # --keys changed since it was checked
+        raise UsageError(f"--keys {args.keys}: {exc}") from None
     if report.daemon_gone:
-        progress = f"after {report.done:,} of {report.total:,} arrays"
-        raise daemon_gone(args.mountpoint, report.daemon_gone, progress)
+        of = f" of {report.total:,}" if report.total is not None else ""
+        raise daemon_gone(args.mountpoint, report.daemon_gone, f"after {report.done:,}{of} arrays")
     after = read_stats(args.mountpoint)
     decoded = counter(after, "decodes") - counter(before, "decodes")
     rate = report.done / report.seconds if report.seconds else 0.0
     what = f"{args.version}/{args.size}"
     print(
-        f"decodefs: warmed {report.done:,} of {report.total:,} arrays of {what} "
+        f"decodefs: warmed {report.done:,} of {report.total or report.seen:,} arrays of {what} "
         f"in {report.seconds:.1f} s ({rate:,.1f}/s); the daemon decoded {decoded:,} meanwhile"
     )
     log = after.get("log") or "the daemon's log"  # where it goes, as the daemon says
     for key, reason in sorted(report.failed.items())[:20]:
         print(f"decodefs: failed: {key}: {reason} ({log} says why)", file=sys.stderr)
-    if report.missing:
+    if report.failed_count > 20:
         print(
-            f"decodefs: error: {len(report.missing):,} keys of {args.keys} are not "
+            f"decodefs: ... and {report.failed_count - 20:,} more failed (`decodefs failed "
+            f"{args.mountpoint} {args.version}` lists every one, with its reason)",
+            file=sys.stderr,
+        )
+    if report.missing_count:
+        print(
+            f"decodefs: error: {report.missing_count:,} keys of {args.keys} are not "
             f"originals of {args.version}, e.g. {report.missing[0]!r} (`decodefs.list_keys` "
             f"or `ls {directory}` lists those it has)",
             file=sys.stderr,
@@ -226,7 +246,7 @@ def run_warm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
-    return exit_status(report.interrupted, failed=bool(report.failed or report.missing))
+    return exit_status(report.interrupted, failed=bool(report.failed_count or report.missing_count))
 
 
 def _refuse_unstored_size(mountpoint: Path, version: str, size: int) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "format_all_stats",
     "format_stats",
     "human_bytes",
+    "l2_problem",
     "read_stats",
     "read_status",
     "serving",
@@ -88,6 +89,23 @@ def serving(mountpoint: Path) -> list[str]:
         + ("" if stats.get("store_writable", True) else ", NOT WRITABLE")
     )
     return lines
+
+
+def l2_problem(mountpoint: Path, timeout: float) -> str | None:
+    """Why the mount's L2 cannot be used, once its check at start has answered (waited
+    for up to two L2 call timeouts), or None if it can (or is still being checked)."""
+    deadline = time.monotonic() + 2 * timeout + 2
+    stats = read_stats(mountpoint)
+    while stats.get("l2_check") == "checking" and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = read_stats(mountpoint)
+    if stats.get("l2_check") != "failing":
+        return None
+    return (
+        f"l2 {stats.get('l2')} is configured but cannot be used: "
+        f"{stats.get('l2_problem') or 'it does not answer'}; every miss decodes here until it "
+        "answers (`decodefs stats` says when it does)"
+    )
 
 
 def _first_entry(directory: Path) -> str | None:
@@ -208,12 +226,14 @@ def format_stats(stats: dict[str, object], failed: FailedList | None = None) -> 
                     )
                 )
     if "l2" in stats:  # the cluster's L2 (cluster/tier.py)
+        problem = stats.get("l2_problem")
         rows.append(
             (
                 "L2",
                 f"{stats['l2']} ({stats.get('l2_state')}): {n('l2_hits'):,} hits, "
                 f"{n('l2_misses'):,} misses, {n('l2_publishes'):,} published, "
-                f"{n('l2_lease_waits'):,} lease waits, {n('l2_corrupt'):,} corrupt",
+                f"{n('l2_lease_waits'):,} lease waits, {n('l2_corrupt'):,} corrupt"
+                + (f"; CANNOT BE USED: {problem}" if problem else ""),
             )
         )
     width = max(len(label) for label, _ in rows)

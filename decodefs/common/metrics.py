@@ -167,7 +167,9 @@ def _family(stat: Stat, value: Any) -> Metric:
     if stat.kind == "counter":
         return CounterMetricFamily(name, documentation, value=value)
     if stat.kind == "gauge":
-        return GaugeMetricFamily(name, documentation, value=0 if value is None else value)
+        if value is None:  # no such limit: no sample, not a 0 that would read as one
+            return GaugeMetricFamily(name, documentation)
+        return GaugeMetricFamily(name, documentation, value=value)
     if stat.kind == "flag":
         return GaugeMetricFamily(name, documentation, value=int(bool(value)))
     if stat.kind == "text":

@@ -36,7 +36,9 @@ class Stat(NamedTuple):
     l2: bool = False  # only with an ``l2`` configured
     daemon: bool = False  # added by the daemon, not known in-process (pid, mountpoint)
     states: tuple[str, ...] = ()  # a "state"'s possible values
-    family: str = ""  # its Prometheus name below "decodefs_", if not ``name``
+    # Its Prometheus name below "decodefs_", if not ``name``: Prometheus's naming rules put
+    # the unit last (before a counter's "_total"): bytes_served is decodefs_served_bytes.
+    family: str = ""
 
     @property
     def prometheus(self) -> str:
@@ -98,7 +100,7 @@ STATS: Final = (
         "store_max_bytes",
         "gauge",
         "bytes",
-        "The configured store limit (max_store_bytes; none: null, 0 in Prometheus)",
+        "The configured store limit (max_store_bytes; none: null, and no sample in Prometheus)",
     ),
     Stat(
         "evictions",
@@ -168,7 +170,13 @@ STATS: Final = (
         "arrays",
         "Arrays of sizes their version does not list, served from memory, not stored",
     ),
-    Stat("bytes_served", "counter", "bytes", "Bytes delivered in READ replies"),
+    Stat(
+        "bytes_served",
+        "counter",
+        "bytes",
+        "Bytes delivered in READ replies",
+        family="served_bytes",
+    ),
     Stat("inflight_decodes", "gauge", "decodes", "Decodes running in the pool"),
     Stat("queued_decodes", "gauge", "decodes", "Decodes waiting for a pool slot"),
     Stat(
@@ -242,6 +250,21 @@ STATS: Final = (
     ),
     # -- the cluster's L2 tier (cluster/tier.py) --
     Stat("l2", "text", "", "The L2 tier (its URL or directory)", l2=True),
+    Stat(
+        "l2_check",
+        "state",
+        "",
+        "Whether L2 can be used: checking (at start), ok (its last call answered), failing",
+        l2=True,
+        states=("checking", "ok", "failing"),
+    ),
+    Stat(
+        "l2_problem",
+        "text",
+        "",
+        "Why L2 cannot be used (credentials, unreachable, ...), empty while it answers",
+        l2=True,
+    ),
     Stat(
         "l2_state",
         "state",
@@ -325,7 +348,12 @@ STATS: Final = (
         l2=True,
     ),
     Stat(
-        "l2_bytes_fetched", "counter", "bytes", "Bytes of verified objects fetched from L2", l2=True
+        "l2_bytes_fetched",
+        "counter",
+        "bytes",
+        "Bytes of verified objects fetched from L2",
+        l2=True,
+        family="l2_fetched_bytes",
     ),
     Stat("l2_errors", "counter by kind", "calls", "Failed L2 calls, by kind", l2=True),
     Stat(
