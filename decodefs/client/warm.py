@@ -118,13 +118,15 @@ def warm(
         return refusals is not None and refusals() > refused_before
 
     window = 2 * jobs  # enough queued that no worker waits for the next key
+    base = os.fspath(directory)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="warm")
     bar = tqdm(total=total, unit="img", disable=not progress, mininterval=0.5, smoothing=0.1)
     pending: dict[concurrent.futures.Future[OSError | None], str] = {}
     try:
         while True:
             for key in itertools.islice(listed, window - len(pending)):
-                pending[pool.submit(_touch, directory / array_name(key))] = key
+                # os.path, not pathlib: pathlib interns every name it parses, for good.
+                pending[pool.submit(_touch, os.path.join(base, array_name(key)))] = key
             if not pending:
                 break
             finished, _ = concurrent.futures.wait(
@@ -197,7 +199,7 @@ _STORE_FULL = frozenset({errno.EDQUOT, errno.ENOSPC, errno.EROFS})  # from an ol
 _STORE_REFUSES = "it is at its capacity limit, full or read-only"
 
 
-def _touch(path: Path) -> OSError | None:
+def _touch(path: str) -> OSError | None:
     try:
         os.close(os.open(path, os.O_RDONLY | WARM_FLAG))
     except OSError as exc:
