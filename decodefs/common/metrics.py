@@ -33,6 +33,7 @@ __all__ = [
     "Metrics",
     "figures",
     "render_prometheus",
+    "stats_families",
 ]
 
 _THROTTLE_KINDS_MAX: Final = 10_000
@@ -157,9 +158,15 @@ class _StatsCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        for stat in STATS:
-            if stat.name in self._stats:
-                yield _family(stat, self._stats[stat.name])
+        return stats_families(self._stats)
+
+
+def stats_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    """The Prometheus families of a stats snapshot: one per figure of stats_schema.STATS
+    that it holds."""
+    for stat in STATS:
+        if stat.name in stats:
+            yield _family(stat, stats[stat.name])
 
 
 def _family(stat: Stat, value: Any) -> Metric:

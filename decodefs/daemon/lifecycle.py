@@ -44,6 +44,7 @@ from .debug import dump_on_sigusr1, stacks_on_sigusr1
 from .direct_hits import DirectHits
 from .engine import Engine
 from .fs import DecodeFS, FuseMount, MountFailed
+from .metrics_http import MetricsEndpoint
 from .namespace import Tree, version_order
 from .notify import ServiceNotifier
 from .process import (
@@ -131,11 +132,16 @@ def _serve_mount(config: Config, mountpoint: str, on_ready: Callable[[], None] |
         }
         tree = Tree(config, sources)  # lists protocol.STATUS_FILES, the keys above
         operations = DecodeFS(tree, engine, status_files)
+        # Listening before the mount: a busy address is a user error, nothing mounted.
+        metrics = None if config.metrics_address is None else MetricsEndpoint(
+            config.metrics_address, stats
+        )  # fmt: skip
         loops = _Loops(
             engine,
             BackgroundWarm(engine, sources),
             DirectHits(config, sources, store, engine.metrics),
             access_socket,
+            metrics,
         )
         fuse = FuseMount(operations, mountpoint, allow_other=config.allow_other)
         try:
@@ -148,6 +154,8 @@ def _serve_mount(config: Config, mountpoint: str, on_ready: Callable[[], None] |
         finally:
             fuse.close()
             engine.close()
+            if metrics is not None:
+                metrics.close()
     finally:
         store.close()
     log.info("unmounted %s", mountpoint)
@@ -178,6 +186,7 @@ class _Loops:
     warm: BackgroundWarm  # started once the mount is live
     direct_hits: DirectHits
     access_socket: str | None  # where direct hits arrive (None: nowhere)
+    metrics: MetricsEndpoint | None = None  # metrics_address's HTTP endpoint
 
 
 async def _serve(
@@ -198,6 +207,8 @@ async def _serve(
         nursery.start_soon(engine.run)
         if loops.access_socket is not None:
             nursery.start_soon(loops.direct_hits.receive, loops.access_socket)
+        if loops.metrics is not None:
+            nursery.start_soon(loops.metrics.serve)
         with serving:
             aborted = await fuse.serve()
         nursery.cancel_scope.cancel()
