@@ -5,8 +5,9 @@
 #          .venv/ with decodefs and its own dependencies alone (pip install -e .), ~100 MB
 #   test   (test.sh, the default): also systemd-analyze, prlimit and redis-server (apt), and
 #          the test, cluster-test and torch extras in .venv/ with the CPU build $DECODEFS_TORCH
-#          (default torch==2.13.0), named in the same pip command as the extra so pip never
-#          picks a CUDA build; ~1.6 GB
+#          (default torch==2.13.0), named in the same pip command as the extra so that pip
+#          keeps the build it finds first: the CPU wheel where one is at hand (this project's
+#          machines), ~1.6 GB; from PyPI alone, the CUDA build, ~5.5 GB
 # A test install serves the demo too; a light one is completed by the next test.sh.
 # Sourced by test.sh, demo.sh and mutation.sh; sets VENV.
 set -euo pipefail
