@@ -38,6 +38,13 @@ WAIT_SECONDS = float(os.environ.get("DECODEFS_TEST_WAIT_SECONDS", "30"))
 # -- waiting on conditions --------------------------------------------------
 
 
+def interruptible() -> None:
+    """A Popen ``preexec_fn``: SIGINT as a terminal gives it, even to a run started as a
+    background job (whose SIGINT the shell ignores, which Python would keep: Ctrl-C
+    would then never reach the command under test)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str | None = None) -> T:
     """Poll ``predicate`` until it returns something true, and return that.
 

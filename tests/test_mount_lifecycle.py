@@ -21,6 +21,7 @@ from tests.conftest import MountFactory
 from tests.helpers import (
     decodefs,
     errno_of,
+    interruptible,
     is_live_mount,
     is_mounted,
     reference_npy,
@@ -162,7 +163,10 @@ def test_a_mount_command_stopped_while_its_mount_starts_leaves_no_mount(
     mnt.mkdir()
     command = [sys.executable, "-m", "decodefs", "mount", str(mnt), "--config", str(config)]
     parent = subprocess.Popen(
-        [*command, "--log-file", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*command, "--log-file", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=interruptible,
     )
     try:
         # The parent waits for the daemon's word once the log exists and the daemon runs.

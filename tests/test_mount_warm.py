@@ -12,7 +12,14 @@ from pathlib import Path
 
 from decodefs.sample import make_sample_corpus
 from tests.conftest import LARGE_COUNT, MountFactory
-from tests.helpers import Mount, decodefs, reference_npy, wait_until, write_bad_originals
+from tests.helpers import (
+    Mount,
+    decodefs,
+    interruptible,
+    reference_npy,
+    wait_until,
+    write_bad_originals,
+)
 
 
 def test_warm_fills_the_cache_and_a_second_run_costs_nothing(
@@ -74,6 +81,7 @@ def test_warm_is_interruptible_and_resumes(mounts: MountFactory, large: list[Pat
             "--jobs",
             "1",
         ],
+        preexec_fn=interruptible,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
