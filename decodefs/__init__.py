@@ -23,7 +23,7 @@ from .common.version import package_version
 
 if TYPE_CHECKING:
     from . import reader as reader  # decodefs.reader.read_array_into, as documented
-    from .client import class_labels, list_keys, read_array
+    from .client import class_labels, failed_keys, list_keys, read_array
     from .common.config import Config, ConfigError, VersionConfig, load_config
     from .common.decode import DecodeError, DecodeSettings, decode_image
     from .common.npy import npy_bytes, npy_file_size, npy_header
@@ -39,6 +39,7 @@ __all__ = [
     "__version__",
     "class_labels",
     "decode_image",
+    "failed_keys",
     "list_keys",
     "load_config",
     "npy_bytes",
@@ -51,7 +52,7 @@ __all__ = [
 _HOMES: Final = {
     **dict.fromkeys(("Config", "ConfigError", "VersionConfig", "load_config"), "common.config"),
     **dict.fromkeys(("DecodeError", "DecodeSettings", "decode_image"), "common.decode"),
-    **dict.fromkeys(("class_labels", "list_keys", "read_array"), "client"),
+    **dict.fromkeys(("class_labels", "failed_keys", "list_keys", "read_array"), "client"),
     **dict.fromkeys(("npy_bytes", "npy_file_size", "npy_header"), "common.npy"),
 }
 

@@ -7,6 +7,8 @@ seed so every run sees the same corpus.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import uuid
 from pathlib import Path
 
@@ -51,12 +53,20 @@ def make_sample_corpus(
     paths = []
     for i in range(count):
         name = uuid.UUID(bytes=rng.bytes(16), version=4)
-        path = directory / f"batch-{i % 4:02d}" / f"{name}.jpg"
+        paths.append(directory / f"batch-{i % 4:02d}" / f"{name}.jpg")
+
+    def write(i: int) -> None:
+        path = paths[i]
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
         image_rng = np.random.default_rng([seed, i])
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            photo_like(image_rng, width, height).save(tmp, format="JPEG", quality=quality)
-            tmp.rename(path)
-        paths.append(path)
+        tmp = path.with_suffix(f".{i}.tmp")
+        photo_like(image_rng, width, height).save(tmp, format="JPEG", quality=quality)
+        tmp.rename(path)
+
+    # One image per core at once: Pillow and numpy let go of the GIL for the heavy parts,
+    # and each image has its own generator, so the corpus is the same.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(write, range(count)))
     return paths

@@ -72,7 +72,7 @@ MUTANTS = [
         "carryover-ignores-the-decode",
         "what was verified for arrays decoded another way is taken over",
         "decodefs/daemon/carryover.py",
-        "        if entry.get(\"digest\") != digests.get(version):\n",
+        '        if entry.get("digest") != digests.get(version):\n',
         "        if False:\n",
         ("tests/test_reload.py",),
     ),

@@ -1,38 +1,72 @@
 #!/usr/bin/env bash
 # Install what decodefs needs on a fresh Debian machine; quick when already done.
-#   apt: see system-packages.sh (plus systemd-analyze for the tests)
-#   .venv/ with decodefs, its test tools and PyTorch (the torch extra: its tests run in CI),
-#   the CPU build $DECODEFS_TORCH (default torch==2.13.0, this machine's CPU wheel), named
-#   in the same pip command as the extra so pip never picks a CUDA build and its packages
-# Sourced by test.sh and demo.sh; sets VENV.
+# Two sizes, chosen by DECODEFS_SETUP (or, run as a command, its one argument):
+#   light  (demo.sh): apt: system-packages.sh (FUSE 3, a compiler for pyfuse3, python3-venv);
+#          .venv/ with decodefs and its own dependencies alone (pip install -e .), ~100 MB
+#   test   (test.sh, the default): also systemd-analyze, prlimit and redis-server (apt), and
+#          the test, cluster-test and torch extras in .venv/ with the CPU build $DECODEFS_TORCH
+#          (default torch==2.13.0), named in the same pip command as the extra so that pip
+#          keeps the build it finds first: the CPU wheel where one is at hand (this project's
+#          machines), ~1.6 GB; from PyPI alone, the CUDA build, ~5.5 GB
+# A test install serves the demo too; a light one is completed by the next test.sh.
+# Sourced by test.sh, demo.sh and mutation.sh; sets VENV.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DECODEFS_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
-# The tests also run systemd-analyze (command:package), prlimit, and Redis (JuiceFS's
-# metadata, for the cluster tests).
-DECODEFS_EXTRA_PACKAGES="systemd-analyze:systemd prlimit:util-linux redis-server:redis-server" \
+SETUP="${DECODEFS_SETUP:-test}"
+if [ "${BASH_SOURCE[0]}" = "$0" ] && (($#)); then
+    SETUP="$1" # bash scripts/setup.sh light (sourced, "$@" are the caller's arguments)
+fi
+case "$SETUP" in
+    light | test) ;;
+    *) echo "setup: DECODEFS_SETUP is light or test, not '$SETUP'" >&2; exit 2 ;;
+esac
+if [ "$SETUP" = test ]; then
+    # The tests also run systemd-analyze (command:package), prlimit, and Redis (JuiceFS's
+    # metadata, for the cluster tests).
+    DECODEFS_EXTRA_PACKAGES="systemd-analyze:systemd prlimit:util-linux redis-server:redis-server" \
+        source "$ROOT/scripts/system-packages.sh"
+else
     source "$ROOT/scripts/system-packages.sh"
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
 fi
 TORCH="${DECODEFS_TORCH:-torch==2.13.0}"
-# Reinstall only when the project's dependencies change.
+# Reinstall only when the project's dependencies change. The stamp holds "<size> <digest>".
 stamp="$VENV/.decodefs-installed"
-want="$( (cat "$ROOT/pyproject.toml"; echo "$TORCH") | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: installing decodefs and its test tools into $VENV" >&2
+light="light $(sha256sum <"$ROOT/pyproject.toml" | cut -d' ' -f1)"
+full="test $( (cat "$ROOT/pyproject.toml"; echo "$TORCH") | sha256sum | cut -d' ' -f1)"
+have="$(cat "$stamp" 2>/dev/null || true)"
+if [ "$SETUP" = light ] && { [ "$have" = "$light" ] || [ "$have" = "$full" ]; }; then
+    : # a light install or a test install of these dependencies: nothing to do
+elif [ "$SETUP" = test ] && [ "$have" = "$full" ]; then
+    :
+else
+    if [ "$SETUP" = light ]; then
+        echo "setup: installing decodefs into $VENV" >&2
+        what=("$ROOT")
+        check='import decodefs, pyfuse3'
+        want="$light"
+    else
+        echo "setup: installing decodefs, its test tools and PyTorch into $VENV (a few minutes)" >&2
+        what=("$ROOT[test,cluster-test,torch]" "$TORCH")
+        check='import decodefs, pyfuse3, skimage, boto3, distributed, torch'
+        want="$full"
+    fi
     log="$(mktemp)"
-    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[test,cluster-test,torch]" "$TORCH" >"$log" 2>&1; then
+    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "${what[@]}" >"$log" 2>&1; then
         grep -v "^WARNING: Location .* is ignored" "$log" >&2
+        rm -f "$log"
         echo "setup: pip install failed" >&2
         exit 1
     fi
     rm -f "$log"
-    "$VENV/bin/python" -c 'import decodefs, pyfuse3, skimage, boto3, distributed, torch' # fails loudly if the install did
+    "$VENV/bin/python" -c "$check" # fails loudly if the install did
     echo "$want" >"$stamp"
 fi
 export VENV

@@ -102,6 +102,10 @@ def start(
     ``top`` holds top-level config keys, ``version_keys`` keys for every version,
     ``overrides`` keys for one version by its name.
     """
+    # As helpers.write_config: the tests read any size (unlisted_sizes=None: the default).
+    top.setdefault("unlisted_sizes", "owner")
+    if top["unlisted_sizes"] is None:
+        del top["unlisted_sizes"]
     raw: dict[str, Any] = {
         "store": str(store or base / "store"),
         "versions": {

@@ -298,7 +298,7 @@ def test_error_paths_run_without_pyfuse3_or_trio(tmp_path: Path, originals: Path
 def test_stats_warm_verify_and_umount_of_a_live_mount_run_without_pyfuse3_or_trio(
     mounts: MountFactory, originals: Path
 ) -> None:
-    mount = mounts({"v1": originals})
+    mount = mounts({"v1": originals}, sizes=[32])
     warmed = without_daemon("warm", mount.mountpoint, "v1", "32")
     assert warmed.returncode == 0, warmed.stderr
     stats = without_daemon("stats", mount.mountpoint)

@@ -21,6 +21,7 @@ from tests.conftest import MountFactory
 from tests.helpers import (
     decodefs,
     errno_of,
+    interruptible,
     is_live_mount,
     is_mounted,
     reference_npy,
@@ -126,6 +127,9 @@ def test_output_to_a_closed_pipe_ends_quietly_and_the_mount_stays(
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     pipe = closed_pipe()
+    # Buffered, as a user's terminal runs it: the closed pipe shows when the output is
+    # flushed (PYTHONUNBUFFERED, set on some machines, hid it: exit 120 and noise).
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     try:
         for args in (("mount", mnt, "--config", config), ("stats", mnt)):
             result = subprocess.run(
@@ -134,6 +138,7 @@ def test_output_to_a_closed_pipe_ends_quietly_and_the_mount_stays(
                 stderr=subprocess.PIPE,
                 text=True,
                 timeout=120,
+                env=buffered,
             )
             assert result.returncode == 141, (args, result.stderr)  # 128 + SIGPIPE
             assert result.stderr == "", (args, result.stderr)  # no traceback, no noise
@@ -158,7 +163,10 @@ def test_a_mount_command_stopped_while_its_mount_starts_leaves_no_mount(
     mnt.mkdir()
     command = [sys.executable, "-m", "decodefs", "mount", str(mnt), "--config", str(config)]
     parent = subprocess.Popen(
-        [*command, "--log-file", str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*command, "--log-file", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=interruptible,
     )
     try:
         # The parent waits for the daemon's word once the log exists and the daemon runs.

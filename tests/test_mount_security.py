@@ -103,7 +103,7 @@ def test_with_allow_other_on_another_user_reads_arrays_but_writes_nothing(
 def test_another_user_cannot_fill_the_flash_with_sizes_nobody_configured(
     public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
-    mount = public_mounts({"v1": photos_dir}, allow_other=True, sizes=[64])
+    mount = public_mounts({"v1": photos_dir}, allow_other=True, sizes=[64], unlisted_sizes="owner")
     uuid = sorted(photos)[0]
     for size in [64, *range(100, 110)]:  # one listed size and ten sizes nobody listed
         result = as_nobody("cat", mount.path("v1", str(size), f"{uuid}.npy"))

@@ -269,8 +269,9 @@ def test_metrics_file_is_prometheus_text_agreeing_with_stats(
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    for name in ["hits", "misses", "decodes", "bytes_served", "evictions"]:
+    for name in ["hits", "misses", "decodes", "evictions"]:
         assert samples[(f"decodefs_{name}_total", ())] == stats[name], name
+    assert samples[("decodefs_served_bytes_total", ())] == stats["bytes_served"]
     assert samples[("decodefs_decodes_total", ())] == len(photos)
     assert samples[("decodefs_store_entries", ())] == stats["store_entries"] == len(photos)
     assert samples[("decodefs_store_bytes", ())] == stats["store_bytes"]

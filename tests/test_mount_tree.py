@@ -25,6 +25,7 @@ def test_root_lists_versions_and_status_dir(mount: Mount) -> None:
     assert sorted(os.listdir(mount.mountpoint)) == [".decodefs", "v1", "v2"]
     assert sorted(os.listdir(mount.path(".decodefs"))) == [
         "config.json",
+        "failed.json",
         "metrics",
         "stats.json",
         "store.json",

@@ -669,3 +669,29 @@ def test_a_store_from_a_config_has_its_limits_policy_and_fingerprints(tmp_path: 
     # The fingerprints the daemon checks entries against: the layout is part of them.
     assert s.digests() == {name: v.fingerprint().hex for name, v in config.versions.items()}
     assert s.digest("m") != s.digest("u") == config.versions["u"].fingerprint().digest
+
+
+def test_a_lowered_limit_is_met_by_trim_oldest_first_and_never_a_pinned_entry(
+    tmp_path: Path,
+) -> None:
+    uuids = [f"e{i:02d}" for i in range(10)]
+    stored_and_closed(tmp_path / "store", uuids)  # no limit then: 10 entries
+    ticks = iter(range(1_000_000, 2_000_000))
+    s = Store(
+        tmp_path / "store", {"v1": V1}, max_bytes=4 * entry_bytes(), clock=lambda: next(ticks)
+    )
+    s.open()
+    try:
+        assert s.wait_for_usage().entries == 10 and s.capacity.over_limit()
+        for uuid in uuids[5:]:  # read lately: the newest
+            s.capacity.record_access(EntryKey("v1", 16, uuid))
+        s.capacity.pin(EntryKey("v1", 16, "e00"))  # held open by a reader: stays
+        assert s.capacity.trim() == (6, 6 * entry_bytes())
+        assert not s.capacity.over_limit()
+        kept = sorted(k for k in uuids if s.contains(EntryKey("v1", 16, k)))
+        assert kept == ["e00", "e07", "e08", "e09"]
+        assert s.usage().bytes == 4 * entry_bytes() and s.usage().evictions == 6
+        assert s.usage_by_size()[("v1", 16)].entries == 4
+        assert s.capacity.trim() == (0, 0)  # within its limit: nothing more
+    finally:
+        s.close()

@@ -18,22 +18,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from ..client import warm
-from ..common.advice import empty_version_warning, store_warning
+from ..client import failed_originals, iter_key_list, warm
+from ..common.advice import discarded_warning, empty_version_warning, store_warning
 from ..common.config import Config, load_config
 from ..common.mounts import MountError, clear_stale, find_mount, prepare_mountpoint, unmount
-from ..common.protocol import FS_TYPE, STATS_FILE, STATUS_DIR
+from ..common.protocol import CONFIG_FILE, FS_TYPE, STATS_FILE, STATUS_DIR
 from ..common.status import holder_figures, parse_status, read_status_bytes
 from ..holder import ControlError, HolderUnreachable, ask_holder, mount_problem
 from ..store import adopt, recorded_digests, verify_store
 from .checks import (
+    check_l2_client,
     check_log_file,
+    count_keys,
     daemon_gone,
     decodefs_mounts,
     default_log_file,
     live_mount,
     mount_failure,
     mounted_at,
+    mounted_version,
     named_config,
     named_mountpoint,
     read_keys,
@@ -42,10 +45,20 @@ from .checks import (
 )
 from .errors import EXIT_ERROR, UsageError, error_text, exit_status, is_user_error
 from .spawn import spawn
-from .status import counter, format_all_stats, format_stats, read_stats, serving
+from .status import (
+    counter,
+    failed_summary,
+    format_all_stats,
+    format_stats,
+    l2_problem,
+    read_stats,
+    read_status,
+    serving,
+)
 
 __all__ = [
     "run_adopt",
+    "run_failed",
     "run_make_sample",
     "run_mount",
     "run_stats",
@@ -60,6 +73,7 @@ def run_mount(args: argparse.Namespace) -> int:
     """`decodefs mount`: checks what it can in the user's terminal, then becomes the mount's
     holder (--foreground) or starts one and returns once the mount is live."""
     config = named_config(args)
+    check_l2_client(config)
     mountpoint = named_mountpoint(args.mountpoint, config.mountpoint)
     log_file = None
     if not args.foreground:  # the one thing the daemon cannot report: checked first
@@ -90,6 +104,13 @@ def run_mount(args: argparse.Namespace) -> int:
         if isinstance(served, dict) and served.get("originals") == 0:
             warning = empty_version_warning(config, name)
             print(f"decodefs: warning: {warning}", file=sys.stderr)
+        discarded = served.get("discarded") if isinstance(served, dict) else None
+        if isinstance(discarded, dict):
+            print(f"decodefs: warning: {discarded_warning(name, discarded)}", file=sys.stderr)
+    if config.l2 is not None:
+        problem = l2_problem(Path(mountpoint), config.l2.timeout_seconds)
+        if problem is not None:
+            print(f"decodefs: warning: {problem}", file=sys.stderr)
     return 0
 
 
@@ -215,40 +236,55 @@ def run_warm(args: argparse.Namespace) -> int:
         return _warm_cluster(args)
     if args.mountpoint is None:
         args.parser.error("the following arguments are required: mountpoint (or --cluster)")
-    keys = read_keys(args.keys) if args.keys else None
+    count = count_keys(args.keys) if args.keys else None  # every line checked first
     directory = version_size_dir(
         live_mount(args.mountpoint, f"warm {{}} {args.version} {args.size}"),
         args.version,
         args.size,
     )
+    _refuse_unstored_size(args.mountpoint, args.version, args.size)
     before = read_stats(args.mountpoint)
+    if count is None:
+        versions = before.get("versions")
+        served = versions.get(args.version) if isinstance(versions, dict) else None
+        originals = served.get("originals") if isinstance(served, dict) else None
+        count = originals if isinstance(originals, int) else None
     try:
         report = warm(
             directory,
-            keys,
+            iter_key_list(args.keys) if args.keys else None,
             args.jobs,
             progress=sys.stderr.isatty(),
             refusals=lambda: counter(read_stats(args.mountpoint), "warm_not_stored"),
+            total=count,
         )
-    except OSError as exc:  # listing the size directory
+    except OSError as exc:  # listing the size directory, or reading --keys again
         raise mount_failure(args.mountpoint, exc) from None
+    except ValueError as exc:  # --keys changed since it was checked
+        raise UsageError(f"--keys {args.keys}: {exc}") from None
     if report.daemon_gone:
-        progress = f"after {report.done:,} of {report.total:,} arrays"
-        raise daemon_gone(args.mountpoint, report.daemon_gone, progress)
+        of = f" of {report.total:,}" if report.total is not None else ""
+        raise daemon_gone(args.mountpoint, report.daemon_gone, f"after {report.done:,}{of} arrays")
     after = read_stats(args.mountpoint)
     decoded = counter(after, "decodes") - counter(before, "decodes")
     rate = report.done / report.seconds if report.seconds else 0.0
     what = f"{args.version}/{args.size}"
     print(
-        f"decodefs: warmed {report.done:,} of {report.total:,} arrays of {what} "
+        f"decodefs: warmed {report.done:,} of {report.total or report.seen:,} arrays of {what} "
         f"in {report.seconds:.1f} s ({rate:,.1f}/s); the daemon decoded {decoded:,} meanwhile"
     )
     log = after.get("log") or "the daemon's log"  # where it goes, as the daemon says
     for key, reason in sorted(report.failed.items())[:20]:
         print(f"decodefs: failed: {key}: {reason} ({log} says why)", file=sys.stderr)
-    if report.missing:
+    if report.failed_count > 20:
         print(
-            f"decodefs: error: {len(report.missing):,} keys of {args.keys} are not "
+            f"decodefs: ... and {report.failed_count - 20:,} more failed (`decodefs failed "
+            f"{args.mountpoint} {args.version}` lists every one, with its reason)",
+            file=sys.stderr,
+        )
+    if report.missing_count:
+        print(
+            f"decodefs: error: {report.missing_count:,} keys of {args.keys} are not "
             f"originals of {args.version}, e.g. {report.missing[0]!r} (`decodefs.list_keys` "
             f"or `ls {directory}` lists those it has)",
             file=sys.stderr,
@@ -260,7 +296,23 @@ def run_warm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
-    return exit_status(report.interrupted, failed=bool(report.failed or report.missing))
+    return exit_status(report.interrupted, failed=bool(report.failed_count or report.missing_count))
+
+
+def _refuse_unstored_size(mountpoint: Path, version: str, size: int) -> None:
+    """A warm of a size the daemon will not store (unlisted, ``unlisted_sizes = "memory"``)
+    would decode every original and keep none: a UsageError saying how to store it."""
+    config = read_status(mountpoint, CONFIG_FILE)
+    versions, unlisted = config.get("versions"), config.get("unlisted_sizes")
+    settings = versions.get(version) if isinstance(versions, dict) else None
+    sizes = settings.get("sizes") if isinstance(settings, dict) else None
+    if not isinstance(sizes, list) or size in sizes or unlisted != "memory":
+        return  # listed, stored anyway, or a daemon that does not say
+    raise UsageError(
+        f"size {size} is not one of {version}'s sizes ({', '.join(map(str, sizes))}), and "
+        f'the daemon stores no unlisted size (unlisted_sizes = "memory"): a warm would '
+        f"store nothing; add {size} to versions.{version}.sizes in its config and mount again"
+    )
 
 
 def _warm_cluster(args: argparse.Namespace) -> int:
@@ -268,6 +320,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
     config = named_config(args)
     if config.l2 is None:
         raise UsageError(f"{args.config}: no l2 to warm (--cluster fills the cluster's L2)")
+    check_l2_client(config)
     if args.version not in config.versions:
         names = ", ".join(sorted(config.versions))
         raise UsageError(f"{args.config} has no version {args.version!r} (it has: {names})")
@@ -393,6 +446,7 @@ def run_stats(args: argparse.Namespace) -> int:
     """`decodefs stats`: prints a live mount's counters (a table, --all, or --json); when no
     serving process answers, what the mount's holder says."""
     path = args.mountpoint / STATUS_DIR / STATS_FILE
+    mountpoint = args.mountpoint
     try:
         mountpoint = live_mount(args.mountpoint, "stats {}")
         raw = read_status_bytes(mountpoint, STATS_FILE)
@@ -412,7 +466,34 @@ def run_stats(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(raw.decode())
         return 0
-    print(format_all_stats(stats) if args.all else format_stats(stats))
+    if args.all:
+        print(format_all_stats(stats))
+        return 0
+    failed = None  # a daemon older than failed.json, or none serving: the count alone
+    if "hits" in stats:
+        with contextlib.suppress(OSError, ValueError):
+            failed = failed_originals(mountpoint)
+    print(format_stats(stats, failed))
+    return 0
+
+
+def run_failed(args: argparse.Namespace) -> int:
+    """`decodefs failed`: the originals that failed to decode, one a line (or --json)."""
+    mountpoint = live_mount(args.mountpoint, "failed {}")
+    if args.version is not None:
+        mounted_version(mountpoint, args.version)
+    try:
+        listed = failed_originals(mountpoint, args.version)
+    except OSError as exc:
+        raise mount_failure(args.mountpoint, exc) from None
+    except ValueError as exc:
+        raise UsageError(f"{mountpoint}: {exc}; is this decodefs?") from None
+    if args.json:
+        sys.stdout.buffer.write(listed.to_json())
+        return 0
+    for row in listed.failed:
+        print(f"{row.version}\t{row.key}\t{row.path}\t{row.reason}")
+    print(failed_summary(listed, args.version, read_stats(mountpoint)), file=sys.stderr)
     return 0
 
 

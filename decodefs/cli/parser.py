@@ -10,11 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..common.config import DEFAULT_CONFIG_PATH, LOG_LEVELS
-from ..common.protocol import STATS_FILE
+from ..common.protocol import FAILED_FILE, STATS_FILE
 from ..common.version import package_version
 from ..store import DEFAULT_SAMPLE
 from .commands import (
     run_adopt,
+    run_failed,
     run_make_sample,
     run_mount,
     run_stats,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         _adopt_arguments,
         _verify_arguments,
         _stats_arguments,
+        _failed_arguments,
         _make_sample_arguments,
     ):
         add_arguments(commands.add_parser)
@@ -257,6 +259,23 @@ def _stats_arguments(add_command: AddCommand) -> None:
         "--all", action="store_true", help="print every figure, with its unit and meaning"
     )
     stats.set_defaults(run=run_stats)
+
+
+def _failed_arguments(add_command: AddCommand) -> None:
+    """The arguments of `decodefs failed`."""
+    failed = add_command(
+        "failed",
+        help="list the originals that failed to decode: version, key, path and reason",
+        description="One line per original that failed to decode since the mount's daemon "
+        "started and has not decoded since: VERSION, KEY, PATH and REASON, separated by tabs "
+        f"(the mount's .decodefs/{FAILED_FILE}). Its array is EIO through the mount.",
+    )
+    failed.add_argument("mountpoint", type=Path)
+    failed.add_argument("version", nargs="?", help="only this version's (default: every one)")
+    failed.add_argument(
+        "--json", action="store_true", help=f"print them as {FAILED_FILE} holds them"
+    )
+    failed.set_defaults(run=run_failed)
 
 
 def _make_sample_arguments(add_command: AddCommand) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "L2Config",
     "VersionConfig",
     "load_config",
+    "metrics_host_port",
     "parse_byte_size",
     "parse_config",
 ]
@@ -53,7 +54,10 @@ _BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-UnlistedSizes = Literal["owner", "everyone"]
+# Who gets an array of a size no version lists stored on flash: nobody ("memory": served
+# from memory, decoded again when the memory cache dropped it), the daemon's own user
+# ("owner"), or every user ("everyone").
+UnlistedSizes = Literal["memory", "owner", "everyone"]
 LOG_LEVELS: Final[tuple[LogLevel, ...]] = get_args(LogLevel)
 
 
@@ -156,10 +160,12 @@ class Config:
     io_workers: int = 8
     memory_cache_bytes: int = 512 << 20
     decode_memory_bytes: int = 1 << 30
-    unlisted_sizes: UnlistedSizes = "owner"
+    unlisted_sizes: UnlistedSizes = "memory"
     max_pixels: int = DEFAULT_MAX_PIXELS
     error_cache_seconds: float = 10.0
     log_level: LogLevel = "info"
+    # Where Prometheus may scrape the metrics over HTTP ("127.0.0.1:9464"; None: nowhere).
+    metrics_address: str | None = None
     l2: L2Config | None = None
 
     def fingerprints(self) -> dict[str, Fingerprint]:
@@ -226,6 +232,16 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path, path: Path | None = Non
         where = f"{path}: " if path else ""
         raise ConfigError(*(f"{where}{problem}" for problem in parser.problems))
     return config
+
+
+def metrics_host_port(value: object) -> tuple[str, int]:
+    """``metrics_address`` as (host, port): "" for every address; ValueError if it is none."""
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]*):([0-9]{1,5})", str(value))
+    if not isinstance(value, str) or match is None or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(
+            f'expected "HOST:PORT" such as "127.0.0.1:9464" (":9464": every address), got {value!r}'
+        )
+    return match.group(1).strip("[]"), int(match.group(2))
 
 
 def parse_byte_size(value: object) -> int:
@@ -308,6 +324,7 @@ class _Parser:
             raw, "unlisted_sizes", defaults.unlisted_sizes, get_args(UnlistedSizes)
         )
         max_pixels, error_cache_seconds = self.decode_limits(raw)
+        metrics_address = self.metrics_address(raw)
         l2 = l2_config(self, raw)
         if self.problems or store is None:
             return None
@@ -329,6 +346,7 @@ class _Parser:
             max_pixels=max_pixels,
             error_cache_seconds=error_cache_seconds,
             log_level=cast(LogLevel, log_level),
+            metrics_address=metrics_address,
             l2=l2,
         )
 
@@ -431,6 +449,19 @@ class _Parser:
             defaults.error_cache_seconds,
         )
         return max_pixels, error_cache_seconds
+
+    def metrics_address(self, raw: Mapping[str, Any]) -> str | None:
+        """``metrics_address``: "HOST:PORT" ("127.0.0.1:9464", "[::1]:9464", ":9464" for
+        every address); None if unset."""
+        value = raw.get("metrics_address")
+        if value is None:
+            return None
+        try:
+            metrics_host_port(value)
+        except ValueError as exc:
+            self.problems.append(f"metrics_address: {exc}")
+            return None
+        return cast(str, value)
 
     # -- one [versions.<name>] table --
 

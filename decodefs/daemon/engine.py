@@ -159,6 +159,7 @@ class Engine:
         self.upkeep = StoreUpkeep(store, self.known, self._write_limiter)
         self._decodes = Decodes(config, sources, self.metrics, self._read_limiter, clock=clock)
         self.decode_memory = self._decodes.memory  # stats.py reports it
+        self.failed = self._decodes.failed  # originals that failed to decode (failed.json)
         self.memory = MemoryBudget(config.memory_cache_bytes)
         # Arrays the store did not take (stats.py reads its size).
         self.memory_cache = MemoryCache(self.memory)
@@ -205,10 +206,10 @@ class Engine:
         client filling the cache, not reading) decodes at low priority and
         never evicts; if the store will not take the array, the handle still
         serves it (a reader must never fail for the flag) and ``warm_not_stored``
-        counts it. ``uid`` is who asks (None: the daemon's own user); with
-        ``unlisted_sizes = "owner"``, a size the version does not list is stored
-        only for the daemon's own user, and served to others from memory, so no
-        one user can fill the flash with sizes nobody configured. ``recheck``
+        counts it. ``uid`` is who asks (None: the daemon's own user); a size the
+        version does not list is stored only as ``unlisted_sizes`` says (by
+        default for nobody: served from memory), so no one can fill the flash
+        with sizes nobody configured. ``recheck``
         verifies the stored entry again even if it was verified earlier in this
         daemon's life (a reader found it damaged). Any user may ask: a recheck
         reads and hashes the file once, as reading it would, joins one already
@@ -274,11 +275,13 @@ class Engine:
     ) -> None:
         """The engine's own work beside the requests, until cancelled (a task of the
         daemon's nursery): learn what is stored, record hits for LRU, watch the
-        store, drop the entry pages brought in, and publish to the cluster's L2."""
+        store, bring it within its limits, drop the entry pages brought in, and
+        publish to the cluster's L2."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.known.note_stored)
             nursery.start_soon(self.upkeep.flush_accesses_forever, access_flush)
             nursery.start_soon(self.upkeep.watch_store_forever, store_check)
+            nursery.start_soon(self.upkeep.trim_forever, store_check)
             nursery.start_soon(self.reads.drop_forever)
             if self.l2 is not None:
                 nursery.start_soon(self.l2.run)
@@ -289,9 +292,15 @@ class Engine:
             self.l2.close()
 
     def _may_store(self, version: str, size: int, uid: int | None) -> bool:
-        if uid is None or uid == self._owner or self.config.unlisted_sizes == "everyone":
+        """Whether an array of ``size`` asked for by ``uid`` may go to flash: a listed
+        size always; one no version lists as ``unlisted_sizes`` says (by default never:
+        a typo such as 2240 must not fill the flash with a second cache)."""
+        if size in self.config.versions[version].sizes:
             return True
-        return size in self.config.versions[version].sizes
+        unlisted = self.config.unlisted_sizes
+        return unlisted == "everyone" or (
+            unlisted == "owner" and (uid is None or uid == self._owner)
+        )
 
     def release(self, handle: Handle) -> None:
         self._capacity.unpin(handle.key)

@@ -25,8 +25,10 @@ from ..common.decode import quiet_pillow_warnings
 from ..common.entry import EntryKey
 from ..common.inodes import INODE_LAYOUT
 from ..common.metrics import render_prometheus
+from ..common.mounts import MountError
 from ..common.protocol import (
     CONFIG_FILE,
+    FAILED_FILE,
     METRICS_FILE,
     STATS_FILE,
     STORE_FILE,
@@ -41,6 +43,7 @@ from .carryover import mark_verified, read_verified, save_verified
 from .direct_hits import DirectHits
 from .engine import Engine
 from .fs import DecodeFS, FuseSession
+from .metrics_http import MetricsEndpoint
 from .namespace import Tree
 from .numbers import MountNumbers
 from .process import (
@@ -77,6 +80,8 @@ class Serving:
     crash_restart: bool  # its predecessor died: originals are checked once it serves
     holder: dict[str, Any] = field(default_factory=dict)  # the holder's figures (stats.json)
     log_place: str = ""
+    metrics: MetricsEndpoint | None = None  # metrics_address's HTTP endpoint, once listening
+    _nursery: trio.Nursery | None = field(default=None, init=False, repr=False)
     operations: DecodeFS = field(init=False)  # made here, from the above
     session: FuseSession = field(init=False)
 
@@ -97,6 +102,7 @@ class Serving:
             METRICS_FILE: lambda: render_prometheus(self.stats()),
             CONFIG_FILE: lambda: _json(config.as_dict()),
             STORE_FILE: status.to_json,  # what read_array() needs (client/discovery.py)
+            FAILED_FILE: self.engine.failed.to_json,  # originals that failed to decode
         }
         self.operations = DecodeFS(self.tree, self.engine, status_files)
         self.operations.size_seen = self._size_seen
@@ -128,7 +134,10 @@ class Serving:
 
     async def run_beside(self, nursery: trio.Nursery) -> None:
         """Start what runs beside the requests until the nursery is cancelled."""
+        self._nursery = nursery
         nursery.start_soon(self.engine.run)
+        if self.metrics is not None:
+            nursery.start_soon(self.metrics.serve)
         access_socket = self.store.access_socket_path()
         if access_socket is not None:
             hits = DirectHits(self.config, self.sources, self.store, self.engine.metrics)
@@ -170,7 +179,29 @@ class Serving:
         mark_verified(value, self.engine.known, self.numbers, self.digests, self.reload.changed)
         if self.state_dir is not None:
             await trio.to_thread.run_sync(self._save_config)
+        self._listen_for_metrics()
         return self.reload.describe()
+
+    def _listen_for_metrics(self) -> None:
+        """The metrics endpoint of a serving process that is not the mount's first: its
+        address is free once the one before is gone (a problem is logged, not fatal)."""
+        address = self.config.metrics_address
+        if address is None or self.metrics is not None:
+            return
+        try:
+            self.metrics = MetricsEndpoint(address, self.stats)
+        except MountError as exc:
+            log.warning("%s; no metrics over HTTP until the next reload", exc)
+            return
+        if self._nursery is not None:
+            self._nursery.start_soon(self.metrics.serve)
+
+    def close(self) -> None:
+        """What this process holds beside the session, at its exit."""
+        self.engine.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.store.close()
 
     def carry_over(self) -> None:
         """Write what this process verified, for the mount's next serving process."""
@@ -226,6 +257,11 @@ def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
         if not facts.first:
             engine.hold(changes.redecoded)  # until no earlier process serves them
         reload = Reload(numbers, changes, sources, config=_config_changes(config, facts))
+        # The first serving process listens before the mount (a busy address is the user's
+        # error, nothing mounted); a later one once the one before is gone.
+        metrics = None
+        if facts.first and config.metrics_address is not None:
+            metrics = MetricsEndpoint(config.metrics_address, lambda: serving.stats())
         if not facts.crash_restart:
             reload.changed = changed_in_place(config, store, sources, numbers)
         if facts.state_dir is not None and not facts.first:
@@ -234,7 +270,7 @@ def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
     except BaseException:
         store.close()
         raise
-    return Serving(
+    serving = Serving(
         config=config,
         mountpoint=mountpoint,
         store=store,
@@ -246,7 +282,9 @@ def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
         state_dir=facts.state_dir,
         crash_restart=facts.crash_restart,
         log_place=log_place,
+        metrics=metrics,
     )
+    return serving
 
 
 def _tune_process(config: Config) -> None:

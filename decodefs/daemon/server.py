@@ -27,7 +27,7 @@ import trio
 
 from ..common import channel
 from ..common.config import ConfigError, load_config
-from ..common.mounts import store_holder_hint
+from ..common.mounts import MountError, store_holder_hint
 from ..common.source import SourceError
 from ..common.startlog import HeldLog
 from ..common.version import package_version
@@ -88,7 +88,7 @@ def _serve_process(
         hint = store_holder_hint(exc.holder_pid) if exc.holder_pid else ""
         _fail(sock, f"{exc}{hint}", held)
         return 2
-    except (ConfigError, StoreError, SourceError, NumbersLost, OSError) as exc:
+    except (ConfigError, StoreError, SourceError, NumbersLost, MountError, OSError) as exc:
         _fail(sock, str(exc), held)
         return 2
     serving.holder = dict(hello.get("holder") or {})
@@ -131,8 +131,7 @@ def _serve_process(
     finally:
         if serving.session.started:
             serving.session.close()
-        serving.engine.close()
-        serving.store.close()
+        serving.close()
     return 0
 
 

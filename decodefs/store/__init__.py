@@ -10,6 +10,8 @@ from .adopt import DEFAULT_SAMPLE, AdoptError, adopt
 from .pagecache import PendingDrops
 from .store import (
     CorruptEntry,
+    Discarded,
+    SizeUsage,
     Store,
     StoreError,
     StoreInUse,
@@ -24,7 +26,9 @@ __all__ = [
     "DEFAULT_SAMPLE",
     "AdoptError",
     "CorruptEntry",
+    "Discarded",
     "PendingDrops",
+    "SizeUsage",
     "Store",
     "StoreBusy",
     "StoreError",

@@ -47,9 +47,9 @@ from ..common.trusted import CREATE_FLAGS
 from ..common.trusted import DIRECTORY_FLAGS as _DIR
 from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
-from .capacity import Capacity, StoreUsage
+from .capacity import Capacity, SizeUsage, StoreUsage
 from .catalog import Catalog
-from .fingerprints import check_fingerprint, recorded_digest, start_trash_cleanup
+from .fingerprints import Discarded, check_fingerprint, recorded_digest, start_trash_cleanup
 from .flights import FlightClaims
 from .movein import CannotMove
 from .root import (
@@ -71,7 +71,9 @@ __all__ = [
     "CATALOG_FILE",
     "CannotMove",
     "CorruptEntry",
+    "Discarded",
     "Fingerprint",
+    "SizeUsage",
     "Store",
     "StoreError",
     "StoreInUse",
@@ -169,6 +171,9 @@ class Store:
         self.unsettled: list[str] = []  # versions to discard once it serves no more
         # Claims of keys being decoded, among the processes using this store (flights.py).
         self.flights = FlightClaims(None)
+        # Versions whose stored arrays were made by another fingerprint, discarded at open
+        # (or, after a handover, once the serving process before is gone).
+        self.discarded: dict[str, Discarded] = {}
         self.root = self._root.path
         self.capacity = Capacity(
             max_bytes=max_bytes,
@@ -547,6 +552,9 @@ class Store:
     def usage(self) -> StoreUsage:
         return self.capacity.usage()
 
+    def usage_by_size(self) -> dict[tuple[str, int], SizeUsage]:
+        return self.capacity.usage_by_size()
+
     def stored_keys(self, version: str, size: int) -> set[str]:
         return self.capacity.stored_keys(version, size)
 
@@ -575,7 +583,7 @@ class Store:
             )
 
     def _check_fingerprint(self, fd: int, version: str) -> None:
-        check_fingerprint(
+        discarded = check_fingerprint(
             fd,
             version,
             self._fingerprints[version],
@@ -584,6 +592,8 @@ class Store:
             file_mode=self.file_mode,
             discard_rows=self.capacity.discard_version,
         )
+        if discarded is not None:
+            self.discarded[version] = discarded
 
     def _gone(self) -> None:
         self.generation += 1

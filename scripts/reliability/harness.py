@@ -267,7 +267,9 @@ class Daemon:
         self.store = store or directory / "store"
         self.config = directory / "config.toml"
         self.log = directory / "daemon.log"
-        self.settings = {"store": self.store, **settings}
+        # The parts read sizes their versions do not list and count what is stored, as
+        # they did before "memory" became the default: stored for the daemon's own user.
+        self.settings = {"store": self.store, "unlisted_sizes": "owner", **settings}
         lines = [f"{k} = {toml(v)}" for k, v in self.settings.items()]
         for version, source in sources.items():
             lines += [f"[versions.{version}]", f"source = {toml(source)}"]
