@@ -35,6 +35,7 @@ import numpy as np
 from benchlib import DECODEFS, VERSION, WORK, BenchMount
 from PIL import Image
 
+from decodefs.holder.backoff import HEALTHY
 from decodefs.sample import make_sample_corpus
 
 # A reader process: loops over the list until the stop file appears; records every read
@@ -70,8 +71,8 @@ if mode == "torch":
     root, version, size = sys.argv[5:8]
     keys = [os.path.basename(p)[:-4] for p in paths]
     dataset = MountDataset(root, version, int(size), keys)
+    loader = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)
     while not os.path.exists(stop):
-        loader = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2)
         started = time.time()
         try:
             for images, targets in loader:
@@ -227,7 +228,7 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
     second = WORK / "handover-second"
     make_sample_corpus(second, 8, 800, 600, seed=12)
 
-    def switch(kind: str, action: Callable[[], None]) -> None:
+    def switch(kind: str, action: Callable[[], None], serve_for: float = 0.3) -> None:
         old = _stats(bench)["pid"]
         started = time.time()
         action()
@@ -236,7 +237,7 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
         )
         events.append((kind, started, time.time()))
         pauses.setdefault(kind, []).append(_stats(bench)["switch_pause_seconds"])
-        time.sleep(0.3)  # a bench's pacing between events, not a test's wait
+        time.sleep(serve_for)  # a bench's pacing between events, not a test's wait
 
     for i in range(args.reloads):
         changed = config
@@ -251,7 +252,10 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
     bench.config.write_text(config)
     first_epoch_decodes = _stats(bench)["mount_decodes"]
     for _ in range(args.kills):
-        switch("kill -9", lambda: os.kill(_stats(bench)["pid"], signal.SIGKILL))
+        # Each killed after serving a while (HEALTHY): deaths in a row soon after their
+        # start are a crash loop, which the holder backs off (answering EIO meanwhile).
+        kill = lambda: os.kill(_stats(bench)["pid"], signal.SIGKILL)  # noqa: E731
+        switch("kill -9", kill, serve_for=HEALTHY + 0.5)
     for _ in range(args.restarts):
         switch("restart", lambda: _decodefs("restart", bench.mountpoint))
     memory["after"] = _memory(bench)

@@ -47,6 +47,9 @@ def test_a_crash_now_and_then_restarts_at_once_a_crash_loop_backs_off_and_is_for
     clock.now += WINDOW + 1  # a minute of serving: the loop is over
     assert backoff.recent == 0
     assert backoff.crashed() == 0.0
+    assert backoff.crashed() == 0.0 and backoff.crashed() == 1.0
+    backoff.forget()  # the last one served a while before it died: a one-off
+    assert backoff.crashed() == 0.0
 
 
 def test_messages_carry_descriptors_and_a_gone_peer_is_said() -> None:

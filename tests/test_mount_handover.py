@@ -181,7 +181,7 @@ def readers(tmp_path: Path) -> Iterator[list[Readers]]:
 def test_reload_restart_crash_and_sigterm_under_readers_fail_no_read(
     mounts: MountFactory, originals: Path, tmp_path: Path, readers: list[Readers]
 ) -> None:
-    mount = mounts({"v1": originals}, version_sizes=[SIZE], expect_errors=KILLED)
+    mount = mounts({"v1": originals}, version_sizes=[SIZE], expect_errors=KILLED, standby=True)
     expected = expected_pixels(mount, originals)
     group = Readers(tmp_path / "readers", expected, ["np", "raw", "read_array", "np"])
     readers.append(group)
@@ -202,8 +202,10 @@ def test_reload_restart_crash_and_sigterm_under_readers_fail_no_read(
     pid = wait_replaced(mount, pid)
     group.wait_passes(group.passes() + 1)
 
-    os.kill(pid, signal.SIGKILL)  # a crash: the holder starts another on the connection
+    standby = wait_until(lambda: mount.stats()["standby_pid"], 60, "a standby ready")
+    os.kill(pid, signal.SIGKILL)  # a crash: the standby takes the connection over
     pid = wait_replaced(mount, pid)
+    assert pid == standby
     group.wait_passes(group.passes() + 1)
 
     os.kill(pid, signal.SIGTERM)  # stopped on its own: drained, then replaced

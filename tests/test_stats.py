@@ -84,6 +84,7 @@ def full_snapshot(tmp_path: Path, photos_dir: Path) -> Iterator[dict[str, object
                     "last_problem": "serving process 7 (#2, reload) killed by SIGKILL",
                     "decodes_before": 3,
                     "last_pause": 0.01,
+                    "standby_pid": 2,
                     "longest_pause": 0.5,
                 }
             ),

@@ -166,6 +166,9 @@ class Config:
     log_level: LogLevel = "info"
     # Where Prometheus may scrape the metrics over HTTP ("127.0.0.1:9464"; None: nowhere).
     metrics_address: str | None = None
+    # Keep a second serving process ready beside the one serving, so that a crash is
+    # answered in milliseconds rather than a process's start (its memory: the cost).
+    standby: bool = True
     l2: L2Config | None = None
 
     def fingerprints(self) -> dict[str, Fingerprint]:
@@ -325,6 +328,7 @@ class _Parser:
         )
         max_pixels, error_cache_seconds = self.decode_limits(raw)
         metrics_address = self.metrics_address(raw)
+        standby = self.boolean(raw, "standby", defaults.standby, None)
         l2 = l2_config(self, raw)
         if self.problems or store is None:
             return None
@@ -347,6 +351,7 @@ class _Parser:
             error_cache_seconds=error_cache_seconds,
             log_level=cast(LogLevel, log_level),
             metrics_address=metrics_address,
+            standby=standby,
             l2=l2,
         )
 

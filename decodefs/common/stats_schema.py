@@ -305,6 +305,13 @@ STATS: Final = (
     ),
     Stat("holder_rss_bytes", "gauge", "bytes", "The holder's resident memory", daemon=True),
     Stat(
+        "standby_pid",
+        "gauge",
+        "",
+        "The serving process ready to take over if the serving one dies (standby = true)",
+        daemon=True,
+    ),
+    Stat(
         "switch_pause_seconds",
         "gauge",
         "seconds",

@@ -66,6 +66,7 @@ def holder_figures(holder: dict[str, object]) -> dict[str, object]:
         "holder_rss_bytes": holder.get("rss_bytes"),
         "last_problem": holder.get("last_problem"),
         "decodes_before": holder.get("decodes_before", 0),
+        "standby_pid": holder.get("standby_pid"),
         "switch_pause_seconds": holder.get("last_pause", 0.0),
         "longest_switch_pause_seconds": holder.get("longest_pause", 0.0),
     }

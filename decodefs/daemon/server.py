@@ -78,7 +78,7 @@ def _serve_process(
         facts = MountFacts(
             state_dir=hello.get("state_dir"),
             first=bool(hello.get("first")),
-            crash_restart=purpose == "crash",
+            crash_restart=purpose == "crash",  # (a standby checks them as it starts)
             held_lock=held_lock,
             holder_pid=os.getppid(),
             allow_other=bool(hello.get("allow_other")),
@@ -107,6 +107,7 @@ def _serve_process(
             channel.PREPARED,
             lock,
             init_reply=channel.encode_bytes(reply),
+            standby=config.standby,
             version=package_version(),
         )
         log.info("ready to serve %s (%s)", mountpoint, purpose)
@@ -122,6 +123,7 @@ def _serve_process(
             log.info("asked the kernel to send again what the last serving process had read")
         sock.setblocking(False)
         held.release()  # the holder reads on: it says the mount is live
+        _serving_priority()
         trio.run(_serve, serving, sock, problem)
     except InitReplayFailed as exc:
         _fail(sock, str(exc), held)
@@ -237,6 +239,18 @@ def _fail(sock: socket.socket, error: str, held: HeldLog) -> None:
     """Say why to the holder (which says it to the user, or logs it): one line."""
     held.drop()
     _tell(sock, channel.FAILED, error=error)
+
+
+def _serving_priority() -> None:
+    """Serve at the priority of the holder's other work: one that prepared while another
+    served did so at a lower one (holder/servers.py)."""
+    if os.geteuid() != 0:
+        return
+    with contextlib.suppress(OSError):
+        wanted = os.getpriority(os.PRIO_PROCESS, os.getppid())
+        for thread in os.listdir("/proc/self/task"):  # a nice value is each thread's
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(thread), wanted)
 
 
 def _die_with_parent() -> None:

@@ -25,7 +25,14 @@ from typing import Any, Final
 from ..common import channel
 from ..common.channel import Message
 
-__all__ = ["Phase", "Purpose", "ServerProcess", "describe_exit", "server_command"]
+__all__ = [
+    "PREPARING_NICE",
+    "Phase",
+    "Purpose",
+    "ServerProcess",
+    "describe_exit",
+    "server_command",
+]
 
 # The memory limit the holder sets itself (__main__.py), which its children must not keep.
 _LIMITED: Final = (resource.RLIMIT_DATA,)
@@ -38,6 +45,7 @@ class Purpose(enum.Enum):
     RELOAD = "reload"
     RESTART = "restart"
     CRASH = "crash"  # its predecessor died: it re-sends what that one had read
+    STANDBY = "standby"  # ready beside the one serving, to take over if that one dies
 
 
 class Phase(enum.Enum):
@@ -72,6 +80,7 @@ class ServerProcess:
         self.ping_sent: float | None = None
         self.said_drained = False
         self.paused_at: float | None = None  # when the switch to it stopped the reading
+        self.served_at: float | None = None  # when it said it serves
         self.decodes = 0  # as it last said (PONG, DRAINED): the mount's count sums them
         self.told_alone = False  # PREVIOUS_GONE sent: no earlier server answers any more
         self.killed = False  # by the holder (hung, refused): its requests need re-sending
@@ -86,7 +95,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 cwd="/",
                 process_group=0,
-                preexec_fn=_restore_limits,
+                preexec_fn=_in_background if purpose in _SWITCHES else _restore_limits,
             )
         except BaseException:
             ours.close()
@@ -143,6 +152,18 @@ def describe_exit(status: int) -> str:
             return f"killed by {signal.Signals(-status).name}"
         return f"killed by signal {-status}"
     return f"exited with status {status}"
+
+
+# A serving process that prepares while another serves gets the CPU the readers leave;
+# it takes its place again when it serves (server.py). Only where it may (root).
+PREPARING_NICE: Final = 10
+_SWITCHES: Final = (Purpose.RELOAD, Purpose.RESTART, Purpose.STANDBY)  # another serves
+
+
+def _in_background() -> None:
+    _restore_limits()
+    if os.geteuid() == 0:
+        os.nice(PREPARING_NICE)
 
 
 def _restore_limits() -> None:

@@ -40,7 +40,7 @@ from ..common.mounts import MountError, find_mount, lazy_unmount
 from ..common.runtime import holder_socket_path
 from ..common.startlog import HeldLog
 from ..common.version import package_version
-from .backoff import CrashBackoff
+from .backoff import HEALTHY, CrashBackoff
 from .control import listen
 from .kernel import FuseConnection, KernelError, answer_with_eio, mount_failure_hint
 from .loop import EventLoop
@@ -97,6 +97,8 @@ class Holder:
         self._servers: list[ServerProcess] = []
         self.current: ServerProcess | None = None  # the one given the connection last
         self.pending: ServerProcess | None = None  # one preparing to replace it
+        self.standby: ServerProcess | None = None  # one ready to take over if it dies
+        self._want_standby = False  # the config says so (standby = true)
         self._previous: ServerProcess | None = None  # the one the current replaced, draining
         self._fuse: FuseConnection | None = None
         self._state: MountState | None = None
@@ -221,7 +223,10 @@ class Holder:
         self._generation += 1
         server = ServerProcess(self._generation, purpose, self.settings.command, self._clock)
         self._servers.append(server)
-        self.pending = server
+        if purpose is Purpose.STANDBY:
+            self.standby = server
+        else:
+            self.pending = server
         self._requests.wait_for(server.pid, list(requests or []))
         self._loop.watch(server.channel.fileno(), lambda _: self._on_message(server))
         self._loop.watch(server.pidfd, lambda _: self._on_exit(server))
@@ -279,6 +284,8 @@ class Holder:
         elif kind == channel.SERVING:
             self._on_serving(server, message)
         elif kind == channel.APPLIED:
+            if server is self.current:
+                self._loop.at("standby", 0.0, self._ensure_standby)  # after this handler
             changes = message.get("changes") or []
             self._answer(
                 server, {"ok": True, "changes": changes, "server": self._server_status(server)}
@@ -332,6 +339,11 @@ class Holder:
             return
         if message.fds:
             self._keep_lock(message.fds[0])
+        self._want_standby = bool(message.get("standby"))
+        if server is self.standby:
+            log.info("%s is ready to take over", server)
+            self._status_changed()
+            return
         old = self.current
         # From here until it serves, nobody reads requests (after a crash: since then).
         crashed = server.purpose is Purpose.CRASH and self._crashed_at is not None
@@ -360,7 +372,7 @@ class Holder:
         server.send(channel.SERVE, [self._fuse.fd], resend=resend)
 
     def _on_serving(self, server: ServerProcess, message: channel.Message) -> None:
-        server.last_pong = self._clock()
+        server.last_pong = server.served_at = self._clock()
         if server.purpose is not Purpose.FIRST:
             self.counts["handovers"] += 1
             paused = server.last_pong - (server.paused_at or server.started)
@@ -402,6 +414,14 @@ class Holder:
         how = describe_exit(status)
         if self._stopping:
             log.info("%s %s", server, how)
+        elif server is self.standby:
+            self.standby = None
+            reason = server.failure or how
+            if server.killed:
+                log.info("%s %s", server, how)
+            else:  # tried again at the next switch, not in a loop
+                log.warning("%s %s; no standby until the next switch", server, reason)
+            self._status_changed()
         elif server is self._previous:
             self._handed_over(server, how)
         elif server is self.current:
@@ -431,20 +451,22 @@ class Holder:
     def _crashed(self, server: ServerProcess, how: str) -> None:
         self.current = None
         self._lost_requests = True
-        self._crashed_at = self._clock()
+        self._crashed_at = now = self._clock()
         if server.said_drained and self.pending is None:  # SIGTERM: it stopped on its own
-            log.info("%s stopped on its own; starting another on the same connection", server)
-            self._start(Purpose.CRASH)
+            log.info("%s stopped on its own; another takes over the connection", server)
+            self._take_over()
             return
         self.counts["crashes"] += 1
+        if server.served_at is not None and now - server.served_at >= HEALTHY:
+            self._backoff.forget()  # it served well: a one-off, not a loop
         delay = self._backoff.crashed()
         self.last_problem = f"{server} {how}"
         if self.pending is not None:  # a switch under way: the new one re-sends
             log.error("%s %s during a switch; %s takes over", server, how, self.pending)
             return
         if delay == 0:
-            log.error("%s %s; starting another on the same connection", server, how)
-            self._start(Purpose.CRASH)
+            log.error("%s %s; another takes over the connection", server, how)
+            self._take_over()
         else:
             log.error("%s %s (%d crashes in the last minute); the next starts in %.0f s",
                       server, how, self._backoff.recent, delay)  # fmt: skip
@@ -469,9 +491,40 @@ class Holder:
         self._set_eio(True)
         self._loop.at("restart", delay, self._start_after_crash)
 
+    def _ensure_standby(self) -> None:
+        """A serving process ready to take over, if the config wants one and none is."""
+        current = self.current
+        if (
+            self._want_standby
+            and self.standby is None
+            and self.pending is None
+            and not self._stopping
+            and current is not None
+            and current.phase is Phase.SERVING
+        ):
+            self._start(Purpose.STANDBY)
+
+    def _drop_standby(self) -> None:
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            standby.kill()
+
     def _start_after_crash(self) -> None:
         if not self._stopping:
+            self._take_over()
+
+    def _take_over(self) -> None:
+        """No serving process: the standby takes the connection over (in milliseconds),
+        else a new one is started (a process's start)."""
+        standby = self.standby
+        if standby is None or standby.phase is not Phase.PREPARED:
             self._start(Purpose.CRASH)
+            return
+        log.info("%s takes over", standby)
+        self.standby, self.pending = None, standby
+        standby.purpose = Purpose.CRASH
+        standby.paused_at = self._crashed_at
+        self._serve(standby, resend=True)
 
     def _prepare_timeout(self, server: ServerProcess) -> None:
         if server.phase is Phase.PREPARING:
@@ -505,7 +558,7 @@ class Holder:
         self._close_locks()
         self._state.remove()
         self._state = MountState.create()
-        self.current = self.pending = self._previous = None
+        self.current = self.pending = self._previous = self.standby = None
         self._lost_requests = False
         self._fuse = None  # the new first serving process mounts once it is built
         self._start(Purpose.FIRST)
@@ -550,6 +603,7 @@ class Holder:
             self._requests.queued.append(request)
             return
         self._loop.cancel("restart")  # asked while backing off: now, not later
+        self._drop_standby()  # it was made from the config and code being replaced
         purpose = Purpose.RESTART if request.command == "restart" else Purpose.RELOAD
         log.info("%s of %s asked", request.command, self.settings.mountpoint)
         status = f"STATUS={request.command} of {self.settings.mountpoint}"
@@ -728,6 +782,7 @@ class Holder:
             "mount_id": self._state.mount_id if self._state else None,
             "state": state,
             "serving_pid": current.pid if current is not None else None,
+            "standby_pid": self.standby.pid if self.standby is not None else None,
             "generation": self._generation,
             **self.counts,
             "recent_crashes": self._backoff.recent,
