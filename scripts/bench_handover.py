@@ -13,7 +13,12 @@ the holder's and the serving process's memory, and the epochs before and
 after a switch.
 
   .venv/bin/python scripts/bench_handover.py [--count 200] [--size 64] [--reloads 20]
-      [--kills 20] [--restarts 5] [--epoch-count 4000]
+      [--kills 20] [--restarts 5] [--epoch-count 4000] [--pace 0]
+
+With --pace N each reader makes N reads per second (a training run's steady pace,
+leaving the CPU room); without, each reads as fast as it can and the machine is
+saturated (then a read's longest time is mostly the scheduler's: compare the
+baseline row, the same window with no switch).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from benchlib import DECODEFS, VERSION, WORK, BenchMount
 from PIL import Image
 
 from decodefs.holder.backoff import HEALTHY
-from decodefs.sample import make_sample_corpus
+from decodefs.sample import make_sample_corpus, photo_like
 
 # A reader process: loops over the list until the stop file appears; records every read
 # slower than SLOW seconds with its start time (to tie stalls to events), and the rest
@@ -46,6 +51,13 @@ import hashlib, json, os, random, sys, time
 import numpy as np
 mode, listing, stop, out = sys.argv[1:5]
 SLOW = 0.02
+PACE = float(os.environ.get("PACE") or 0)  # reads per second; 0: as fast as it can
+due = time.time()
+def paced(reads=1):
+    global due
+    if PACE:
+        due = max(due + reads / PACE, time.time() - 1)
+        time.sleep(max(0.0, due - time.time()))
 expected = json.load(open(listing))
 paths = list(expected)
 random.seed(os.getpid())
@@ -79,6 +91,7 @@ if mode == "torch":
                 for image, key in zip(images, targets):
                     path = os.path.join(root, version, size, key + ".npy")
                     check(path, np.ascontiguousarray(image.numpy()).tobytes(), started)
+                paced(len(targets))
                 started = time.time()
         except Exception as exc:
             fail(exc, started)
@@ -95,6 +108,7 @@ else:
                 fail(exc, started)
             else:
                 check(path, pixels, started)
+            paced()
 json.dump({"mode": mode, "ok": ok, "wrong": wrong, "failed": failed, "slow": slow}, open(out, "w"))
 """
 
@@ -122,6 +136,7 @@ int main(int argc, char **argv) {
     fclose(list);
     static unsigned char buf[1 << 24];
     long ok = 0, wrong = 0, failed = 0; int slows = 0;
+    double pace = getenv("PACE") ? atof(getenv("PACE")) : 0, due = now();
     static double slow_at[100000], slow_took[100000];
     int last_errno = 0;
     while (access(argv[2], F_OK) != 0) {
@@ -144,6 +159,12 @@ int main(int argc, char **argv) {
             if (took > 0.02 && slows < 100000) {
                 slow_at[slows] = started;
                 slow_took[slows++] = took;
+            }
+            if (pace > 0) {
+                due += 1 / pace;
+                if (due < now() - 1) due = now() - 1;
+                double wait = due - now();
+                if (wait > 0) usleep((useconds_t)(wait * 1e6));
             }
         }
     }
@@ -170,6 +191,12 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--restarts", type=int, default=5)
     parser.add_argument("--np-readers", type=int, default=2)
+    parser.add_argument(
+        "--pace",
+        type=float,
+        default=0.0,
+        help="reads per second per reader (0: each as fast as it can, the machine saturated)",
+    )
     parser.add_argument("--epoch-count", type=int, default=4000, help="arrays for the epochs")
     args = parser.parse_args()
     print(f"bench_handover: {platform.node()}, {os.cpu_count()} cores, load "
@@ -182,7 +209,7 @@ def main() -> None:
         figures = under_switches(bench, corpus, args)
     finally:
         bench.unmount()
-    epochs = epochs_around_a_switch(args.epoch_count)
+    epochs = epochs_around_a_switch(args.epoch_count) if args.epoch_count else {}
     report(args, figures, epochs)
     print(f"load after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
@@ -205,11 +232,13 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
     outs: list[Path] = []
     readers = []
 
+    paced = {**os.environ, "PACE": str(args.pace)}
+
     def start(mode: str, *extra: str) -> None:
         out = run / f"reader-{len(outs)}.json"
         outs.append(out)
         command = [sys.executable, "-c", _READER, mode, str(listing), str(stop), str(out)]
-        readers.append(subprocess.Popen([*command, *extra]))
+        readers.append(subprocess.Popen([*command, *extra], env=paced))
 
     for _ in range(args.np_readers):
         start("np")
@@ -218,22 +247,27 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
     c_out = run / f"reader-{len(outs)}.json"
     outs.append(c_out)
     readers.append(
-        subprocess.Popen([str(c_reader), str(run / "expected.txt"), str(stop), str(c_out)])
+        subprocess.Popen(
+            [str(c_reader), str(run / "expected.txt"), str(stop), str(c_out)], env=paced
+        )
     )
 
     events: list[tuple[str, float, float]] = []  # (kind, start, end)
     pauses: dict[str, list[float]] = {}  # kind -> the holder's measure of each switch's pause
     memory = {"before": _memory(bench)}
     config = bench.config.read_text()
-    second = WORK / "handover-second"
+    second = run / "second"  # the extra version's originals: this run's own
     make_sample_corpus(second, 8, 800, 600, seed=12)
 
-    def switch(kind: str, action: Callable[[], None], serve_for: float = 0.3) -> None:
-        old = _stats(bench)["pid"]
+    def switch(kind: str, action: Callable[[], None], serve_for: float = 6.0) -> None:
+        before = _stats(bench)
+        if before.get("mount_decodes", 0) < len(expected):
+            kind += " (first epoch decoding)"  # reads wait on decodes too
         started = time.time()
         action()
         _wait(
-            lambda: _stats(bench).get("pid") not in (None, old), f"a new serving process ({kind})"
+            lambda: _stats(bench).get("pid") not in (None, before["pid"]),
+            f"a new serving process ({kind})",
         )
         events.append((kind, started, time.time()))
         pauses.setdefault(kind, []).append(_stats(bench)["switch_pause_seconds"])
@@ -260,6 +294,8 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
         switch("restart", lambda: _decodefs("restart", bench.mountpoint))
     memory["after"] = _memory(bench)
     stats = _stats(bench)
+    applied = reload_applies(bench, config, second, args.size)  # (its decodes not counted)
+    stopped = time.time()
     stop.write_text("")
     for process in readers:
         process.wait(timeout=300)
@@ -267,12 +303,47 @@ def under_switches(bench: BenchMount, corpus: Path, args: argparse.Namespace) ->
     return {
         "results": results,
         "events": events,
+        "stopped": stopped,
         "pauses": pauses,
         "memory": memory,
         "stats": stats,
         "first_epoch_decodes": first_epoch_decodes,
+        "applied": applied,
         "originals": len(expected),
     }
+
+
+def reload_applies(bench: BenchMount, config: str, second: Path, size: int) -> dict[str, bool]:
+    """What a reload applies, each checked against an independent decode: a version
+    added is listed and read, an original added is served, an original rewritten in
+    place (same name, new pixels) is served new."""
+    extra = bench.mountpoint / "extra" / str(size)
+
+    def served_right(original: Path) -> bool:
+        with Image.open(original) as image:
+            pixels = np.asarray(image.convert("RGB").resize((size, size), Image.BILINEAR))  # type: ignore[attr-defined]
+        return np.array_equal(np.load(extra / f"{original.stem}.npy"), pixels)
+
+    bench.config.write_text(config + f'[versions.extra]\nsource = "{second}"\nsizes = [{size}]\n')
+    _decodefs("reload", bench.mountpoint)
+    originals = sorted(second.rglob("*.jpg"))
+    listed = sorted(os.listdir(extra)) == sorted(f"{o.stem}.npy" for o in originals)
+    checks = {"a version added is listed and read": listed and served_right(originals[0])}
+    added = second / "added" / "0b5e6c1c-0000-4000-8000-000000000001.jpg"
+    added.parent.mkdir()
+    photo_like(np.random.default_rng(1), 800, 600).save(added, quality=90)
+    _decodefs("reload", bench.mountpoint)
+    checks["an original added is served"] = served_right(added)
+    before = np.load(extra / f"{added.stem}.npy")
+    photo_like(np.random.default_rng(2), 800, 600).save(added, quality=90)  # in place
+    _decodefs("reload", bench.mountpoint)
+    rewritten = np.load(extra / f"{added.stem}.npy")
+    checks["an original rewritten in place is served new"] = served_right(added) and not (
+        np.array_equal(before, rewritten)
+    )
+    bench.config.write_text(config)
+    _decodefs("reload", bench.mountpoint)
+    return checks
 
 
 def epochs_around_a_switch(count: int) -> dict[str, float]:
@@ -313,6 +384,8 @@ def _epoch(paths: list[str]) -> float:
 def report(args: argparse.Namespace, figures: dict[str, Any], epochs: dict[str, float]) -> None:
     results, events = figures["results"], figures["events"]
     print()
+    pace = f"{args.pace:.0f} reads/s per reader" if args.pace else "as fast as they can"
+    print(f"readers: {pace}")
     print(f"{figures['originals']} arrays at {args.size}; events: {args.reloads} reloads (each "
           f"with a config change), {args.kills} kill -9, {args.restarts} restarts")  # fmt: skip
     print()
@@ -323,27 +396,52 @@ def report(args: argparse.Namespace, figures: dict[str, Any], epochs: dict[str, 
         detail = f" ({result['failed']})" if failed else ""
         print(f"| {result['mode']} | {result['ok'] + result['wrong']:,} | {failed}{detail} | "
               f"{result['wrong']} |")  # fmt: skip
-    slow = [(at, took) for result in results for at, took in result["slow"]]
     print()
-    print("| event | count | longest read around it (max / median) | the switch's pause, "
-          "holder's measure (max / median) |")  # fmt: skip
-    print("| --- | --- | --- | --- |")
-    for kind in ("reload", "kill -9", "restart"):
-        stalls = []
-        for name, start, end in events:
-            if name == kind:
-                overlapping = [took for at, took in slow if at <= end + 1 and at + took >= start]
-                stalls.append(max(overlapping, default=0.0))
-        paused = sorted(figures["pauses"].get(kind, [0.0]))
-        if stalls:
-            print(f"| {kind} | {len(stalls)} | {max(stalls) * 1000:.0f} / "
-                  f"{sorted(stalls)[len(stalls) // 2] * 1000:.0f} ms | {paused[-1] * 1000:.0f} / "
-                  f"{paused[len(paused) // 2] * 1000:.0f} ms |")  # fmt: skip
+
+    arrays = [(at, took) for r in results if r["mode"] != "torch" for at, took in r["slow"]]
+    batches = [(at, took) for r in results if r["mode"] == "torch" for at, took in r["slow"]]
+
+    def longest(slow: list[tuple[float, float]], start: float, end: float) -> float:
+        return max((took for at, took in slow if at <= end and at + took >= start), default=0.0)
+
+    # An event's window: from the command until AFTER s after the new process serves
+    # (its standby prepares meanwhile). The same window right after it, before the next
+    # event, is the baseline: how long a read takes on this machine under this load
+    # with no switch at all.
+    after = 2.0
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for i, (name, start, end) in enumerate(events):
+        windows.setdefault(name, []).append(
+            (longest(arrays, start, end + after), longest(batches, start, end + after))
+        )
+        quiet, length = end + after, end + after - start
+        following = events[i + 1][1] if i + 1 < len(events) else figures["stopped"]
+        if quiet + length < following and "first epoch" not in name:
+            windows.setdefault("none (baseline)", []).append(
+                (longest(arrays, quiet, quiet + length), longest(batches, quiet, quiet + length))
+            )
+    print("| event | count | longest array read around it (np, read_array, C; max / median) "
+          "| longest DataLoader batch of 8 (max / median) | the switch's pause, holder's "
+          "measure (max / median) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- |")
+
+    def spread(values: list[float]) -> str:
+        ordered = sorted(values)
+        if not ordered:
+            return "-"
+        return f"{ordered[-1] * 1000:.0f} / {ordered[len(ordered) // 2] * 1000:.0f} ms"
+
+    for kind, stalls in windows.items():
+        pause = spread(figures["pauses"].get(kind, []))
+        print(f"| {kind} | {len(stalls)} | {spread([a for a, _ in stalls])} | "
+              f"{spread([b for _, b in stalls])} | {pause} |")  # fmt: skip
     stats = figures["stats"]
     print()
     print(f"decodes per original: {figures['first_epoch_decodes'] / figures['originals']:.2f} "
           f"(first epoch, under {args.reloads} reloads); "
           f"{stats['mount_decodes'] / figures['originals']:.2f} by the end")  # fmt: skip
+    for check, held in figures["applied"].items():
+        print(f"{check}: {'yes' if held else 'NO'}")
     print(f"handovers {stats['handovers']}, crashes {stats['crashes']}, refused "
           f"{stats['handovers_refused']}")  # fmt: skip
     for when, (holder, server) in figures["memory"].items():

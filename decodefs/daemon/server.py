@@ -123,7 +123,6 @@ def _serve_process(
             log.info("asked the kernel to send again what the last serving process had read")
         sock.setblocking(False)
         held.release()  # the holder reads on: it says the mount is live
-        _serving_priority()
         trio.run(_serve, serving, sock, problem)
     except InitReplayFailed as exc:
         _fail(sock, str(exc), held)
@@ -239,18 +238,6 @@ def _fail(sock: socket.socket, error: str, held: HeldLog) -> None:
     """Say why to the holder (which says it to the user, or logs it): one line."""
     held.drop()
     _tell(sock, channel.FAILED, error=error)
-
-
-def _serving_priority() -> None:
-    """Serve at the priority of the holder's other work: one that prepared while another
-    served did so at a lower one (holder/servers.py)."""
-    if os.geteuid() != 0:
-        return
-    with contextlib.suppress(OSError):
-        wanted = os.getpriority(os.PRIO_PROCESS, os.getppid())
-        for thread in os.listdir("/proc/self/task"):  # a nice value is each thread's
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, int(thread), wanted)
 
 
 def _die_with_parent() -> None:

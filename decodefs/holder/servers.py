@@ -125,6 +125,17 @@ class ServerProcess:
         except BlockingIOError:
             return None
 
+    def to_foreground(self) -> None:
+        """Give it the holder's priority back (it prepared in the background), before the
+        switch to it pauses the reading: what it does next is what the readers wait on."""
+        if os.geteuid() != 0:
+            return
+        wanted = os.getpriority(os.PRIO_PROCESS, 0)
+        with contextlib.suppress(OSError):
+            for thread in os.listdir(f"/proc/{self.pid}/task"):  # a nice value is a thread's
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, int(thread), wanted)
+
     def kill(self) -> None:
         self.killed = True
         with contextlib.suppress(ProcessLookupError):
@@ -154,8 +165,10 @@ def describe_exit(status: int) -> str:
     return f"exited with status {status}"
 
 
-# A serving process that prepares while another serves gets the CPU the readers leave;
-# it takes its place again when it serves (server.py). Only where it may (root).
+# A serving process that prepares while another serves gets the CPU the one serving
+# leaves; it takes its place again just before the switch pauses the reading
+# (ServerProcess.to_foreground). Only where it may: a nice value raised can be lowered
+# again only by root.
 PREPARING_NICE: Final = 10
 _SWITCHES: Final = (Purpose.RELOAD, Purpose.RESTART, Purpose.STANDBY)  # another serves
 

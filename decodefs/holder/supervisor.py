@@ -345,6 +345,7 @@ class Holder:
             self._status_changed()
             return
         old = self.current
+        server.to_foreground()
         # From here until it serves, nobody reads requests (after a crash: since then).
         crashed = server.purpose is Purpose.CRASH and self._crashed_at is not None
         server.paused_at = self._crashed_at if crashed else self._clock()
@@ -524,6 +525,7 @@ class Holder:
         self.standby, self.pending = None, standby
         standby.purpose = Purpose.CRASH
         standby.paused_at = self._crashed_at
+        standby.to_foreground()
         self._serve(standby, resend=True)
 
     def _prepare_timeout(self, server: ServerProcess) -> None:
