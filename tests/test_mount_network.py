@@ -135,7 +135,10 @@ def test_a_node_cut_off_mid_epoch_reads_right_while_the_others_do_not_decode(
             read(cut, name)  # decoded there, after at most one call's deadline
             read(other, name)
         during = cut.stats()
-        assert during["l2_state"] == "open" and during["decodes"] == third, during
+        # Open, or half-open where reading the third outlasted the breaker's pause (a
+        # loaded machine): either way it opened, and no read waited on the cut link.
+        assert during["l2_state"] in ("open", "half-open"), during
+        assert during["l2_breaker_opens"] >= 1 and during["decodes"] == third, during
     finally:
         lan.net.restore("n1")
     # The breaker tries again only for a miss once its pause is over: read arrays of new
