@@ -411,3 +411,19 @@ def test_a_serving_process_that_cannot_take_over_falls_back_to_a_plain_remount(
     assert stats["last_problem"].startswith("remounted: ")
     assert stats["handovers_refused"] == (1 if what == "INIT answered otherwise" else 0)
     assert mount.process is not None and mount.process.poll() is None  # the same holder
+
+
+def test_an_original_changed_while_unmounted_is_served_new_once_the_mount_checked(
+    mounts: MountFactory, originals: Path, photos: dict[str, Path]
+) -> None:
+    """A mount's first serving process looks for originals changed in place once it
+    serves (a mount of 370,000 originals is ready in seconds, not after a stat of each)."""
+    mount = mounts({"v1": originals}, version_sizes=[SIZE])
+    path = mount.path("v1", str(SIZE), "astronaut-baseline.npy")
+    assert path.read_bytes() == reference_npy(photos["astronaut-baseline"], SIZE)  # stored
+    mount.stop()
+    Image.open(photos["chelsea-444"]).convert("RGB").save(originals / "astronaut-baseline.jpg")
+    mount = mounts({"v1": originals}, version_sizes=[SIZE])
+    new = reference_npy(originals / "astronaut-baseline.jpg", SIZE)
+    wait_until(lambda: path.read_bytes() == new, 60, "the array of the changed original")
+    assert "and the pages of 1 arrays" in mount.log_text()  # what the kernel had dropped

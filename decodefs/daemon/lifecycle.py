@@ -77,7 +77,10 @@ class Serving:
     engine: Engine
     tree: Tree
     state_dir: str | None
-    crash_restart: bool  # its predecessor died: originals are checked once it serves
+    # The mount's first, or its predecessor died: originals changed in place are looked
+    # for once it serves (in the background: a stat of each original, seconds at 370k),
+    # not before (a mount ready in a second; no reader waits on the dead one's requests).
+    check_originals_later: bool
     holder: dict[str, Any] = field(default_factory=dict)  # the holder's figures (stats.json)
     log_place: str = ""
     metrics: MetricsEndpoint | None = None  # metrics_address's HTTP endpoint, once listening
@@ -160,7 +163,7 @@ class Serving:
         unsettled = await trio.to_thread.run_sync(self.store.settle_versions)
         if unsettled:
             log.info("discarded the stored arrays of %s (decode settings changed)", unsettled)
-        if self.crash_restart:
+        if self.check_originals_later:
             self.reload.changed = await trio.to_thread.run_sync(
                 changed_in_place, self.config, self.store, self.sources, self.numbers
             )
@@ -262,7 +265,8 @@ def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
         metrics = None
         if facts.first and config.metrics_address is not None:
             metrics = MetricsEndpoint(config.metrics_address, lambda: serving.stats())
-        if not facts.crash_restart:
+        later = facts.first or facts.crash_restart
+        if not later:
             reload.changed = changed_in_place(config, store, sources, numbers)
         if facts.state_dir is not None and not facts.first:
             verified = read_verified(facts.state_dir)
@@ -280,7 +284,7 @@ def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
         engine=engine,
         tree=Tree(config, sources, numbers=numbers),  # lists protocol.STATUS_FILES
         state_dir=facts.state_dir,
-        crash_restart=facts.crash_restart,
+        check_originals_later=later,
         log_place=log_place,
         metrics=metrics,
     )

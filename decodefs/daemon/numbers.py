@@ -63,6 +63,8 @@ class Allocation:
         a name that must have number 0 (a mirror's root folder)."""
         if first is not None and not self.by_number:
             self._give(first)
+        if not self.by_number and len(set(names)) == len(names):  # a first start: in order
+            return self._give_all(names), []
         numbers = array("q", bytes(8 * len(names)))
         present = set()
         for position, name in enumerate(names):
@@ -77,6 +79,14 @@ class Allocation:
     def number(self, name: str) -> int | None:
         """The number ``name`` was given (whether or not it is there now)."""
         return self._numbers.get(name)
+
+    def _give_all(self, names: Sequence[str]) -> array[int]:
+        if len(names) > NUMBER_MASK + 1:
+            raise OverflowError("a version has used every number an inode can hold")
+        self.by_number = list(names)
+        self._numbers = dict(zip(names, range(len(names)), strict=True))
+        self.given = len(names)
+        return array("q", range(len(names)))
 
     def _give(self, name: str) -> int:
         number = len(self.by_number)
@@ -354,7 +364,9 @@ class _State:
         try:
             fd = os.open(tmp, os.O_WRONLY | CREATE_FLAGS, 0o600, dir_fd=directory)
             with open(fd, "w", encoding="utf-8") as f:
-                json.dump(value, f)  # ensure_ascii: non-UTF-8 names survive as escapes
+                # ensure_ascii: non-UTF-8 names survive as escapes. (dumps: dump
+                # encodes in Python, chunk by chunk, 5x slower for 370,000 names.)
+                f.write(json.dumps(value))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
