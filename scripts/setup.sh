@@ -59,34 +59,13 @@ else
         want="$full"
     fi
     log="$(mktemp)"
-    pip=("$VENV/bin/pip" --quiet --disable-pip-version-check)
-    if [ "$SETUP" = light ]; then
-        # pyfuse3 compiles from source (~45 s on one core): built while the rest installs,
-        # then taken from there.
-        wheels="$(mktemp -d)"
-        specs="$("$VENV/bin/python" - "$ROOT/pyproject.toml" <<'PY'
-import sys, tomllib
-with open(sys.argv[1], "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
-PY
-)"
-        "${pip[@]}" wheel --no-deps -w "$wheels" "$(grep '^pyfuse3' <<<"$specs")" >"$log.wheel" 2>&1 &
-        builder=$!
-        mapfile -t others < <(grep -v '^pyfuse3' <<<"$specs")
-        "${pip[@]}" install "${others[@]}" >"$log" 2>&1 || true # (said again below)
-        if wait "$builder"; then
-            what+=(--find-links "$wheels")
-        fi
-        cat "$log.wheel" >>"$log"
-        rm -f "$log.wheel"
-    fi
-    if ! "${pip[@]}" install -e "${what[@]}" >>"$log" 2>&1; then
+    if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "${what[@]}" >"$log" 2>&1; then
         grep -v "^WARNING: Location .* is ignored" "$log" >&2
         rm -f "$log"
         echo "setup: pip install failed" >&2
         exit 1
     fi
-    rm -rf "$log" "${wheels:-}"
+    rm -f "$log"
     "$VENV/bin/python" -c "$check" # fails loudly if the install did
     echo "$want" >"$stamp"
 fi
