@@ -106,9 +106,15 @@ class FuseConnection:
         os.close(self.fd)
 
 
-def mount_problem(allow_other: bool, device: str = "/dev/fuse") -> str | None:
-    """Why this user cannot mount at all (checked before anything is started), or None."""
-    hint = mount_failure_hint(allow_other, device)
+def mount_problem(access: str, device: str = "/dev/fuse") -> str | None:
+    """Why this user cannot mount with the config's ``access`` at all (checked before
+    anything is started), or None."""
+    if access == "originals" and os.geteuid() != 0:
+        return (
+            'access = "originals" needs root (only root shows each array as its original\'s '
+            'owner\'s, and lets other users in): set access = "owner" or "everyone"'
+        )
+    hint = mount_failure_hint(access != "owner", device)
     return None if hint.startswith("is ") else hint
 
 
