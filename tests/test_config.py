@@ -366,3 +366,35 @@ def test_the_configuration_docs_list_every_key_with_the_dataclasses_default() ->
             if key == "extensions":
                 literal = sorted(literal)
             assert literal == values[key], (key, documented, values[key])
+
+
+def test_access_defaults_to_the_originals_as_root_and_allow_other_is_its_old_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    default = load_config(write(tmp_path, MINIMAL))
+    assert default.access == ("originals" if os.geteuid() == 0 else "owner")
+    assert default.allow_other == (os.geteuid() == 0)  # the mount option
+    for value in ("originals", "owner", "everyone"):
+        config = load_config(write(tmp_path, f'access = "{value}"\n' + MINIMAL))
+        assert config.access == value and config.allow_other == (value != "owner")
+        assert config.as_dict()["access"] == value and "allow_other" not in config.as_dict()
+    for old, new in (("true", "everyone"), ("false", "owner")):
+        caplog.clear()
+        assert load_config(write(tmp_path, f"allow_other = {old}\n" + MINIMAL)).access == new
+        assert f"allow_other = {old} is deprecated: it means access = '{new}'" in caplog.text
+        agreed = f'allow_other = {old}\naccess = "{new}"\n'
+        assert load_config(write(tmp_path, agreed + MINIMAL)).access == new
+
+
+def test_access_mistakes_name_the_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, 'allow_other = true\naccess = "originals"\n' + MINIMAL))
+    assert str(caught.value).endswith(
+        "allow_other = true and access = 'originals' disagree: allow_other is the old name "
+        "of access = 'everyone'; keep access alone"
+    )
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"access: 'root' is not one of 'originals', 'owner', "):
+        load_config(write(tmp_path, 'access = "root"\n' + MINIMAL))
+    with pytest.raises(ConfigError, match=r"allow_other: expected true or false, got 'yes'"):
+        load_config(write(tmp_path, 'allow_other = "yes"\n' + MINIMAL))

@@ -150,6 +150,12 @@ def test_only_who_may_read_an_original_reads_its_array_by_any_path(
     version = mount.path("v1").stat()
     assert (version.st_uid, stat.S_IMODE(version.st_mode)) == (0, 0o555)  # the source's r-x
 
+    # A listing says the same (the kernel takes attributes from READDIRPLUS).
+    listed = {e.name: e.stat() for e in os.scandir(mount.path("v1", "32"))}
+    for name, st in shown.items():
+        again = listed[f"{name}.npy"]
+        assert (again.st_uid, again.st_gid, again.st_mode) == (st.st_uid, st.st_gid, st.st_mode)
+
     # Root reads everything: size 32 is stored now, each entry given its readers.
     for name in names:
         assert mount.path("v1", "32", f"{name}.npy").read_bytes() == want[32, name]
