@@ -129,7 +129,10 @@ def mount_failure_hint(allow_other: bool, device: str = "/dev/fuse") -> str:
             f"let users open it as most systems do (`chmod 0666 {device}`)"
         )
     if allow_other and os.geteuid() != 0:
-        return "allow_other needs 'user_allow_other' in /etc/fuse.conf when not root"
+        return (
+            "access = \"everyone\" (FUSE allow_other) needs 'user_allow_other' in "
+            "/etc/fuse.conf when not root"
+        )
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         return "fusermount3 is missing: install fuse3"
     return f"is {device} present and fusermount3 installed?"
