@@ -195,7 +195,7 @@ def test_only_who_may_read_an_original_reads_its_array_by_any_path(
 
 
 def _pixels(npy: bytes) -> bytes:
-    return np.load(io.BytesIO(npy)).tobytes()
+    return bytes(np.load(io.BytesIO(npy)).tobytes())
 
 
 def _entry(store: Path, size: int, name: str) -> bytes:

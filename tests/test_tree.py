@@ -491,9 +491,9 @@ def test_with_access_originals_a_mirrors_folders_show_their_source_directories()
         assert size is not None
         seen = {}
         for name in (b"cat", b"dog"):
-            folder = tree.lookup(size, name)
-            assert folder is not None and folder.kind == Kind.FOLDER
-            attrs = tree.attributes(folder)
+            node = tree.lookup(size, name)
+            assert node is not None and node.kind == Kind.FOLDER
+            attrs = tree.attributes(node)
             seen[name] = (attrs.uid, attrs.gid, stat.S_IMODE(attrs.mode))
         assert seen == {b"cat": (61234, 62345, 0o550), b"dog": (0, 0, 0o500)}
         attrs = tree.attributes(size)  # the source itself

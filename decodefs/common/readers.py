@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 __all__ = ["DAEMON_ONLY", "Readers", "directory_readers", "file_readers", "search_mask"]
@@ -67,7 +68,7 @@ def search_mask(directory: os.stat_result, uid: int, gid: int) -> int:
     )
 
 
-def file_readers(st: os.stat_result, above: list[os.stat_result | None]) -> Readers:
+def file_readers(st: os.stat_result, above: Sequence[os.stat_result | None]) -> Readers:
     """Who may read the file ``st`` below the directories ``above`` (from ``/`` down to
     its own directory; None: one that could not be stat'ed, which lets nothing through)."""
     bits = st.st_mode & _READ_BITS if stat.S_ISREG(st.st_mode) else 0
@@ -78,7 +79,7 @@ def file_readers(st: os.stat_result, above: list[os.stat_result | None]) -> Read
     return Readers(st.st_uid, st.st_gid, bits)
 
 
-def directory_readers(st: os.stat_result, above: list[os.stat_result | None]) -> Readers:
+def directory_readers(st: os.stat_result, above: Sequence[os.stat_result | None]) -> Readers:
     """Who may list and search the directory ``st`` below the directories ``above``."""
     searchable = search_mask(st, st.st_uid, st.st_gid)
     bits = st.st_mode & _READ_BITS & searchable

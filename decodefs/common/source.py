@@ -587,10 +587,13 @@ def restat_originals(index: SourceIndex, threads: int = 16) -> Restat:
     index.folder_readers.update(folders)
     sizes, mtimes = index.sizes, index.mtimes
     uids, gids, reads = index.uids, index.gids, index.reads
-    for i, st in enumerate(seen):
-        if st is None:
+    for i, found in enumerate(seen):
+        if found is None:
             continue
+        st, target_dir = found
         readers = above.file_readers(os.path.dirname(paths[i]), st)
+        if target_dir is not None:  # a symlink: read through its path and its target's
+            readers = readers._replace(bits=readers.bits & above.file_readers(target_dir, st).bits)
         if (uids[i], gids[i], reads[i]) != readers:
             readers_changed.append(i)
             uids[i], gids[i], reads[i] = readers
@@ -606,11 +609,16 @@ def restat_originals(index: SourceIndex, threads: int = 16) -> Restat:
     return Restat(changed, readers_changed)
 
 
-def _stats(paths: list[str]) -> list[os.stat_result | None]:
-    found: list[os.stat_result | None] = []
+def _stats(paths: list[str]) -> list[tuple[os.stat_result, str | None] | None]:
+    """Each original's stat (followed), and for a symlink the directory it leads to."""
+    found: list[tuple[os.stat_result, str | None] | None] = []
     for path in paths:
         try:
-            found.append(os.stat(path))
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                found.append((os.stat(path), os.path.dirname(os.path.realpath(path))))
+            else:
+                found.append((st, None))
         except OSError:
             found.append(None)
     return found
@@ -636,11 +644,19 @@ class _StatsAbove:
         return chain
 
     def file_readers(self, directory: str, st: os.stat_result) -> Readers:
+        """Who may read the file ``st`` in ``directory``: past the directories of its
+        path, and past those its path leads to (a symlinked directory on the way)."""
         # Originals of one folder mostly share an owner, a group and a mode.
         key = (directory, st.st_uid, st.st_gid, st.st_mode)
         readers = self._masks.get(key)
         if readers is None:
-            readers = self._masks[key] = file_readers(st, self.chain(directory))
+            readers = file_readers(st, self.chain(directory))
+            real = os.path.realpath(directory)
+            if real != directory:
+                readers = readers._replace(
+                    bits=readers.bits & file_readers(st, self.chain(real)).bits
+                )
+            self._masks[key] = readers
         return readers
 
     def directory_readers(self, directory: str) -> Readers:
