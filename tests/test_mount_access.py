@@ -78,6 +78,28 @@ for size in sizes.split(","):
 print(json.dumps(seen))
 """
 
+# Run as a reader: MountDataset and BatchLoader over each array alone, at each size;
+# a digest of the batch's pixels, or the errno's name.
+READ_WITH_TORCH = """
+import errno, hashlib, json, sys
+from decodefs.torch import BatchLoader, MountDataset
+mount, names, sizes = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+seen = {}
+for size in sizes:
+    for name in names:
+        dataset = MountDataset(mount, "v1", int(size), [name])
+        ways = {
+            "dataset": lambda: dataset.__getitems__([0])[0][0].tobytes(),
+            "batches": lambda: next(iter(BatchLoader(dataset, batch_size=1)))[0].numpy().tobytes(),
+        }
+        for way, read in ways.items():
+            try:
+                seen[f"{size}/{name}/{way}"] = hashlib.sha256(read()).hexdigest()
+            except OSError as exc:
+                seen[f"{size}/{name}/{way}"] = errno.errorcode[exc.errno]
+print(json.dumps(seen))
+"""
+
 
 def as_reader(reader: str, *command: str | Path) -> subprocess.CompletedProcess[bytes]:
     uid, gid, groups = READERS[reader]
@@ -185,6 +207,18 @@ def test_only_who_may_read_an_original_reads_its_array_by_any_path(
                         assert got == digest(_pixels(npy)), (reader, size, name, way)
                     else:  # given its original's readers when served (64: just now)
                         assert got == digest(_entry(store, size, name)), (reader, size, name)
+
+    # The datasets read as read_array does (hits from the store, the rest through the mount).
+    result = as_reader(
+        "member", sys.executable, "-c", READ_WITH_TORCH, mount.mountpoint, ",".join(names), "64,32"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    seen = json.loads(result.stdout)
+    for (size, name), npy in want.items():
+        for way in ("dataset", "batches"):
+            got = seen[f"{size}/{name}/{way}"]
+            expected = digest(_pixels(npy)) if "member" in MAY_READ[name] else "EACCES"
+            assert got == expected, (size, name, way, got)
 
     # The status files tell nothing of pixels; the list of failed originals (paths) is root's.
     failed = mount.path(".decodefs", "failed.json")
