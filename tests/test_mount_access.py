@@ -28,7 +28,7 @@ import pytest
 from decodefs.common.entry import EntryKey
 from decodefs.store.entry_modes import ACL_XATTR
 from tests.conftest import MountFactory, needs_root
-from tests.helpers import NOBODY, reference_npy
+from tests.helpers import NOBODY, decodefs, reference_npy
 
 pytestmark = needs_root
 
@@ -226,6 +226,19 @@ def test_only_who_may_read_an_original_reads_its_array_by_any_path(
     result = as_reader("other", "cat", failed)
     assert result.returncode != 0 and b"Permission denied" in result.stderr
     assert as_reader("other", "cat", mount.path(".decodefs", "stats.json")).returncode == 0
+
+    # A chmod is applied by a reload: the kernel forgets the attributes it held, and
+    # the stored entries get the new readers; the pixels stay stored.
+    os.chmod(paths["team"], 0o600)  # its group may no longer read it
+    reloaded = decodefs("reload", mount.mountpoint)
+    assert reloaded.returncode == 0, reloaded.stderr
+    assert stat.S_IMODE(mount.path("v1", "64", "team.npy").stat().st_mode) == 0o400
+    result = as_reader(
+        "member", sys.executable, "-c", READ_EVERY_WAY, mount.mountpoint, store, "team", "64,32"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert set(json.loads(result.stdout).values()) == {"EACCES"}
+    assert mount.stats()["decodes"] == 0  # (the new serving process's): none decoded again
 
 
 def _pixels(npy: bytes) -> bytes:

@@ -342,14 +342,17 @@ def test_who_may_read_an_original_counts_the_directories_its_path_and_a_symlink_
         found = restat_originals(index)
         assert found.changed == [] and sorted(found.readers_changed) == [0, 1, 2]  # first seen
         me = os.getuid(), os.getgid()
-        assert index.readers(index.find("open")) == (*me, 0o444)
-        assert index.readers(index.find("hidden")) == (*me, 0o400)  # its directory: 0700
-        assert index.readers(index.find("link")) == (*me, 0o400)  # where it leads: the same
+        assert index.readers(index.keys.index("open")) == (*me, 0o444)
+        assert index.readers(index.keys.index("hidden")) == (*me, 0o400)  # its directory: 0700
+        assert index.readers(index.keys.index("link")) == (*me, 0o400)  # where it leads: the same
         assert index.folder("") == (*me, 0o444)
         assert restat_originals(index) == ([], [])  # nothing changed since
 
         os.chmod(base / "private", 0o755)
-        assert restat_originals(index).readers_changed == [index.find("hidden"), index.find("link")]
-        assert index.readers(index.find("link")).bits == 0o444
+        assert restat_originals(index).readers_changed == [
+            index.keys.index("hidden"),
+            index.keys.index("link"),
+        ]
+        assert index.readers(index.keys.index("link")).bits == 0o444
     finally:
         shutil.rmtree(base, ignore_errors=True)
