@@ -4,8 +4,10 @@ one else; entries stored under another policy are closed before they are served.
 
 One store, two mounts: the first with ``access = "everyone"`` stores size 64 (its
 entries readable by all), the second with the default (``originals``, as root)
-serves it and stores size 32 itself. Readers are uids and groups that exist only
-for setpriv: the original's owner, a member of its group, and anyone else.
+serves it and stores size 32 itself; a chmod is applied by a reload, and a reload
+that asks for another ``access`` keeps the mount's. Readers are uids and groups
+that exist only for setpriv: the original's owner, a member of its group, and
+anyone else.
 """
 
 from __future__ import annotations
@@ -239,6 +241,17 @@ def test_only_who_may_read_an_original_reads_its_array_by_any_path(
     assert result.returncode == 0, result.stderr.decode()
     assert set(json.loads(result.stdout).values()) == {"EACCES"}
     assert mount.stats()["decodes"] == 0  # (the new serving process's): none decoded again
+
+    # access decides the mount's options: a reload keeps the mount's, and says so.
+    mount.config.write_text('access = "everyone"\n' + mount.config.read_text())
+    reloaded = decodefs("reload", mount.mountpoint)
+    assert reloaded.returncode == 0, reloaded.stderr
+    assert "access stays 'originals' until a remount" in reloaded.stdout + reloaded.stderr
+    result = as_reader(
+        "other", sys.executable, "-c", READ_EVERY_WAY, mount.mountpoint, store, "mine", "64,32"
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert set(json.loads(result.stdout).values()) == {"EACCES"}
 
 
 def _pixels(npy: bytes) -> bytes:
