@@ -84,8 +84,8 @@ _PRIVATE_STATUS_FILES: Final = frozenset({FAILED_FILE})
 class ArrayRows(NamedTuple):
     """Entry ``i`` of ``rows`` (a position) is named keys[i][strip:] + ".npy", has inode
     ``base_ino | numbers[i]`` and the attributes of ``sample``, but for its owner,
-    group and mode (uids[i], gids[i], modes[i]) where ``readers`` holds them; the
-    listing resumes at offset i + offset_delta."""
+    group and mode where ``readers`` holds them (``readers.at(i)``); the listing
+    resumes at offset i + offset_delta."""
 
     sample: Node
     rows: range
