@@ -88,7 +88,7 @@ def test_adopt_move_takes_the_cache_into_the_store_and_the_mount_serves_it_undec
     verify = decodefs("verify", config)
     assert verify.returncode == 0 and f"{adopted} ok, 0 corrupt" in verify.stdout, verify.stdout
     entry = tmp_path / "store" / "v1" / str(SIZE) / "ch" / "chelsea-444.npy"
-    assert entry.stat().st_mode & 0o777 == 0o600  # the store's modes (allow_other off)
+    assert entry.stat().st_mode & 0o777 == 0o600  # the store's modes (root's originals)
 
     mount = mounts({"v1": photos_dir})  # the same store
     for uuid, original in photos.items():

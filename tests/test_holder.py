@@ -195,3 +195,14 @@ def test_a_user_mounts_through_fusermount3_which_passes_the_connection_back(
     finally:
         os.close(fd)
         unmount_quietly(mountpoint)
+
+
+def test_access_originals_is_refused_before_a_mount_unless_root(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 61234)
+    problem = kernel.mount_problem("originals")
+    assert problem is not None and problem.startswith('access = "originals" needs root')
+    assert 'set access = "owner" or "everyone"' in problem
+    assert kernel.mount_options(allow_other=True)[-1] == "allow_other"
+    assert "default_permissions" in kernel.mount_options(allow_other=False)

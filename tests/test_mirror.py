@@ -409,6 +409,7 @@ def tree(tmp_path: Path) -> Iterator[tuple[Tree, Engine, Path]]:
         {
             "store": "store",
             "sizes": [64],
+            "access": "owner",  # the tree's names; who may read: test_tree.py, test_fs.py
             "versions": {
                 "m": {"source": "src", "layout": "mirror"},
                 "u": {"source": "plain"},

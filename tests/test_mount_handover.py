@@ -416,8 +416,8 @@ def test_a_serving_process_that_cannot_take_over_falls_back_to_a_plain_remount(
 def test_an_original_changed_while_unmounted_is_served_new_once_the_mount_checked(
     mounts: MountFactory, originals: Path, photos: dict[str, Path]
 ) -> None:
-    """A mount's first serving process looks for originals changed in place once it
-    serves (a mount of 370,000 originals is ready in seconds, not after a stat of each)."""
+    """A mount's first serving process looks for originals changed in place (and who
+    may read them) before it serves: the remount serves the new pixels."""
     mount = mounts({"v1": originals}, version_sizes=[SIZE])
     path = mount.path("v1", str(SIZE), "astronaut-baseline.npy")
     assert path.read_bytes() == reference_npy(photos["astronaut-baseline"], SIZE)  # stored

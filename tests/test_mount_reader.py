@@ -154,7 +154,7 @@ def test_a_user_who_may_not_read_the_store_reads_through_the_mount(
     photos_dir: Path, photos: dict[str, Path], shared_dir: Path, tmp_path: Path
 ) -> None:
     store = tmp_path / "store"  # under root-only tmp_path: other users cannot read it
-    config = write_config(tmp_path / "c.toml", store, {"v1": photos_dir}, allow_other=True)
+    config = write_config(tmp_path / "c.toml", store, {"v1": photos_dir}, access="everyone")
     (shared_dir / "mnt").mkdir(mode=0o755)
     assert (
         decodefs(
@@ -312,7 +312,7 @@ def test_a_store_or_entry_others_may_write_to_is_not_read_directly(
     for uuid in (first, second):
         read_array(mount.path("v1", "64", f"{uuid}.npy"))  # stored
     store = mount.config.parent / "store"
-    assert stat.S_IMODE(os.stat(entry_file(store, 64, first)).st_mode) == 0o600  # allow_other off
+    assert stat.S_IMODE(os.stat(entry_file(store, 64, first)).st_mode) == 0o600  # root's originals
 
     os.chmod(entry_file(store, 64, first), 0o620)  # a group may rewrite it
     hits = mount.stats()["hits"]

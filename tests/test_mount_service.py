@@ -1,4 +1,4 @@
-"""Running as a service: systemd notify and watchdog, units, allow_other, metrics."""
+"""Running as a service: systemd notify and watchdog, units, access, metrics."""
 
 from __future__ import annotations
 
@@ -149,7 +149,8 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
     example["store"] = str(tmp_path / "store")
     example["versions"]["v1"]["source"] = str(photos_dir)
     config = parse_config(example, base_dir=tmp_path)
-    assert not config.allow_other and config.mountpoint == Path("/mnt/decoded")
+    assert config.access == ("originals" if os.geteuid() == 0 else "owner")
+    assert config.mountpoint == Path("/mnt/decoded")
     # A second install keeps the edited config and puts the example beside it.
     install()
     assert (root / "etc" / "decodefs" / "config.example.toml").exists()
@@ -168,16 +169,16 @@ def shared_mountpoint(shared_tmp: Path) -> Iterator[Path]:
 
 
 @needs_root
-@pytest.mark.parametrize("allow_other", [True, False])
-def test_allow_other_lets_other_users_read(
+@pytest.mark.parametrize("access", ["everyone", "owner"])
+def test_access_everyone_lets_other_users_read(
     tmp_path: Path,
     photos_dir: Path,
     photos: dict[str, Path],
     shared_mountpoint: Path,
-    allow_other: bool,
+    access: str,
 ) -> None:
     config = write_config(
-        tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir}, allow_other=allow_other
+        tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir}, access=access
     )
     assert (
         decodefs(
@@ -197,7 +198,7 @@ def test_allow_other_lets_other_users_read(
             str(entry),
         ]
         result = subprocess.run(as_nobody, capture_output=True, timeout=60)
-        if allow_other:
+        if access == "everyone":
             assert result.returncode == 0, result.stderr
             assert result.stdout == reference_npy(original, 224)
         else:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from decodefs.common.config import DEFAULT_EXTENSIONS
-from decodefs.common.source import OriginalMissing, SourceError, changed_originals, scan_source
+from decodefs.common.source import (
+    OriginalMissing,
+    SourceError,
+    changed_originals,
+    restat_originals,
+    scan_source,
+)
 from tests.conftest import needs_root_because
 
 
@@ -314,3 +322,37 @@ def test_originals_changed_in_place_are_found_by_size_and_mtime(tmp_path: Path) 
     (source / "d" / "b.jpg").write_bytes(b"bb")
     walked = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
     assert not walked.from_cache and changed_originals(walked) == [walked.find("b")]
+
+
+def test_who_may_read_an_original_counts_the_directories_its_path_and_a_symlink_lead_through() -> (
+    None
+):
+    base = Path(tempfile.mkdtemp(prefix="decodefs-source-"))  # every user may pass it
+    try:
+        os.chmod(base, 0o755)
+        (base / "private").mkdir(mode=0o700)
+        (base / "open.jpg").write_bytes(b"x")
+        (base / "private" / "hidden.jpg").write_bytes(b"x")
+        (base / "link.jpg").symlink_to(base / "private" / "hidden.jpg")  # inside the source
+        (base / "private.d").symlink_to(base / "private")
+        for path in (base / "open.jpg", base / "private" / "hidden.jpg"):
+            os.chmod(path, 0o644)
+        index = scan_source("v1", base, {"jpg"})
+        assert sorted(index.keys) == ["hidden", "link", "open"]
+        found = restat_originals(index)
+        assert found.changed == [] and sorted(found.readers_changed) == [0, 1, 2]  # first seen
+        me = os.getuid(), os.getgid()
+        assert index.readers(index.keys.index("open")) == (*me, 0o444)
+        assert index.readers(index.keys.index("hidden")) == (*me, 0o400)  # its directory: 0700
+        assert index.readers(index.keys.index("link")) == (*me, 0o400)  # where it leads: the same
+        assert index.folder("") == (*me, 0o444)
+        assert restat_originals(index) == ([], [])  # nothing changed since
+
+        os.chmod(base / "private", 0o755)
+        assert restat_originals(index).readers_changed == [
+            index.keys.index("hidden"),
+            index.keys.index("link"),
+        ]
+        assert index.readers(index.keys.index("link")).bits == 0o444
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

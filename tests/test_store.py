@@ -486,7 +486,7 @@ def test_the_stores_modes_follow_who_may_read_the_mount(
     root = tmp_path / "store"
     os.umask(0o000 if shared else 0o022)  # whatever the umask says
     try:
-        s = Store(root, {"v1": V1}, shared=shared)
+        s = Store(root, {"v1": V1}, access="everyone" if shared else "owner")
         s.open()
         s.wait_for_usage()
         s.write(KEY, payload())
@@ -511,7 +511,7 @@ def test_the_stores_modes_follow_who_may_read_the_mount(
         assert mode == (0o600 if path.parts[0] == ".index" else files), path
 
     # The policy changes with the config: the store follows at the next start.
-    again = Store(root, {"v1": V1}, shared=not shared)
+    again = Store(root, {"v1": V1}, access="owner" if shared else "everyone")
     again.open()
     again.close()
     assert stat.S_IMODE(root.stat().st_mode) == (0o755 if not shared else 0o700)

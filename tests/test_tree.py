@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,13 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from decodefs.common.config import parse_config
 from decodefs.common.inodes import Kind, Node
 from decodefs.common.protocol import NAME_MAX
-from decodefs.daemon.namespace import ROOT, STATUS_DIR_NODE
+from decodefs.common.source import restat_originals, scan_source
+from decodefs.daemon.namespace import ROOT, STATUS_DIR_NODE, Tree
 from tests import inprocess
+from tests.conftest import needs_root
 from tests.inprocess import CTX, InProcess
 
 # File stems as bytes: what a directory of originals may hold.
@@ -462,3 +467,36 @@ def test_fs_getattr_of_any_inode_is_its_attributes_or_enoent(hostile: Hostile, i
     else:
         assert code == errno.ENOENT
     assert "unexpected" not in hostile.daemon.stats()["errors"]
+
+
+@needs_root
+def test_with_access_originals_a_mirrors_folders_show_their_source_directories() -> None:
+    base = Path(tempfile.mkdtemp(prefix="decodefs-tree-"))  # every user may pass it
+    try:
+        os.chmod(base, 0o755)
+        for folder, owner, group, mode in (("cat", 61234, 62345, 0o750), ("dog", 0, 0, 0o700)):
+            (base / folder).mkdir()
+            (base / folder / "0001.jpg").write_bytes(b"never decoded here")
+            os.chown(base / folder, owner, group)
+            os.chmod(base / folder, mode)
+        config = parse_config(
+            {"store": "/nonexistent", "access": "originals",
+             "versions": {"v1": {"source": str(base), "layout": "mirror"}}},
+            base_dir=base,
+        )  # fmt: skip
+        index = scan_source("v1", base, {"jpg"}, layout="mirror")
+        restat_originals(index)
+        tree = Tree(config, {"v1": index})
+        size = tree.lookup(Node(Kind.VERSION, 0), b"224")
+        assert size is not None
+        seen = {}
+        for name in (b"cat", b"dog"):
+            node = tree.lookup(size, name)
+            assert node is not None and node.kind == Kind.FOLDER
+            attrs = tree.attributes(node)
+            seen[name] = (attrs.uid, attrs.gid, stat.S_IMODE(attrs.mode))
+        assert seen == {b"cat": (61234, 62345, 0o550), b"dog": (0, 0, 0o500)}
+        attrs = tree.attributes(size)  # the source itself
+        assert (attrs.uid, stat.S_IMODE(attrs.mode)) == (0, 0o555)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

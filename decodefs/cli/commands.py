@@ -86,7 +86,7 @@ def run_mount(args: argparse.Namespace) -> int:
     ready = _Ready(args.ready_fd)
     with ready.reporting():  # every mistake said here, before anything is mounted
         prepare_mountpoint(mountpoint, args.nonempty)
-        problem = mount_problem(config.allow_other)
+        problem = mount_problem(config.access)
         if problem is not None:
             raise MountError(f"cannot mount {mountpoint}: {problem}")
     if log_file is None:
@@ -121,8 +121,7 @@ def _become_holder(args: argparse.Namespace, config: Config, mountpoint: str) ->
     command += ["--config", str(args.config.resolve()), "--initial-log-level", config.log_level]
     if args.log_level:
         command += ["--log-level", args.log_level]
-    if config.allow_other:
-        command.append("--allow-other")
+    command += ["--access", config.access]
     if args.ready_fd is not None:
         command += ["--ready-fd", str(args.ready_fd)]
     sys.stdout.flush()

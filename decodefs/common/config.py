@@ -8,6 +8,7 @@ This module knows nothing of FUSE or the store's layout.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -30,10 +31,12 @@ from .inodes import SIZE_LIMIT
 from .source import Duplicates, Layout
 
 __all__ = [
+    "ACCESS_VALUES",
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_EXTENSIONS",
     "LOG_LEVELS",
     "WORKERS_MAX",
+    "Access",
     "Config",
     "ConfigError",
     "L2Config",
@@ -49,6 +52,7 @@ DEFAULT_EXTENSIONS: Final = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 # The most threads of one kind a config may ask for (decode_workers, io_workers, l2_workers).
 WORKERS_MAX: Final = 256
 # A version name is a path component both in the mount and in the store.
+log = logging.getLogger(__name__)
 _VERSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 _BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -58,7 +62,18 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 # from memory, decoded again when the memory cache dropped it), the daemon's own user
 # ("owner"), or every user ("everyone").
 UnlistedSizes = Literal["memory", "owner", "everyone"]
+# Who may read the arrays, through the mount and in the store: the users who may read
+# each one's original ("originals", as root), the daemon's own user ("owner"), or every
+# local user ("everyone"); the last two were ``allow_other = false`` and ``true``.
+Access = Literal["originals", "owner", "everyone"]
+ACCESS_VALUES: Final[tuple[Access, ...]] = get_args(Access)
 LOG_LEVELS: Final[tuple[LogLevel, ...]] = get_args(LogLevel)
+
+
+def default_access() -> Access:
+    """access when a config does not set it: what the originals allow, as root; else
+    the daemon's own user (only root can show other users' files as theirs)."""
+    return "originals" if os.geteuid() == 0 else "owner"
 
 
 def default_decode_workers() -> int:
@@ -149,7 +164,7 @@ class Config:
     versions: Mapping[str, VersionConfig]
     path: Path | None = None
     mountpoint: Path | None = None
-    allow_other: bool = False
+    access: Access = field(default_factory=default_access)
     max_store_bytes: int | None = None
     # Keep this much of the store's filesystem free (0: no such limit): one user
     # asking for many arrays can never fill the flash.
@@ -170,6 +185,12 @@ class Config:
     # answered in milliseconds rather than a process's start (its memory: the cost).
     standby: bool = True
     l2: L2Config | None = None
+
+    @property
+    def allow_other(self) -> bool:
+        """Whether the mount lets other users' processes in (FUSE ``allow_other``): the
+        kernel then checks each file's owner, group and mode (``default_permissions``)."""
+        return self.access != "owner"
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         """Each version's fingerprint, as the store is opened with: whoever opens the
@@ -270,6 +291,7 @@ _NOT_KEYS: Final = ("path", "l2")
 _TOP_KEYS: Final = (
     *(f.name for f in fields(Config) if f.name not in _NOT_KEYS),
     "sizes",
+    "allow_other",  # the old name of access = "everyone" (true) or "owner" (false)
     *L2_KEYS,
 )
 _VERSION_KEYS: Final = (
@@ -319,7 +341,7 @@ class _Parser:
         mountpoint = None
         if "mountpoint" in raw:
             mountpoint = self.check(lambda: self.path(raw["mountpoint"], "mountpoint"), None)
-        allow_other = self.boolean(raw, "allow_other", defaults.allow_other, None)
+        access = self.access(raw)
         decode_workers = self.workers(raw, "decode_workers", defaults.decode_workers)
         io_workers = self.workers(raw, "io_workers", defaults.io_workers)
         memory_cache_bytes, decode_memory_bytes = self.memory_budgets(raw)
@@ -337,7 +359,7 @@ class _Parser:
             versions=versions,
             path=path,
             mountpoint=mountpoint,
-            allow_other=allow_other,
+            access=access,
             max_store_bytes=max_store_bytes,
             min_free_fraction=min_free_fraction,
             min_size=low,
@@ -354,6 +376,27 @@ class _Parser:
             standby=standby,
             l2=l2,
         )
+
+    def access(self, raw: Mapping[str, Any]) -> Access:
+        """``access``, or the deprecated ``allow_other`` that it replaces (true:
+        "everyone", false: "owner"); both set, they must agree."""
+        access = cast(Access, self.choice(raw, "access", self.defaults.access, ACCESS_VALUES))
+        if "allow_other" not in raw:
+            return access
+        allow_other = self.boolean(raw, "allow_other", False, None)
+        implied: Access = "everyone" if allow_other else "owner"
+        if "access" in raw and raw["access"] in ACCESS_VALUES and access != implied:
+            self.problems.append(
+                f"allow_other = {str(allow_other).lower()} and access = {access!r} disagree: "
+                f"allow_other is the old name of access = {implied!r}; keep access alone"
+            )
+        elif "access" not in raw:
+            log.warning(
+                "allow_other = %s is deprecated: it means access = %r (set that instead)",
+                str(allow_other).lower(),
+                implied,
+            )
+        return implied
 
     def required_store(self, raw: Mapping[str, Any]) -> Path | None:
         """``store``, which every config must set."""

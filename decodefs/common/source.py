@@ -38,6 +38,7 @@ from typing import Any, Final, Literal, NamedTuple
 
 from .names import ARRAY_SUFFIX, key_of
 from .protocol import NAME_MAX
+from .readers import DAEMON_ONLY, Readers, directory_readers, file_readers
 from .trusted import CREATE_FLAGS
 
 __all__ = [
@@ -46,9 +47,11 @@ __all__ = [
     "Layout",
     "MirrorFolders",
     "OriginalMissing",
+    "Restat",
     "SourceError",
     "SourceIndex",
     "changed_originals",
+    "restat_originals",
     "scan_source",
 ]
 
@@ -190,6 +193,13 @@ class SourceIndex:
     # what ``changed_originals`` compares with (and records anew).
     sizes: array[int] = field(default_factory=lambda: array("q"), repr=False)
     mtimes: array[int] = field(default_factory=lambda: array("q"), repr=False)
+    # Who may read each original (readers.py: owner, group, read bits; bits -1 where
+    # never seen), and each directory that holds originals (by relative path, "": the
+    # source itself), as last seen with the stamps.
+    uids: array[int] = field(default_factory=lambda: array("q"), repr=False)
+    gids: array[int] = field(default_factory=lambda: array("q"), repr=False)
+    reads: array[int] = field(default_factory=lambda: array("q"), repr=False)
+    folder_readers: dict[str, Readers] = field(default_factory=dict, repr=False)
     # Where and how it is cached, to save it again with new stamps (None: not cached).
     cache: tuple[str, dict[str, object], dict[str, list[int]]] | None = field(
         default=None, repr=False
@@ -202,12 +212,25 @@ class SourceIndex:
         if len(self.sizes) != len(self.keys):
             self.sizes[:] = array("q", [-1]) * len(self.keys)
             self.mtimes[:] = array("q", [-1]) * len(self.keys)
+        if len(self.reads) != len(self.keys):
+            self.uids[:] = array("q", [0]) * len(self.keys)
+            self.gids[:] = array("q", [0]) * len(self.keys)
+            self.reads[:] = array("q", [-1]) * len(self.keys)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def find(self, key: str) -> int | None:
         return self._positions.get(key)
+
+    def readers(self, index: int) -> Readers:
+        """Who may read the original at ``index`` (the daemon alone while never seen)."""
+        bits = self.reads[index]
+        return DAEMON_ONLY if bits < 0 else Readers(self.uids[index], self.gids[index], bits)
+
+    def folder(self, relative: str) -> Readers:
+        """Who may list the source's directory ``relative`` ("": the source itself)."""
+        return self.folder_readers.get(relative, DAEMON_ONLY)
 
     def original_path(self, index: int) -> str:
         """The original's path, re-checked to still lie inside the source."""
@@ -262,14 +285,17 @@ def scan_source(
     if layout != "uuid":  # so that caches written before layouts existed stay valid
         key["layout"] = layout
     cache = os.path.join(cache_dir, f"{version}.json") if cache_dir else None
-    stamps: dict[str, tuple[int, int]] = {}
+    stamps: dict[str, _Stamp] = {}
     index = _load_cache(version, cache, key, root_real, layout, stamps) if cache else None
     if index is None:
         index, dirs, complete = _walk(version, root_real, extension_set, duplicates, layout)
         if cache and complete:  # a listing that failed may succeed next time: walk again
             index = dataclasses.replace(index, cache=(cache, key, dirs))
+        unseen = (-1, -1, 0, 0, -1)
         for i, k in enumerate(index.keys):  # what the last index saw of each original
-            index.sizes[i], index.mtimes[i] = stamps.get(k, (-1, -1))
+            stamp = stamps.get(k, unseen)
+            index.sizes[i], index.mtimes[i] = stamp[0], stamp[1]
+            index.uids[i], index.gids[i], index.reads[i] = stamp[2], stamp[3], stamp[4]
         if index.cache is not None:
             _save_cache(index)
     log.info(
@@ -354,7 +380,7 @@ def _load_cache(
     key: dict[str, object],
     root: str,
     layout: Layout = "uuid",
-    stamps: dict[str, tuple[int, int]] | None = None,
+    stamps: dict[str, _Stamp] | None = None,
 ) -> SourceIndex | None:
     """The cached index if the tree is as it was; ``stamps`` gets what it saw of each
     original even when the tree changed since (a re-walk compares with them)."""
@@ -366,8 +392,10 @@ def _load_cache(
         if not isinstance(cached, dict) or cached.get("key") != key:
             return None
         sizes, mtimes = _cached_stamps(cached)
+        uids, gids, reads, folders = _cached_readers(cached)
         if stamps is not None:
-            stamps.update(zip(cached["uuids"], zip(sizes, mtimes, strict=True), strict=True))
+            seen = zip(sizes, mtimes, uids, gids, reads, strict=True)
+            stamps.update(zip(cached["uuids"], seen, strict=True))
         mirror = None
         if layout == "mirror":
             _check_cached_mirror(cached)
@@ -397,6 +425,10 @@ def _load_cache(
             mirror=mirror,
             sizes=sizes,
             mtimes=mtimes,
+            uids=uids,
+            gids=gids,
+            reads=reads,
+            folder_readers=folders,
             cache=(path, key, cached["dirs"]),
         )
     except FileNotFoundError:
@@ -499,43 +531,158 @@ def _cached_stamps(cached: dict[str, Any]) -> tuple[array[int], array[int]]:
     return array("q", sizes), array("q", mtimes)  # TypeError for anything but integers
 
 
+class Restat(NamedTuple):
+    """What ``restat_originals`` found, by index."""
+
+    changed: list[int]  # size or mtime not what the index last saw: the arrays are stale
+    readers_changed: list[int]  # who may read it is not what the index last showed
+
+
+def _cached_readers(
+    cached: dict[str, Any],
+) -> tuple[array[int], array[int], array[int], dict[str, Readers]]:
+    """Who may read each original and folder, as a cached index recorded it (unseen
+    where it recorded none)."""
+    count = len(cached["uuids"])
+    uids, gids, reads = cached.get("uids"), cached.get("gids"), cached.get("reads")
+    folders = cached.get("folder_readers")
+    if not all(isinstance(v, list) for v in (uids, gids, reads)) or not isinstance(folders, dict):
+        return array("q", [0]) * count, array("q", [0]) * count, array("q", [-1]) * count, {}
+    assert isinstance(uids, list) and isinstance(gids, list) and isinstance(reads, list)
+    if not len(uids) == len(gids) == len(reads) == count:
+        raise ValueError("uids, gids and reads are not one per original")
+    known = {}
+    for path, value in folders.items():
+        if not (isinstance(value, list) and len(value) == 3 and all(type(n) is int for n in value)):
+            raise ValueError("a folder's readers are not three integers")
+        known[str(path)] = Readers(*value)
+    # TypeError for anything but integers; OverflowError past 64 bits.
+    return array("q", uids), array("q", gids), array("q", reads), known
+
+
 def changed_originals(index: SourceIndex, threads: int = 16) -> list[int]:
-    """The originals whose size or mtime is not what ``index`` last saw (replaced or
-    rewritten in place, so their arrays are stale), by index; records what it sees
-    now (and saves the cached index with it). An original that cannot be stat'ed is
-    left as it was: a read of it says why."""
+    """``restat_originals(index).changed``."""
+    return restat_originals(index, threads).changed
+
+
+def restat_originals(index: SourceIndex, threads: int = 16) -> Restat:
+    """Stat every original: those whose size or mtime is not what ``index`` last saw
+    (replaced or rewritten in place, so their arrays are stale), and those whose
+    readers (readers.py: owner, group, mode and the directories above) changed; records
+    what it sees now (and saves the cached index with it). An original that cannot be
+    stat'ed is left as it was: a read of it says why."""
     paths = [os.path.join(index.root, relpath) for relpath in index.relpaths]
+    folders = _directories_above(index)
     if not paths:
-        return []
+        index.folder_readers.update(folders)
+        return Restat([], [])
     chunk = -(-len(paths) // threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="restat") as pool:
-        parts = pool.map(_stamps, [paths[i : i + chunk] for i in range(0, len(paths), chunk)])
-        seen = [stamp for part in parts for stamp in part]
-    changed = []
-    updated = False
+        parts = pool.map(_stats, [paths[i : i + chunk] for i in range(0, len(paths), chunk)])
+        seen = [st for part in parts for st in part]
+    above = _StatsAbove()
+    changed, readers_changed = [], []
+    updated = index.folder_readers != folders
+    index.folder_readers.clear()
+    index.folder_readers.update(folders)
     sizes, mtimes = index.sizes, index.mtimes
-    for i, stamp in enumerate(seen):
-        if stamp is None or (sizes[i], mtimes[i]) == stamp:
+    uids, gids, reads = index.uids, index.gids, index.reads
+    for i, found in enumerate(seen):
+        if found is None:
+            continue
+        st, target_dir = found
+        readers = above.file_readers(os.path.dirname(paths[i]), st)
+        if target_dir is not None:  # a symlink: read through its path and its target's
+            readers = readers._replace(bits=readers.bits & above.file_readers(target_dir, st).bits)
+        if (uids[i], gids[i], reads[i]) != readers:
+            readers_changed.append(i)
+            uids[i], gids[i], reads[i] = readers
+            updated = True
+        if (sizes[i], mtimes[i]) == (st.st_size, st.st_mtime_ns):
             continue
         if sizes[i] >= 0:  # seen before, and different now
             changed.append(i)
-        sizes[i], mtimes[i] = stamp
+        sizes[i], mtimes[i] = st.st_size, st.st_mtime_ns
         updated = True
     if index.cache is not None and updated:
         _save_cache(index)
-    return changed
+    return Restat(changed, readers_changed)
 
 
-def _stamps(paths: list[str]) -> list[tuple[int, int] | None]:
-    found: list[tuple[int, int] | None] = []
+def _stats(paths: list[str]) -> list[tuple[os.stat_result, str | None] | None]:
+    """Each original's stat (followed), and for a symlink the directory it leads to."""
+    found: list[tuple[os.stat_result, str | None] | None] = []
     for path in paths:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                found.append((os.stat(path), os.path.dirname(os.path.realpath(path))))
+            else:
+                found.append((st, None))
         except OSError:
             found.append(None)
-        else:
-            found.append((st.st_size, st.st_mtime_ns))
     return found
+
+
+class _StatsAbove:
+    """The directories above originals, each stat'ed once (from ``/``, followed as
+    ``open`` follows them); who may read an original below them."""
+
+    def __init__(self) -> None:
+        self._stats: dict[str, os.stat_result | None] = {}
+        self._chains: dict[str, list[os.stat_result | None]] = {}
+        self._masks: dict[tuple[str, int, int, int], Readers] = {}
+
+    def chain(self, directory: str) -> list[os.stat_result | None]:
+        """Stats of ``directory`` and every directory above it, from ``/`` down."""
+        chain = self._chains.get(directory)
+        if chain is None:
+            parent = os.path.dirname(directory)
+            chain = [*self.chain(parent)] if parent != directory else []
+            chain.append(self._stat(directory))
+            self._chains[directory] = chain
+        return chain
+
+    def file_readers(self, directory: str, st: os.stat_result) -> Readers:
+        """Who may read the file ``st`` in ``directory``: past the directories of its
+        path, and past those its path leads to (a symlinked directory on the way)."""
+        # Originals of one folder mostly share an owner, a group and a mode.
+        key = (directory, st.st_uid, st.st_gid, st.st_mode)
+        readers = self._masks.get(key)
+        if readers is None:
+            readers = file_readers(st, self.chain(directory))
+            real = os.path.realpath(directory)
+            if real != directory:
+                readers = readers._replace(
+                    bits=readers.bits & file_readers(st, self.chain(real)).bits
+                )
+            self._masks[key] = readers
+        return readers
+
+    def directory_readers(self, directory: str) -> Readers:
+        st = self._stat(directory)
+        if st is None:
+            return DAEMON_ONLY
+        return directory_readers(st, self.chain(os.path.dirname(directory)))
+
+    def _stat(self, directory: str) -> os.stat_result | None:
+        if directory not in self._stats:
+            try:
+                self._stats[directory] = os.stat(directory)
+            except OSError:
+                self._stats[directory] = None
+        return self._stats[directory]
+
+
+def _directories_above(index: SourceIndex) -> dict[str, Readers]:
+    """Who may list each directory the mount shows of the source: the source itself,
+    and a mirror's folders."""
+    above = _StatsAbove()
+    relatives = index.mirror.paths if index.mirror is not None else [""]
+    return {
+        relative: above.directory_readers(os.path.join(index.root, relative).rstrip(os.sep))
+        for relative in relatives
+    }
 
 
 def _save_cache(index: SourceIndex) -> None:
@@ -552,6 +699,10 @@ def _save_cache(index: SourceIndex) -> None:
         "skipped_names": index.skipped_names,
         "sizes": list(index.sizes),
         "mtimes": list(index.mtimes),
+        "uids": list(index.uids),
+        "gids": list(index.gids),
+        "reads": list(index.reads),
+        "folder_readers": {path: list(readers) for path, readers in index.folder_readers.items()},
     }
     if index.mirror is not None:
         value["folders"] = index.mirror.paths
@@ -699,6 +850,8 @@ class _Walker:
 
 
 _Pending = list[tuple[str, frozenset[tuple[int, int]]]]
+# What an index saw of an original: size, mtime (ns), owner, group, read bits (-1: unseen).
+_Stamp = tuple[int, int, int, int, int]
 _Ancestors = frozenset[tuple[int, int]]
 
 

@@ -97,8 +97,7 @@ class DecodeFS(pyfuse3.Operations):
         # Told of a size directory looked up for the first time in the mount (its
         # pages may be cached from then on); awaited before the lookup is answered.
         self.size_seen: Callable[[str, int], Coroutine[Any, Any, None]] | None = None
-        self._uid = os.getuid()
-        self._gid = os.getgid()
+        self._originals = tree.originals
         self._failpoint = os.environ.get(_FAILPOINT_ENV)
         self._throttle = LogThrottle(log)
         # pyfuse3 copies an open's FileInfo before any other request runs, so the hot
@@ -113,13 +112,18 @@ class DecodeFS(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         # The hot path: <uuid>.npy in a size directory whose arrays' attributes are
-        # known (they are alike but for the inode); pyfuse3 copies them out at once.
+        # known (they are alike but for the inode, and with access = "originals" the
+        # owner, group and mode); pyfuse3 copies them out at once.
         try:
             attrs = self._array_attrs.get(parent_inode)
             if attrs is not None:
                 ino = self._tree.entry_below(parent_inode, name)
                 if ino is not None:
                     attrs.st_ino = ino
+                    if self._originals:
+                        readers = self._tree.entry_readers(ino)
+                        if readers is not None:
+                            attrs.st_uid, attrs.st_gid, attrs.st_mode = readers
                     return attrs
         except Exception as exc:
             raise self._errno_of(exc, "lookup", (parent_inode, name)) from None
@@ -192,9 +196,12 @@ class DecodeFS(pyfuse3.Operations):
             attributes = self._entry(arrays.sample)
             reply, keys, base = pyfuse3.readdir_reply, arrays.keys, arrays.base_ino
             strip, delta, numbers = arrays.strip, arrays.offset_delta, arrays.numbers
+            readers = arrays.readers.at if arrays.readers is not None else None
             encoding = _FS_ENCODING  # as os.fsencode, without its per-call overhead
             for i in arrays.rows:
                 attributes.st_ino = base | numbers[i]
+                if readers is not None:
+                    attributes.st_uid, attributes.st_gid, attributes.st_mode = readers(i)
                 name = keys[i][strip:].encode(encoding, "surrogateescape") + ARRAY_SUFFIX_BYTES
                 if not reply(token, name, attributes, i + delta):
                     return
@@ -434,8 +441,8 @@ class DecodeFS(pyfuse3.Operations):
         entry.attr_timeout = timeout
         entry.st_mode = attrs.mode
         entry.st_nlink = attrs.nlink
-        entry.st_uid = self._uid
-        entry.st_gid = self._gid
+        entry.st_uid = attrs.uid
+        entry.st_gid = attrs.gid
         entry.st_rdev = 0
         entry.st_size = attrs.size
         entry.st_blksize = _BLOCK_SIZE

@@ -9,18 +9,19 @@ caching policy and speaks no channel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import trio
 
 from ..cluster import L2Tier, open_backend
 from ..common.advice import empty_version_warning, store_warning
-from ..common.config import Config
+from ..common.config import Access, Config
 from ..common.decode import quiet_pillow_warnings
 from ..common.entry import EntryKey
 from ..common.inodes import INODE_LAYOUT
@@ -34,7 +35,8 @@ from ..common.protocol import (
     STORE_FILE,
     StoreStatus,
 )
-from ..common.source import SourceIndex, changed_originals, scan_source
+from ..common.readers import Readers
+from ..common.source import SourceIndex, restat_originals, scan_source
 from ..common.status import holder_figures
 from ..common.version import package_version
 from ..store import Store
@@ -77,9 +79,9 @@ class Serving:
     engine: Engine
     tree: Tree
     state_dir: str | None
-    # The mount's first, or its predecessor died: originals changed in place are looked
+    # Its predecessor died: originals changed in place (and their readers) are looked
     # for once it serves (in the background: a stat of each original, seconds at 370k),
-    # not before (a mount ready in a second; no reader waits on the dead one's requests).
+    # not before (no reader waits on the dead one's requests meanwhile).
     check_originals_later: bool
     holder: dict[str, Any] = field(default_factory=dict)  # the holder's figures (stats.json)
     log_place: str = ""
@@ -164,7 +166,7 @@ class Serving:
         if unsettled:
             log.info("discarded the stored arrays of %s (decode settings changed)", unsettled)
         if self.check_originals_later:
-            self.reload.changed = await trio.to_thread.run_sync(
+            self.reload.changed, self.reload.readers_changed = await trio.to_thread.run_sync(
                 changed_in_place, self.config, self.store, self.sources, self.numbers
             )
             for version, positions in self.reload.changed.items():
@@ -240,7 +242,7 @@ class MountFacts:
     crash_restart: bool  # its predecessor died: originals are checked once it serves
     held_lock: int | None  # the store lock an earlier serving process held
     holder_pid: int | None = None
-    allow_other: bool | None = None  # the mount's option (changed only by a remount)
+    access: str | None = None  # the mount's config.Access (changed only by a remount)
 
 
 def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
@@ -249,25 +251,38 @@ def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
     place found now, unless its predecessor crashed: then once it serves), the
     mount's numbers, the engine, the tree and the operations."""
     log_place = log_destination()
+    changed_config = _config_changes(config, facts)
+    if facts.access is not None and facts.access != config.access:
+        config = dataclasses.replace(config, access=cast(Access, facts.access))
     _tune_process(config)
     store = Store.from_config(config)
     store.open(facts.held_lock, facts.holder_pid)
     try:
         sources = _scan(config, store)
+        if config.access == "originals":
+            store.readers = _readers_of(sources)
         digests = store.digests()
         numbers, changes = MountNumbers.load(facts.state_dir, sources, digests, first=facts.first)
         engine = Engine(config, sources, store, l2=_l2_tier(config))
         if not facts.first:
             engine.hold(changes.redecoded)  # until no earlier process serves them
-        reload = Reload(numbers, changes, sources, config=_config_changes(config, facts))
+        reload = Reload(numbers, changes, sources, config=changed_config)
+        reload.directories_have_readers = config.access == "originals" and not facts.first
         # The first serving process listens before the mount (a busy address is the user's
         # error, nothing mounted); a later one once the one before is gone.
         metrics = None
         if facts.first and config.metrics_address is not None:
             metrics = MetricsEndpoint(config.metrics_address, lambda: serving.stats())
-        later = facts.first or facts.crash_restart
+        # Who may read each original is known before the mount serves: an original not
+        # looked at yet is root's alone. After a crash, once it serves (its readers as the
+        # cached index says until then).
+        later = facts.crash_restart
         if not later:
-            reload.changed = changed_in_place(config, store, sources, numbers)
+            reload.changed, reload.readers_changed = changed_in_place(
+                config, store, sources, numbers
+            )
+            if facts.first:
+                reload.readers_changed = {}  # the kernel has seen no attributes yet
         if facts.state_dir is not None and not facts.first:
             verified = read_verified(facts.state_dir)
             mark_verified(verified, engine.known, numbers, digests, reload.changed)
@@ -317,27 +332,45 @@ def _scan(config: Config, store: Store) -> dict[str, SourceIndex]:
 def _config_changes(config: Config, facts: MountFacts) -> list[str]:
     """The config keys changed since the mount's last serving process applied its config."""
     changed = config_changes(_saved_config(facts.state_dir), config.as_dict())
-    if facts.allow_other is not None and facts.allow_other != config.allow_other:
+    if facts.access is not None and facts.access != config.access:
         changed.append(
-            f"allow_other stays {str(facts.allow_other).lower()} until a remount "
-            "(a mount option: decodefs umount, then mount)"
+            f"access stays {facts.access!r} until a remount "
+            "(it decides the mount's options: decodefs umount, then mount)"
         )
     return changed
 
 
 def changed_in_place(
     config: Config, store: Store, sources: dict[str, SourceIndex], numbers: MountNumbers
-) -> dict[str, list[int]]:
-    """Originals whose size or mtime changed since the index last saw them, by version
-    (blocking): their stored arrays (every size the mount has seen) are removed."""
-    changed = {}
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Originals whose size or mtime changed since the index last saw them, and those
+    whose readers changed (owner, group, mode, or a directory above), by version
+    (blocking): the stored arrays of the first (every size the mount has seen) are
+    removed; those of the second get their new readers (access = "originals")."""
+    changed, readers_changed = {}, {}
     for version, source in sources.items():
-        positions = changed_originals(source)
-        if positions:
-            changed[version] = positions
-            sizes = {*config.versions[version].sizes, *numbers.sizes_seen(version)}
-            _remove_entries(store, version, source, positions, sizes)
-    return changed
+        found = restat_originals(source)
+        sizes = {*config.versions[version].sizes, *numbers.sizes_seen(version)}
+        if found.changed:
+            changed[version] = found.changed
+            _remove_entries(store, version, source, found.changed, sizes)
+        if found.readers_changed and config.access == "originals":
+            readers_changed[version] = found.readers_changed
+            for index in found.readers_changed:
+                for size in sizes:
+                    store.share(EntryKey(version, size, source.keys[index]))
+    return changed, readers_changed
+
+
+def _readers_of(sources: dict[str, SourceIndex]) -> Callable[[EntryKey], Readers | None]:
+    """Who may read the original of a store entry (None: a key the sources do not have)."""
+
+    def readers(key: EntryKey) -> Readers | None:
+        source = sources.get(key.version)
+        index = source.find(key.key) if source is not None else None
+        return source.readers(index) if source is not None and index is not None else None
+
+    return readers
 
 
 def _remove_entries(

@@ -12,8 +12,13 @@ then its originals as ``<name>.npy``. In a folder, ``<name>.npy`` is the
 original ``<folder>/<name>`` if there is one, else (like any other name) a
 subfolder.
 
-The tree reads the config (versions, sizes, size bounds) and the sources (each
-version's originals) directly; it knows nothing of the engine or the store.
+Attributes follow the config's ``access``: with "originals", an array shows its
+original's owner, group and read bits, and a version's directories its source
+directory's (readers.py), for the kernel to enforce; otherwise everything is the
+daemon's, readable by whoever reaches the mount.
+
+The tree reads the config (versions, sizes, size bounds, access) and the sources
+(each version's originals) directly; it knows nothing of the engine or the store.
 This module is filesystem logic only: it does not import pyfuse3.
 """
 
@@ -43,7 +48,8 @@ from ..common.inodes import (
 )
 from ..common.names import ARRAY_SUFFIX_BYTES, key_of_bytes
 from ..common.npy import npy_file_size
-from ..common.protocol import NAME_MAX, SIZE_NAME, STATUS_DIR, STATUS_FILES
+from ..common.protocol import FAILED_FILE, NAME_MAX, SIZE_NAME, STATUS_DIR, STATUS_FILES
+from ..common.readers import Readers
 from ..common.source import Folder, MirrorFolders, SourceIndex
 from .numbers import MountNumbers, VersionNumbers
 
@@ -70,12 +76,16 @@ ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1
 STATUS_DIR_NODE: Final = Node(Kind.SPECIAL, number=2)  # protocol.STATUS_DIR, in the root
 _FIRST_STATUS_FILE: Final = 3
 _DIRECTORY_KINDS: Final = (Kind.VERSION, Kind.SIZE, Kind.SHARD, Kind.FOLDER)
+_FILE_NOBODY: Final = stat.S_IFREG  # an original never seen: the daemon alone reads it
+# With access = "originals", the list of failed originals (their paths) is the daemon's alone.
+_PRIVATE_STATUS_FILES: Final = frozenset({FAILED_FILE})
 
 
 class ArrayRows(NamedTuple):
     """Entry ``i`` of ``rows`` (a position) is named keys[i][strip:] + ".npy", has inode
-    ``base_ino | numbers[i]`` and the attributes of ``sample``; the listing resumes
-    at offset i + offset_delta."""
+    ``base_ino | numbers[i]`` and the attributes of ``sample``, but for its owner,
+    group and mode where ``readers`` holds them (``readers.at(i)``); the listing
+    resumes at offset i + offset_delta."""
 
     sample: Node
     rows: range
@@ -84,6 +94,22 @@ class ArrayRows(NamedTuple):
     base_ino: int
     strip: int = 0  # a mirror folder's keys start with its path and a "/"
     offset_delta: int = 1  # a mirror folder lists its subfolders first
+    readers: ArrayReaders | None = None  # access = "originals": each array's own
+
+
+class ArrayReaders(NamedTuple):
+    """Each original's owner, group and read bits (-1: never seen), by position."""
+
+    uids: Sequence[int]
+    gids: Sequence[int]
+    reads: Sequence[int]
+
+    def at(self, index: int) -> tuple[int, int, int]:
+        """(uid, gid, st_mode) of the array of the original at ``index``."""
+        bits = self.reads[index]
+        if bits < 0:
+            return 0, 0, _FILE_NOBODY
+        return self.uids[index], self.gids[index], stat.S_IFREG | bits
 
 
 @dataclass(frozen=True)
@@ -92,6 +118,8 @@ class Attributes:
     size: int
     mtime_ns: int
     nlink: int
+    uid: int
+    gid: int
 
 
 _EMPTY: Final = SourceIndex(version="", root="/", keys=(), relpaths=(), scanned_at_ns=0)
@@ -128,6 +156,14 @@ class Tree:
         self._key_positions = tuple(n.key_positions for n in self._numbers)
         self._sizes = range(config.min_size, config.max_size + 1)
         self._finders = tuple(source.find for source in self._sources)
+        self._uid, self._gid = os.getuid(), os.getgid()
+        # access = "originals": each array's and directory's owner, group and mode are
+        # its original's, its source directory's (None: the daemon's, for everyone).
+        self.originals = config.access == "originals"
+        self._readers = tuple(
+            ArrayReaders(source.uids, source.gids, source.reads) if self.originals else None
+            for source in self._sources
+        )
 
     # -- names -> nodes -----------------------------------------------------
 
@@ -317,7 +353,8 @@ class Tree:
             rows = range(files.start + max(0, start - listed), files.stop)
             strip = len(folder.path) + 1 if folder.path else 0
             delta = listed - files.start + 1
-            return ArrayRows(sample, rows, keys, numbers, sample.ino, strip, delta)
+            readers = self._readers[node.version]
+            return ArrayRows(sample, rows, keys, numbers, sample.ino, strip, delta, readers)
         if node.kind == Kind.SIZE:
             rows = range(start, len(keys))
         elif node.kind == Kind.SHARD:
@@ -325,16 +362,47 @@ class Tree:
             rows = range(max(start, shard.start), shard.stop)
         else:
             return None
-        return ArrayRows(sample, rows, keys, numbers, sample.ino)
+        return ArrayRows(
+            sample, rows, keys, numbers, sample.ino, readers=self._readers[node.version]
+        )
 
     # -- attributes ---------------------------------------------------------
 
     def attributes(self, node: Node, status_size: int = 0) -> Attributes:
+        uid, gid = self._uid, self._gid
         if self.is_dir(node):
-            return Attributes(stat.S_IFDIR | 0o555, 0, self._mtime(node), 2)
+            mode = stat.S_IFDIR | 0o555
+            readers = self._directory_readers(node)
+            if readers is not None:
+                uid, gid, mode = readers.uid, readers.gid, readers.directory_mode
+            return Attributes(mode, 0, self._mtime(node), 2, uid, gid)
         if node.kind == Kind.ENTRY:
-            return Attributes(stat.S_IFREG | 0o444, npy_file_size(node.size), self._mtime(node), 1)
-        return Attributes(stat.S_IFREG | 0o444, status_size, time.time_ns(), 1)
+            mode = stat.S_IFREG | 0o444
+            if self.originals:  # (a listing's sample may name no original: the daemon's)
+                uid, gid, mode = self.entry_readers(node.ino) or (0, 0, _FILE_NOBODY)
+            return Attributes(mode, npy_file_size(node.size), self._mtime(node), 1, uid, gid)
+        mode = stat.S_IFREG | 0o444
+        if self.originals and self.status_file_name(node) in _PRIVATE_STATUS_FILES:
+            mode = stat.S_IFREG | 0o400
+        return Attributes(mode, status_size, time.time_ns(), 1, uid, gid)
+
+    def entry_readers(self, ino: int) -> tuple[int, int, int] | None:
+        """(uid, gid, st_mode) of the array ``ino`` (an ``entry``) with access =
+        "originals"; None otherwise (lookup's hot path)."""
+        found = self.entry(ino)
+        if found is None:
+            return None
+        readers = self._readers[(ino >> VERSION_SHIFT) & VERSION_MASK]
+        return None if readers is None else readers.at(found[2])
+
+    def _directory_readers(self, node: Node) -> Readers | None:
+        """Who may list a version's directory (access = "originals"; None: everyone who
+        reaches the mount): its source directory's readers."""
+        if not self.originals or node.kind not in _DIRECTORY_KINDS:
+            return None
+        source = self._sources[node.version]
+        folder = self._folder(node)
+        return source.folder(folder.path if folder is not None else "")
 
     def _mtime(self, node: Node) -> int:
         if node.kind in (Kind.SIZE, Kind.SHARD, Kind.ENTRY, Kind.VERSION, Kind.FOLDER):

@@ -40,6 +40,11 @@ class Reload:
     changes: NumberChanges
     sources: Mapping[str, SourceIndex]
     changed: dict[str, list[int]] = field(default_factory=dict)  # originals changed in place
+    # Originals whose readers changed (access = "originals": their arrays' attributes).
+    readers_changed: dict[str, list[int]] = field(default_factory=dict)
+    # access = "originals": shards and a mirror's folders show their source directory's
+    # readers, which may have changed too (attributes only; a handful of directories).
+    directories_have_readers: bool = False
     config: list[str] = field(default_factory=list)  # config keys changed: "key: a -> b"
     invalidated_names: int = 0
     invalidated_inodes: int = 0
@@ -88,6 +93,18 @@ class Reload:
             for size in sizes:
                 for number in numbers:
                     inodes += forget_inode(Node(Kind.ENTRY, vid, size, number).ino)
+            for index in self.readers_changed.get(name, ()):
+                for size in sizes:
+                    ino = Node(Kind.ENTRY, vid, size, version.key_numbers[index]).ino
+                    forget_inode(ino, attributes_only=True)
+            if self.directories_have_readers:
+                below = [n for n in version.folder_numbers if n] + [
+                    n for n, shard in enumerate(version.shard_names) if shard is not None
+                ]
+                kind = Kind.FOLDER if version.folder_numbers else Kind.SHARD
+                for size in sizes:
+                    for number in below:
+                        forget_inode(Node(kind, vid, size, number).ino, attributes_only=True)
             # Their listings and mtimes changed: attributes only.
             forget_inode(Node(Kind.VERSION, vid).ino, attributes_only=True)
             for size in sizes:

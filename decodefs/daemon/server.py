@@ -81,7 +81,7 @@ def _serve_process(
             crash_restart=purpose == "crash",  # (a standby checks them as it starts)
             held_lock=held_lock,
             holder_pid=os.getppid(),
-            allow_other=bool(hello.get("allow_other")),
+            access=_mount_access(hello),
         )
         serving = build(config, mountpoint, facts)
     except StoreInUse as exc:
@@ -99,7 +99,7 @@ def _serve_process(
             log.info("not asked to serve (%s); exiting", init.kind)
             return 0
         reply = serving.session.replay_init(channel.decode_bytes(init.get("init")),
-                                            bool(hello.get("allow_other")))  # fmt: skip
+                                            serving.config.allow_other)  # fmt: skip
         store = serving.store
         lock = [store.lock_fd] if store.lock_taken and store.lock_fd is not None else []
         channel.send(
@@ -250,3 +250,14 @@ def _die_with_parent() -> None:
         return
     if os.getppid() == 1:  # the holder died before the prctl: nobody to serve for
         os._exit(0)
+
+
+def _mount_access(hello: channel.Message) -> str | None:
+    """The ``access`` the mount was made with (its holder's; a holder of a release before
+    ``access`` said ``allow_other``), or None if the hello says neither."""
+    access = hello.get("access")
+    if isinstance(access, str):
+        return access
+    if hello.get("allow_other") is not None:
+        return "everyone" if hello.get("allow_other") else "owner"
+    return None

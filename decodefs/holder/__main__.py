@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--log-level")  # overrides the config's, in every serving process
     parser.add_argument("--initial-log-level", default="info")  # the holder's own
-    parser.add_argument("--allow-other", action="store_true")
+    parser.add_argument("--access", choices=("originals", "owner", "everyone"), default="owner")
     parser.add_argument("--ready-fd", type=int)
     args = parser.parse_args(argv)
     held = HeldLog(args.log_level or args.initial_log_level, hold=True)
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         mountpoint=args.mountpoint,
         config=args.config,
         log_level=args.log_level,
-        allow_other=args.allow_other,
+        access=args.access,
         ready_fd=args.ready_fd,
     )
     return Holder(settings, log=held).run()

@@ -106,9 +106,15 @@ class FuseConnection:
         os.close(self.fd)
 
 
-def mount_problem(allow_other: bool, device: str = "/dev/fuse") -> str | None:
-    """Why this user cannot mount at all (checked before anything is started), or None."""
-    hint = mount_failure_hint(allow_other, device)
+def mount_problem(access: str, device: str = "/dev/fuse") -> str | None:
+    """Why this user cannot mount with the config's ``access`` at all (checked before
+    anything is started), or None."""
+    if access == "originals" and os.geteuid() != 0:
+        return (
+            'access = "originals" needs root (only root shows each array as its original\'s '
+            'owner\'s, and lets other users in): set access = "owner" or "everyone"'
+        )
+    hint = mount_failure_hint(access != "owner", device)
     return None if hint.startswith("is ") else hint
 
 
@@ -123,7 +129,10 @@ def mount_failure_hint(allow_other: bool, device: str = "/dev/fuse") -> str:
             f"let users open it as most systems do (`chmod 0666 {device}`)"
         )
     if allow_other and os.geteuid() != 0:
-        return "allow_other needs 'user_allow_other' in /etc/fuse.conf when not root"
+        return (
+            "access = \"everyone\" (FUSE allow_other) needs 'user_allow_other' in "
+            "/etc/fuse.conf when not root"
+        )
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
         return "fusermount3 is missing: install fuse3"
     return f"is {device} present and fusermount3 installed?"

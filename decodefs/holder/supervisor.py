@@ -73,9 +73,14 @@ class HolderSettings:
     mountpoint: str  # absolute
     config: str  # the config file every serving process reads
     log_level: str | None = None  # overrides the config's, in every serving process
-    allow_other: bool = False
+    access: str = "owner"  # config.Access: who may read (decides allow_other)
     ready_fd: int | None = None  # told "ready" once the mount is live, or the error
     command: tuple[str, ...] = field(default_factory=lambda: tuple(server_command()))
+
+    @property
+    def allow_other(self) -> bool:
+        """The mount option: other users' processes may reach the mount ("owner": none)."""
+        return self.access != "owner"
 
 
 class Holder:
@@ -239,7 +244,7 @@ class Holder:
             mountpoint=self.settings.mountpoint,
             config=self.settings.config,
             log_level=self.settings.log_level,
-            allow_other=self.settings.allow_other,
+            access=self.settings.access,
             state_dir=self._state.path,
             mount_id=self._state.mount_id,
             holder=self.status(),

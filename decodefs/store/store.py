@@ -18,8 +18,11 @@ check and is rebuilt rather than served. The rooms behind this one: the
 directory's life and safety in root.py, fingerprint markers and the trash
 in fingerprints.py, usage, the catalog fill and eviction in capacity.py, the
 in-place move of ``adopt --move`` in movein.py, the file format and its one
-check in entry.py. Who may read entries is the mount's policy (``shared``:
-``allow_other``), and every file's and directory's mode says the same. This
+check in entry.py. Who may read entries is the mount's policy (``access``), and
+every file's and directory's mode says the same: "owner", the daemon's alone
+(0700/0600); "everyone", all (0755/0644); "originals", directories that anyone
+may pass but no one else list (0711), files of the daemon's alone (0600) but
+entries, each no more readable than its original (entry_modes.py). This
 module knows nothing of images, decoding or FUSE.
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import sqlite3
@@ -43,12 +47,14 @@ from ..common.entry import (
 )
 from ..common.fingerprint import Fingerprint
 from ..common.protocol import ACCESS_SOCKET, TRAILER_SIZE
+from ..common.readers import Readers
 from ..common.trusted import CREATE_FLAGS
 from ..common.trusted import DIRECTORY_FLAGS as _DIR
 from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
 from .capacity import Capacity, SizeUsage, StoreUsage
 from .catalog import Catalog
+from .entry_modes import EntryModes
 from .fingerprints import Discarded, check_fingerprint, recorded_digest, start_trash_cleanup
 from .flights import FlightClaims
 from .movein import CannotMove
@@ -58,9 +64,11 @@ from .root import (
     StoreRoot,
     lock_store,
     read_all,
+    read_small,
     set_file_mode,
     set_mode,
     temp_name,
+    write_json_at,
 )
 from .walk import iter_entries
 
@@ -88,6 +96,9 @@ log = logging.getLogger(__name__)
 
 
 CATALOG_FILE: Final = ".catalog.sqlite3"
+# Present while the store's entries are given modes by access = "originals" (JSON).
+ACCESS_MARKER: Final = ".access.json"
+_DIR_MODES: Final = {"owner": 0o700, "everyone": 0o755, "originals": 0o711}
 _WHOLE: Final = 1 << 20  # entries up to this size are read whole, in one read
 
 
@@ -147,14 +158,19 @@ class Store:
         *,
         max_bytes: int | None = None,
         min_free_fraction: float | None = None,
-        shared: bool = False,
+        access: str = "owner",
         lock_dir: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._fingerprints = dict(fingerprints)
-        # Who may read arrays is the mount's policy (allow_other): the modes follow it.
-        self.dir_mode = 0o755 if shared else 0o700
-        self.file_mode = 0o644 if shared else 0o600
+        # Who may read arrays is the mount's policy (config.Access): the modes follow it.
+        self.access = access
+        self.dir_mode = _DIR_MODES[access]
+        self.file_mode = 0o644 if access == "everyone" else 0o600
+        self._entry_modes = EntryModes(access)
+        # access = "originals": who may read the original of an entry (the daemon's
+        # sources, once scanned; None, or a key it does not know: the daemon alone).
+        self.readers: Callable[[EntryKey], Readers | None] | None = None
         self._root = StoreRoot(
             root,
             dir_mode=self.dir_mode,
@@ -199,7 +215,7 @@ class Store:
             config.fingerprints(),
             max_bytes=config.max_store_bytes,
             min_free_fraction=config.min_free_fraction,
-            shared=config.allow_other,
+            access=config.access,
             lock_dir=lock_dir,
             clock=clock,
         )
@@ -318,6 +334,8 @@ class Store:
                 first, brought_in = pagecache.read_noting_residency(entry, 0, min(size, _WHOLE))
                 del first  # the check reads it again, from the page cache
                 checked = check_entry_file(entry, key, digest)
+            if checked.ok:  # before it is first served: a policy or an original changed
+                self._give_readers(entry, key)
         except OSError as exc:
             raise StoreReadError(key, exc) from exc
         finally:
@@ -326,6 +344,30 @@ class Store:
             self.remove(key)
             raise CorruptEntry(key, checked.reason, checked.verdict)
         return VerifiedEntry(checked.length, brought_in, payload, dropped)
+
+    def share(self, key: EntryKey) -> bool:
+        """Give ``key``'s entry, if there is one, the mode its original's readers call for
+        now (they changed); False if there is none or it cannot be changed."""
+        try:
+            entry = self.open_entry(key)
+        except OSError:
+            return False
+        try:
+            self._give_readers(entry, key)
+        finally:
+            os.close(entry)
+        return True
+
+    def _give_readers(self, fd: int, key: EntryKey) -> None:
+        """The policy's mode for the entry open at ``fd`` (a read-only store keeps its own)."""
+        if not self.writable:
+            return
+        readers = self.readers(key) if self.readers is not None else None
+        try:
+            if self._entry_modes.apply(fd, readers):
+                log.debug("%s: mode set for its readers %s", key, readers)
+        except OSError as exc:
+            log.warning("cannot give %s its original's readers: %s", key, exc)
 
     def read_range(self, key: EntryKey, offset: int, length: int) -> bytes:
         """Bytes of an entry verified earlier; raises OSError if it is gone or unreadable.
@@ -425,7 +467,8 @@ class Store:
         try:
             with self.capacity.room(key, nbytes, may_evict=may_evict):
                 prepare()
-                set_mode(fd, self.file_mode)  # whatever the umask
+                readers = self.readers(key) if self.readers is not None else None
+                self._entry_modes.apply(fd, readers)  # whatever the umask
                 shard = self._root.entry_dir(root, key)
                 try:
                     self.capacity.commit(
@@ -572,6 +615,7 @@ class Store:
                     continue
                 self._check_fingerprint(fd, version)  # before a fill scan sees what it discards
             start_trash_cleanup(fd)
+            self._follow_access(fd)
         if empty:
             # A new catalog on an existing store (or a read-only store): fill it
             # from the files, in the background, while the daemon already serves.
@@ -581,6 +625,49 @@ class Store:
                 durable=writable,
                 where=self.root,
             )
+
+    def _follow_access(self, root: int) -> None:
+        """Before anything is served with access = "originals": if the store's entries
+        were given modes by another policy (no marker says "originals"), make every
+        entry the daemon's alone (0600); each gets its original's readers when first
+        served. With another policy the marker goes."""
+        if self.access != "originals":
+            try:
+                os.unlink(ACCESS_MARKER, dir_fd=root)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", ACCESS_MARKER, exc)
+            return
+        try:
+            recorded = json.loads(read_small(root, ACCESS_MARKER)).get("access")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if recorded == self.access:
+            return
+        started = time.monotonic()
+        versions = dict.fromkeys(_version_dirs(root))
+        closed = EntryModes("owner")
+        count = 0
+        for key, _ in iter_entries(root, versions):
+            try:
+                entry = os.open(key.relpath, _READ | os.O_NONBLOCK, dir_fd=root)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                count += closed.apply(entry, None)
+            except OSError as exc:  # unmarked: tried again at the next start
+                log.warning("cannot make %s the daemon's alone: %s", key, exc)
+                return
+            finally:
+                os.close(entry)
+        log.info("store %s: %d entries made the daemon's alone (access was %s, is "
+                 "originals) in %.2f s", self.root, count, recorded or "not recorded",
+                 time.monotonic() - started)  # fmt: skip
+        try:
+            write_json_at(root, ACCESS_MARKER, {"access": self.access}, self.file_mode)
+        except OSError as exc:
+            log.warning("cannot record the store's access policy: %s", exc)
 
     def _check_fingerprint(self, fd: int, version: str) -> None:
         discarded = check_fingerprint(
@@ -634,3 +721,11 @@ class Store:
             return
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(key.relpath, dir_fd=fd)
+
+
+def _version_dirs(root: int) -> list[str]:
+    """The names of the store's version directories (configured now or not)."""
+    with os.scandir(root) as it:
+        return [
+            e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+        ]
