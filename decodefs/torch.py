@@ -420,20 +420,25 @@ class _Reads:
         self._hits = threading.Lock()
 
     def submit(self, paths: list[str], rows: Array) -> Future[list[Future[None]]]:
-        return self._pool.submit(self._read, paths, rows)
+        # The rows go in a list each read empties: the pool's work item holds its
+        # arguments a moment after the result is out, and a view of a batch's block
+        # held there would keep _BatchMemory from handing the block out again.
+        return self._pool.submit(self._read, paths, [rows])
 
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _read(self, paths: list[str], rows: Array) -> list[Future[None]]:
+    def _read(self, paths: list[str], held: list[Array]) -> list[Future[None]]:
+        rows = held.pop()
         if self._stop.is_set():
             return []
         with self._hits:
             misses = read_stored_rows(paths, rows)
-        return [self._pool.submit(self._read_miss, paths[i], rows[i]) for i in misses]
+        return [self._pool.submit(self._read_miss, paths[i], [rows[i]]) for i in misses]
 
-    def _read_miss(self, path: str, row: Array) -> None:
+    def _read_miss(self, path: str, held: list[Array]) -> None:
+        row = held.pop()
         if not self._stop.is_set():
             read_array_into(path, row)
 
