@@ -44,7 +44,7 @@ from .checks import (
     version_size_dir,
 )
 from .errors import EXIT_ERROR, UsageError, error_text, exit_status, is_user_error
-from .spawn import spawn
+from .spawn import holder_command, spawn
 from .status import (
     counter,
     failed_summary,
@@ -94,7 +94,14 @@ def run_mount(args: argparse.Namespace) -> int:
     warning = store_warning(config)
     if warning is not None:  # the daemon logs it too, but the user is here
         print(f"decodefs: warning: {warning}", file=sys.stderr)
-    pid = spawn(args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty)
+    config_path = args.config.resolve()
+    pid = spawn(
+        mountpoint,
+        log_file,
+        lambda ready_fd: holder_command(
+            mountpoint, config_path, config.log_level, config.access, args.log_level, ready_fd
+        ),
+    )
     print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
     print("\n".join(serving(Path(mountpoint))))
     stats = read_stats(Path(mountpoint))
@@ -117,13 +124,10 @@ def run_mount(args: argparse.Namespace) -> int:
 def _become_holder(args: argparse.Namespace, config: Config, mountpoint: str) -> NoReturn:
     """Replace this process with the mount's holder (same pid: systemd's main process,
     a caller's child), so that it keeps none of the command's imports."""
-    command = [sys.executable, "-P", "-m", "decodefs.holder", mountpoint]
-    command += ["--config", str(args.config.resolve()), "--initial-log-level", config.log_level]
-    if args.log_level:
-        command += ["--log-level", args.log_level]
-    command += ["--access", config.access]
-    if args.ready_fd is not None:
-        command += ["--ready-fd", str(args.ready_fd)]
+    command = holder_command(
+        mountpoint, args.config.resolve(), config.log_level, config.access, args.log_level,
+        args.ready_fd,
+    )  # fmt: skip
     sys.stdout.flush()
     sys.stderr.flush()
     os.chdir("/")  # the holder holds none of the user's directories
