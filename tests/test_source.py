@@ -17,6 +17,7 @@ from decodefs.common.source import (
     SourceError,
     changed_originals,
     restat_originals,
+    save_stamps,
     scan_source,
 )
 from tests.conftest import needs_root_because
@@ -322,6 +323,15 @@ def test_originals_changed_in_place_are_found_by_size_and_mtime(tmp_path: Path) 
     (source / "d" / "b.jpg").write_bytes(b"bb")
     walked = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
     assert not walked.from_cache and changed_originals(walked) == [walked.find("b")]
+    # Found by a process that does not act on it (a standby let go at a reload): not
+    # saved, so the next one finds it too; saved once acted on.
+    (source / "d" / "c.jpg").write_bytes(b"c, once more")
+    assert restat_originals(walked, save=False).changed == [walked.find("c")]
+    nextone = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert restat_originals(nextone, save=False).changed == [nextone.find("c")]
+    save_stamps(nextone)  # (without it, the next finds c changed again)
+    last = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert changed_originals(last) == []
 
 
 def test_who_may_read_an_original_counts_the_directories_its_path_and_a_symlink_lead_through() -> (

@@ -52,6 +52,7 @@ __all__ = [
     "SourceIndex",
     "changed_originals",
     "restat_originals",
+    "save_stamps",
     "scan_source",
 ]
 
@@ -204,6 +205,9 @@ class SourceIndex:
     cache: tuple[str, dict[str, object], dict[str, list[int]]] | None = field(
         default=None, repr=False
     )
+    # Non-empty while stamps seen are not in the cache yet (save_stamps); a list, as the
+    # index is frozen.
+    _unsaved: list[bool] = field(default_factory=list, repr=False)
     _positions: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -565,11 +569,12 @@ def changed_originals(index: SourceIndex, threads: int = 16) -> list[int]:
     return restat_originals(index, threads).changed
 
 
-def restat_originals(index: SourceIndex, threads: int = 16) -> Restat:
+def restat_originals(index: SourceIndex, threads: int = 16, *, save: bool = True) -> Restat:
     """Stat every original: those whose size or mtime is not what ``index`` last saw
     (replaced or rewritten in place, so their arrays are stale), and those whose
     readers (readers.py: owner, group, mode and the directories above) changed; records
-    what it sees now (and saves the cached index with it). An original that cannot be
+    what it sees now (and saves the cached index with it; with ``save`` false, later:
+    ``save_stamps``, once what changed has been acted on). An original that cannot be
     stat'ed is left as it was: a read of it says why."""
     paths = [os.path.join(index.root, relpath) for relpath in index.relpaths]
     folders = _directories_above(index)
@@ -605,8 +610,20 @@ def restat_originals(index: SourceIndex, threads: int = 16) -> Restat:
         sizes[i], mtimes[i] = st.st_size, st.st_mtime_ns
         updated = True
     if index.cache is not None and updated:
-        _save_cache(index)
+        index._unsaved[:] = [True]
+        if save:
+            save_stamps(index)
     return Restat(changed, readers_changed)
+
+
+def save_stamps(index: SourceIndex) -> None:
+    """Write the stamps ``restat_originals`` recorded into the cached index. Not before
+    the changes they show were acted on: a process that saved them and died (or was
+    let go, as a standby is at a reload) would leave the next one finding nothing
+    changed while the kernel still held the old pages."""
+    if index._unsaved and index.cache is not None:
+        _save_cache(index)
+        index._unsaved.clear()
 
 
 def _stats(paths: list[str]) -> list[tuple[os.stat_result, str | None] | None]:

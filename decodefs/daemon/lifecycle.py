@@ -36,7 +36,7 @@ from ..common.protocol import (
     StoreStatus,
 )
 from ..common.readers import Readers
-from ..common.source import SourceIndex, restat_originals, scan_source
+from ..common.source import SourceIndex, restat_originals, save_stamps, scan_source
 from ..common.status import holder_figures
 from ..common.version import package_version
 from ..store import Store
@@ -177,6 +177,8 @@ class Serving:
         await trio.to_thread.run_sync(self.numbers.refresh_sizes)  # the last one's too
         kernel = (FuseSession.invalidate_entry, FuseSession.invalidate_inode)
         await trio.to_thread.run_sync(self.reload.invalidate, kernel)
+        for source in self.sources.values():  # what changed is acted on: the next needn't
+            await trio.to_thread.run_sync(save_stamps, source)
         self.engine.release_held()
         value = (
             await trio.to_thread.run_sync(read_verified, self.state_dir) if self.state_dir else {}
@@ -349,7 +351,7 @@ def changed_in_place(
     removed; those of the second get their new readers (access = "originals")."""
     changed, readers_changed = {}, {}
     for version, source in sources.items():
-        found = restat_originals(source)
+        found = restat_originals(source, save=False)  # saved once acted on: apply_reload
         sizes = {*config.versions[version].sizes, *numbers.sizes_seen(version)}
         if found.changed:
             changed[version] = found.changed
