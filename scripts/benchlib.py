@@ -66,8 +66,10 @@ class BenchMount:
             ],
             check=True,
             stdout=subprocess.DEVNULL,
-            # The daemon starts from / with -P: another checkout is found through
-            # PYTHONPATH (which -P keeps), not the working directory.
+            # The command is the checkout's (`python -m` looks in the working directory
+            # first); its daemon starts from / with -P, and finds the checkout through
+            # PYTHONPATH (which -P keeps).
+            cwd=self.code,
             env={**os.environ, "PYTHONPATH": str(self.code)} if self.code else None,
         )
 
