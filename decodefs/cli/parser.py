@@ -128,7 +128,8 @@ def _umount_arguments(add_command: AddCommand) -> None:
 
 def _reload_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs reload`."""
-    reload = add_command(
+    _switch_arguments(
+        add_command,
         "reload",
         help="apply the config and the sources as they are now, without unmounting",
         description="A new serving process reads the mount's config and scans its sources, "
@@ -136,27 +137,28 @@ def _reload_arguments(add_command: AddCommand) -> None:
         "that does not load is refused and the running process keeps serving. SIGHUP to the "
         "mount's holder (systemctl reload) does the same.",
     )
-    reload.add_argument(
-        "mountpoint", type=Path, nargs="?", help="default: the config's `mountpoint`"
-    )
-    _config_option(reload)
-    reload.set_defaults(run=run_switch, switch="reload")
 
 
 def _restart_arguments(add_command: AddCommand) -> None:
     """The arguments of `decodefs restart`."""
-    restart = add_command(
+    _switch_arguments(
+        add_command,
         "restart",
         help="serve the mount from the decodefs installed now (after an upgrade)",
         description="A new serving process, started from the code installed now, takes the "
         "mount over from the running one (it reads the config and the sources too): "
         "readers pause, never fail.",
     )
-    restart.add_argument(
+
+
+def _switch_arguments(add_command: AddCommand, switch: str, help: str, description: str) -> None:
+    """A command that hands the mount to a new serving process (run_switch)."""
+    command = add_command(switch, help=help, description=description)
+    command.add_argument(
         "mountpoint", type=Path, nargs="?", help="default: the config's `mountpoint`"
     )
-    _config_option(restart)
-    restart.set_defaults(run=run_switch, switch="restart")
+    _config_option(command)
+    command.set_defaults(run=run_switch, switch=switch)
 
 
 def _warm_arguments(add_command: AddCommand) -> None:
