@@ -296,6 +296,42 @@ def test_a_reload_whose_config_does_not_load_is_refused_and_the_mount_keeps_serv
     mount.expect_errors = (r"cannot serve|reload failed|sizez",)
 
 
+def fuse_watched_by(pid: int) -> bool:
+    """Whether process ``pid`` has its /dev/fuse descriptor in one of its epoll sets."""
+    fds = Path(f"/proc/{pid}/fd")
+    fuse = {int(fd.name) for fd in fds.iterdir() if os.readlink(fd) == "/dev/fuse"}
+    assert fuse, f"process {pid} holds no /dev/fuse descriptor"
+    watched = set()
+    for fd in fds.iterdir():
+        if os.readlink(fd) == "anon_inode:[eventpoll]":
+            info = Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text()
+            watched |= {int(n) for n in re.findall(r"^tfd:\s*(\d+)", info, re.MULTILINE)}
+    return bool(fuse & watched)
+
+
+def test_the_holder_is_not_woken_by_requests_and_sees_an_unmount_its_server_missed(
+    mounts: MountFactory, originals: Path
+) -> None:
+    # In an epoll set, the descriptor would wake the holder at every request the kernel
+    # queues, each wake-up taking the connection's lock from the serving process.
+    mount = mounts({"v1": originals}, version_sizes=[SIZE])
+    assert mount.process is not None
+    for original in originals.iterdir():
+        assert mount.path("v1", str(SIZE), f"{original.stem}.npy").read_bytes()
+    assert not fuse_watched_by(mount.process.pid)
+    # A serving process that reads nothing more (stopped) cannot say the mount ended:
+    # the holder looks on its own, and stops.
+    pid = serving_pid(mount)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        subprocess.run(["umount", "--lazy", str(mount.mountpoint)], check=True)
+        assert mount.process.wait(timeout=30) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed by then
+            os.kill(pid, signal.SIGCONT)
+    assert "was unmounted" in mount.log_text()
+
+
 def test_a_serving_process_that_keeps_dying_is_backed_off_and_the_mount_answers_eio(
     mounts: MountFactory, originals: Path
 ) -> None:
@@ -314,6 +350,7 @@ def test_a_serving_process_that_keeps_dying_is_backed_off_and_the_mount_answers_
         return status
 
     wait_until(lambda: holder_status().get("holder_state") == "backing off", 60, "backing off")
+    assert mount.process is not None and fuse_watched_by(mount.process.pid)  # it answers
     assert errno_of(os.open, mount.path("v1", str(SIZE), "astronaut-baseline.npy"),
                     os.O_RDONLY) == errno.EIO  # fmt: skip
     shown = decodefs("stats", mount.mountpoint)
@@ -322,6 +359,7 @@ def test_a_serving_process_that_keeps_dying_is_backed_off_and_the_mount_answers_
     wait_until(lambda: is_live_mount(mount.mountpoint) and mount.stats()["pid"], 120, "serving")
     assert path.read_bytes() == good_bytes
     assert mount.stats()["crashes"] >= 2
+    assert not fuse_watched_by(mount.process.pid)
 
 
 def test_an_upgrade_of_the_installed_code_serves_after_a_restart(

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import select
 import shutil
 import socket
 import stat
@@ -96,6 +97,15 @@ class FuseConnection:
             os.close(fd)
             raise
         return cls(fd, mountpoint, InitRequest(data))
+
+    def ended(self) -> bool:
+        """Whether the kernel has ended the connection (an unmount, an abort). Looked at
+        without waiting: a descriptor left in an epoll set would be woken by every request
+        the kernel queues, and each wake-up takes the connection's lock from the serving
+        process (~10% of a warm reader's rate on this machine's 2 cores)."""
+        poller = select.poll()
+        poller.register(self.fd, 0)  # errors and hang-ups are always reported
+        return any(mask & (select.POLLERR | select.POLLHUP) for _, mask in poller.poll(0))
 
     def answer_init(self, reply: bytes) -> None:
         """Give the kernel the first serving process's reply to INIT (once per mount)."""

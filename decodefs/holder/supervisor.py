@@ -62,6 +62,9 @@ DRAIN_TIMEOUT: Final = 10.0
 # A serving process is asked for a sign of life this often, and replaced if none comes.
 PING_INTERVAL: Final = 5.0
 PING_TIMEOUT: Final = 30.0
+# How often the holder looks whether the kernel ended the connection when nothing told it
+# (a serving process reports it, and exits; this is for one that is hung or absent).
+CONNECTION_CHECK: Final = 1.0
 # After SIGTERM, how long readers holding an open file are still served.
 SHUTDOWN_GRACE: Final = 10.0
 # Then how long requests already running may take before the serving processes are killed.
@@ -167,8 +170,9 @@ class Holder:
         self._fuse = FuseConnection.mount(
             self.settings.mountpoint, allow_other=self.settings.allow_other
         )
-        # Errors only: the connection's end (an unmount, an abort) shows as EPOLLERR.
-        self._loop.watch(self._fuse.fd, self._on_fuse, 0)
+        # The descriptor is watched only while the holder answers EIO itself (_set_eio):
+        # in an epoll set, every request would wake the holder (see FuseConnection.ended).
+        self._loop.every("connection", CONNECTION_CHECK, self._check_connection)
         log.info(
             "mounted %s (FUSE protocol %s, mount %s)",
             self.settings.mountpoint,
@@ -192,11 +196,19 @@ class Holder:
             if opcode is not None:
                 self.counts["eio_answers"] += 1
 
+    def _check_connection(self) -> None:
+        """End the mount's life here if the kernel has ended the connection."""
+        if self._fuse is not None and not self._ended and self._fuse.ended():
+            self._connection_ended()
+
     def _set_eio(self, on: bool) -> None:
         if self._fuse is None or self._eio == on or self._ended:
             return
         self._eio = on
-        self._loop.modify(self._fuse.fd, select.EPOLLIN if on else 0)
+        if on:
+            self._loop.watch(self._fuse.fd, self._on_fuse)
+        else:
+            self._loop.unwatch(self._fuse.fd)
         if on:
             log.error("no serving process: every request of %s is answered EIO until one "
                       "starts", self.settings.mountpoint)  # fmt: skip
@@ -207,6 +219,7 @@ class Holder:
         self._ended = True
         assert self._fuse is not None
         self._loop.unwatch(self._fuse.fd)
+        self._loop.cancel("connection")
         if not self._stopping and find_mount(self.settings.mountpoint) is not None:
             # Still mounted, and nobody asked us to stop: the connection was aborted
             # under us. Fail, so that a service manager mounts again.
@@ -305,8 +318,9 @@ class Holder:
             server.ping_sent = None
             server.decodes = int(message.get("decodes", server.decodes))
         elif kind == channel.ENDED:
-            # The kernel ended the session: the EPOLLERR on our descriptor says so too.
+            # The kernel ended the session (an unmount or an abort).
             server.decodes = int(message.get("decodes", server.decodes))
+            self._check_connection()
 
     def _on_built(self, server: ServerProcess) -> None:
         """It is ready for the kernel's INIT: mount first if this is the mount's first."""
@@ -417,6 +431,7 @@ class Holder:
         self._servers.remove(server)
         self.counts["decodes_before"] += server.decodes
         self._loop.cancel_matching(f"-{server.pid}")
+        self._check_connection()  # a serving process ends when the connection does
         how = describe_exit(status)
         if self._stopping:
             log.info("%s %s", server, how)
@@ -558,6 +573,7 @@ class Holder:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.process.wait(timeout=30)  # its store lock goes with it
         self._loop.unwatch(self._fuse.fd)
+        self._loop.cancel("connection")
         with contextlib.suppress(MountError):
             lazy_unmount(self.settings.mountpoint)
         self._fuse.close()
