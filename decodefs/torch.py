@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from .client import (
+    failed_originals,
     flush_reports,
     missing_directory,
     read_array,
@@ -59,16 +60,98 @@ from .client import (
     read_stored_rows,
 )
 from .common.config import Config, load_config
-from .common.decode import DecodeSettings, decode_image
+from .common.decode import DecodeError, DecodeSettings, decode_image
 from .common.names import ARRAY_SUFFIX, array_name, is_key
 from .common.source import scan_source
 
-__all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
+__all__ = [
+    "BatchLoader",
+    "FailedItemWarning",
+    "ImageFolder",
+    "LiveDataset",
+    "MountDataset",
+    "collate_uint8",
+]
 
 Array: TypeAlias = npt.NDArray[np.uint8]
 Targets: TypeAlias = Sequence[Any] | Callable[[str], Any] | None
 Transform: TypeAlias = Callable[[Array], Any] | None
 PathLike: TypeAlias = str | os.PathLike[str]
+
+
+class FailedItemWarning(UserWarning):
+    """An item left out of a batch (``skip_failed=True``): its original failed to decode."""
+
+
+class _LeftOut:
+    """``skip_failed``'s bookkeeping for one dataset: which read errors are an original
+    that failed to decode (then the item is left out, with a warning), and how many
+    were left out in this process.
+
+    Through the mount, such a read is EIO and the mount's ``failed.json`` lists the
+    key (the daemon lists a failure before it answers). Any other error (a mount
+    that is gone, a daemon backing off: EIO too, but no listing) is raised as it is.
+    """
+
+    def __init__(self, owner: str, mountpoint: str | None, version: str) -> None:
+        self.owner = owner
+        self.mountpoint = mountpoint  # None: decoded here (LiveDataset), nothing to ask
+        self.version = version
+        self.count = 0
+
+    def reason(self, key: str, exc: BaseException) -> str | None:
+        """Why ``key``'s read raised ``exc`` because its original cannot be decoded; None
+        if that is not why."""
+        if self.mountpoint is None:
+            return str(exc) if isinstance(exc, DecodeError) else None
+        if not (isinstance(exc, OSError) and exc.errno == errno.EIO):
+            return None
+        try:
+            listed = failed_originals(self.mountpoint, self.version)
+        except (OSError, ValueError):
+            return None
+        for row in listed.failed:
+            if row.key == key:
+                return f"{row.path}: {row.reason}"
+        return None
+
+    def leave_out(self, key: str, exc: BaseException) -> bool:
+        """Whether to leave ``key``'s item out of its batch (warning that it was)."""
+        reason = self.reason(key, exc)
+        if reason is None:
+            return False
+        self.count += 1
+        listing = (
+            f"; `decodefs failed {self.mountpoint} {self.version}` lists them"
+            if self.mountpoint is not None
+            else ""
+        )
+        warnings.warn(
+            f"{self.owner}: left {key!r} of {self.version} out of its batch, its original "
+            f"failed to decode ({reason}): {self.count} left out in this process{listing}",
+            FailedItemWarning,
+            stacklevel=3,
+        )
+        return True
+
+
+def _batch_items(
+    dataset: Dataset[tuple[Any, Any]],
+    indices: Sequence[int],
+    key: Callable[[int], str],
+    left_out: _LeftOut | None,
+) -> list[tuple[Any, Any]]:
+    """``[dataset[i] for i in indices]`` without the items ``left_out`` leaves out."""
+    if left_out is None:
+        return [dataset[i] for i in indices]
+    items = []
+    for index in indices:
+        try:
+            items.append(dataset[index])
+        except (OSError, DecodeError) as exc:
+            if not left_out.leave_out(key(index), exc):
+                raise
+    return items
 
 
 class _KeyDataset(Dataset[tuple[Any, Any]]):
@@ -78,6 +161,8 @@ class _KeyDataset(Dataset[tuple[Any, Any]]):
     without the extension in the mirror layout (``cat/0001``): ``list_keys``
     lists them.
     """
+
+    _left_out: _LeftOut | None = None  # skip_failed's, set by each dataset
 
     def __init__(self, keys: Sequence[str], targets: Targets, transform: Transform) -> None:
         if isinstance(keys, str | bytes):
@@ -120,6 +205,11 @@ class _KeyDataset(Dataset[tuple[Any, Any]]):
     def target(self, index: int) -> Any:
         """Item ``index``'s target, without reading its array."""
         return self._target(index, self.key(index))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """``[self[i] for i in indices]``, as a DataLoader asks for a batch; with
+        ``skip_failed``, without the items whose originals failed to decode."""
+        return _batch_items(self, indices, self.key, self._left_out)
 
     def _target(self, index: int, key: str) -> Any:
         if self.targets is None:
@@ -165,6 +255,15 @@ class MountDataset(_KeyDataset):
     mount. A key the version does not have raises FileNotFoundError when it
     is read; a mount point, version or size the mount does not have raises
     FileNotFoundError here, naming which.
+
+    An item whose original cannot be decoded raises OSError (EIO) when read.
+    With ``skip_failed=True``, a batch (``__getitems__``, as a DataLoader reads
+    one, and ``BatchLoader``'s) leaves such an item out instead, with a
+    ``FailedItemWarning`` naming it and counting those left out: the batch has
+    fewer items. Only an original the mount lists as failed (``decodefs
+    failed``) is left out; any other error is raised. ``dataset[i]`` alone
+    still raises: to leave such keys out of the dataset itself, filter them
+    with ``decodefs.failed_keys``.
     """
 
     def __init__(
@@ -177,12 +276,16 @@ class MountDataset(_KeyDataset):
         transform: Transform = None,
         *,
         uuids: Sequence[str] | None = None,
+        skip_failed: bool = False,
     ) -> None:
         super().__init__(_keys_argument("MountDataset", keys, uuids), targets, transform)
         self.size = _check_size(size)
         self.directory = os.path.join(os.fspath(mountpoint), version, str(size))
         if not os.path.isdir(self.directory):
             raise FileNotFoundError(missing_directory(os.fspath(mountpoint), version, size))
+        self.skip_failed = skip_failed
+        if skip_failed:
+            self._left_out = _LeftOut("MountDataset", os.fspath(mountpoint), version)
 
     def path(self, index: int) -> str:
         return self._path(self.key(index))
@@ -196,7 +299,7 @@ class MountDataset(_KeyDataset):
         of one uint8 tensor allocated for the batch (in a worker, in shared
         memory), which ``collate_uint8`` then passes on as the batch, uncopied."""
         if self.transform is not None:
-            return [self[i] for i in indices]
+            return super().__getitems__(indices)
         for index in indices:
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} out of range for {len(self)} items")
@@ -204,11 +307,18 @@ class MountDataset(_KeyDataset):
         paths = [self._path(key) for key in keys]
         images = _batch_tensor((len(indices), self.size, self.size, 3))
         rows = images.numpy()
+        failed = set()
         for i in read_stored_rows(paths, rows):  # the misses, through the mount
-            read_array_into(paths[i], rows[i])
+            try:
+                read_array_into(paths[i], rows[i])
+            except OSError as exc:
+                if self._left_out is None or not self._left_out.leave_out(keys[i], exc):
+                    raise
+                failed.add(i)
         items = [
             (rows[i], self._target(index, key))
             for i, (index, key) in enumerate(zip(indices, keys, strict=True))
+            if i not in failed
         ]
         return _Rows(items, images)
 
@@ -227,7 +337,8 @@ class LiveDataset(_KeyDataset):
     The source is scanned once, here; a key that is not an original of the
     version raises KeyError now. Reading an item raises
     FileNotFoundError if its original is gone (the mount says ENOENT) and
-    decodefs.DecodeError if it cannot be decoded (the mount says EIO).
+    decodefs.DecodeError if it cannot be decoded (the mount says EIO); with
+    ``skip_failed=True`` a batch leaves the latter out, as MountDataset's does.
     """
 
     def __init__(
@@ -240,9 +351,13 @@ class LiveDataset(_KeyDataset):
         transform: Transform = None,
         *,
         uuids: Sequence[str] | None = None,
+        skip_failed: bool = False,
     ) -> None:
         super().__init__(_keys_argument("LiveDataset", keys, uuids), targets, transform)
         self.size = _check_size(size)
+        self.skip_failed = skip_failed
+        if skip_failed:
+            self._left_out = _LeftOut("LiveDataset", None, version)
         loaded = config if isinstance(config, Config) else load_config(Path(config))
         if version not in loaded.versions:
             raise KeyError(
@@ -304,7 +419,9 @@ class BatchLoader:
     that fails (a key the version lacks, a mount that is gone) raises its
     error when its batch is due, and stops the epoch's threads; so does
     leaving the loop (``break``, an exception, KeyboardInterrupt) once the
-    iterator is closed or collected.
+    iterator is closed or collected. A dataset made with ``skip_failed=True``
+    has its items whose originals failed to decode left out of their batches
+    (warned of, as the dataset's own batches are): such a batch is smaller.
 
     Transforms stay with ``MountDataset`` in a ``DataLoader``: a dataset with a
     ``transform`` is refused. The batches are meant to be moved to the device
@@ -399,8 +516,7 @@ class BatchLoader:
         else:
             images = self._memory.tensor(len(indices))
         paths = [self.dataset.path(i) for i in indices]
-        targets = default_collate([self.dataset.target(i) for i in indices])
-        return _Batch(images, targets, reads.submit(paths, images.numpy()))
+        return _Batch(self.dataset, indices, images, reads.submit(paths, images.numpy()))
 
 
 class _Reads:
@@ -419,7 +535,7 @@ class _Reads:
         self._stop = threading.Event()
         self._hits = threading.Lock()
 
-    def submit(self, paths: list[str], rows: Array) -> Future[list[Future[None]]]:
+    def submit(self, paths: list[str], rows: Array) -> Future[list[tuple[int, Future[None]]]]:
         # The rows go in a list each read empties: the pool's work item holds its
         # arguments a moment after the result is out, and a view of a batch's block
         # held there would keep _BatchMemory from handing the block out again.
@@ -429,13 +545,14 @@ class _Reads:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _read(self, paths: list[str], held: list[Array]) -> list[Future[None]]:
+    def _read(self, paths: list[str], held: list[Array]) -> list[tuple[int, Future[None]]]:
+        """The batch's hits read; its misses being read (their rows, and their reads)."""
         rows = held.pop()
         if self._stop.is_set():
             return []
         with self._hits:
             misses = read_stored_rows(paths, rows)
-        return [self._pool.submit(self._read_miss, paths[i], [rows[i]]) for i in misses]
+        return [(i, self._pool.submit(self._read_miss, paths[i], [rows[i]])) for i in misses]
 
     def _read_miss(self, path: str, held: list[Array]) -> None:
         row = held.pop()
@@ -470,19 +587,38 @@ class _BatchMemory:
 
 
 class _Batch:
-    """A batch being read: its tensor, its targets, and the reads that fill it."""
+    """A batch being read: its items, its tensor, and the reads that fill it."""
 
     def __init__(
-        self, images: torch.Tensor, targets: Any, reads: Future[list[Future[None]]]
+        self,
+        dataset: MountDataset,
+        indices: list[int],
+        images: torch.Tensor,
+        reads: Future[list[tuple[int, Future[None]]]],
     ) -> None:
+        self.dataset = dataset
+        self.indices = indices
+        self.targets = default_collate([dataset.target(i) for i in indices])
         self.images = images
-        self.targets = targets
         self.reads = reads
 
     def result(self) -> tuple[torch.Tensor, Any]:
-        for miss in self.reads.result():  # raises what a read raised
-            miss.result()
-        return self.images, self.targets
+        failed = []
+        for row, miss in self.reads.result():  # raises what a read raised
+            try:
+                miss.result()
+            except OSError as exc:
+                left_out = self.dataset._left_out
+                if left_out is None or not left_out.leave_out(
+                    self.dataset.key(self.indices[row]), exc
+                ):
+                    raise
+                failed.append(row)
+        if not failed:
+            return self.images, self.targets
+        kept = [row for row in range(len(self.indices)) if row not in failed]
+        targets = [self.dataset.target(self.indices[row]) for row in kept]
+        return self.images[kept], default_collate(targets) if targets else targets
 
 
 def _default_threads() -> int:
@@ -504,6 +640,8 @@ def collate_uint8(
     (``num_workers=0``); with workers, pass ``pin_memory=True`` to the
     DataLoader, which pins each batch as it arrives.
     """
+    if isinstance(batch, _Rows) and not batch:  # every item left out (skip_failed)
+        return batch.images[:0], []
     if not batch:
         raise ValueError("collate_uint8 needs at least one item")
     images = [_hwc_uint8(item[0]) for item in batch]
@@ -570,7 +708,8 @@ class _Rows(list[tuple[Any, Any]]):
         self._arrays = [item[0] for item in items]
 
     def intact(self) -> bool:
-        return len(self) == len(self._arrays) and all(
+        """Whether the items are still the rows of ``images``, every one, in order."""
+        return len(self) == len(self._arrays) == len(self.images) and all(
             item[0] is array for item, array in zip(self, self._arrays, strict=True)
         )
 
@@ -607,7 +746,9 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
     sorted, kept when ``name.lower().endswith(".npy")``. A class folder with
     no file raises FileNotFoundError unless ``allow_empty``. Items are
     ``(array, class_index)``, the array read with ``read_array`` (HWC uint8),
-    then ``transform`` and ``target_transform`` applied.
+    then ``transform`` and ``target_transform`` applied. ``skip_failed=True``
+    leaves the items whose originals failed to decode out of batches, as
+    MountDataset's does.
     """
 
     extensions = (ARRAY_SUFFIX,)
@@ -621,8 +762,13 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
         target_transform: Callable[[int], Any] | None = None,
         *,
         allow_empty: bool = False,
+        skip_failed: bool = False,
     ) -> None:
         self.root = os.path.join(os.fspath(mountpoint), version, str(_check_size(size)))
+        self.skip_failed = skip_failed
+        self._left_out = (
+            _LeftOut("ImageFolder", os.fspath(mountpoint), version) if skip_failed else None
+        )
         self.transform = transform
         self.target_transform = target_transform
         self.classes, self.class_to_idx = self.find_classes(self.root)
@@ -663,6 +809,16 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def key(self, index: int) -> str:
+        """Item ``index``'s key: its path below the size's folder, without ``.npy``."""
+        relative = os.path.relpath(self.samples[index][0], self.root)
+        return relative[: -len(ARRAY_SUFFIX)]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """``[self[i] for i in indices]``, as a DataLoader asks for a batch; with
+        ``skip_failed``, without the items whose originals failed to decode."""
+        return _batch_items(self, indices, self.key, self._left_out)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         path, target = self.samples[index]
