@@ -49,7 +49,7 @@ def corpus(tmp_path: Path, photos: dict[str, Path]) -> Path:
     return root
 
 
-def pixels(original: Path) -> np.ndarray:
+def pixels(original: Path) -> Any:
     return np.load(io.BytesIO(reference_npy(original, SIZE)))
 
 
