@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from decodefs.common import source as source_module
 from decodefs.common.config import DEFAULT_EXTENSIONS
 from decodefs.common.source import (
     OriginalMissing,
@@ -366,3 +367,26 @@ def test_who_may_read_an_original_counts_the_directories_its_path_and_a_symlink_
         assert index.readers(index.keys.index("link")).bits == 0o444
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_restat_finds_the_same_in_one_thread_or_several(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    # Which path is taken depends on how long a stat takes here: each is forced.
+    monkeypatch.setattr(source_module, "_PROBE_STATS", 7)
+    monkeypatch.setattr(source_module, "_STAT_THREADS", ((0.0, threads),))
+    source = tmp_path / "src"
+    names = [f"{i:03d}" for i in range(100)]
+    for name in names:
+        touch(source / name[:2] / f"{name}.jpg", name.encode())
+    index = scan_source("v1", source, DEFAULT_EXTENSIONS)
+    first = restat_originals(index)
+    assert first.changed == [] and len(first.readers_changed) == len(names)
+    rewritten = names[3::9]  # in the probe and past it, in each thread's share
+    for name in rewritten:
+        (source / name[:2] / f"{name}.jpg").write_bytes(b"rewritten")
+    (source / "05" / "055.jpg").unlink()  # gone: left as it was
+    again = restat_originals(index)
+    assert again.changed == [index.find(name) for name in rewritten]
+    assert again.readers_changed == []

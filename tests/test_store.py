@@ -18,6 +18,7 @@ from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_bytes
 from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.common.readers import Readers
 from decodefs.common.source import scan_source
 from decodefs.store.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError
 from tests.conftest import Tmpfs, fail_read_only, needs_root
@@ -695,3 +696,26 @@ def test_a_lowered_limit_is_met_by_trim_oldest_first_and_never_a_pinned_entry(
         assert s.capacity.trim() == (0, 0)  # within its limit: nothing more
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("absent", [10, 6000])  # opened one by one; matched by a walk
+def test_share_all_gives_the_entries_there_their_readers_mode(tmp_path: Path, absent: int) -> None:
+    readers = {"k-open": Readers(0, 0, 0o444), "k-shut": Readers(0, 0, 0o400)}
+    s = Store(tmp_path / "store", {"v1": V1}, access="originals")
+    s.readers = lambda key: readers.get(key.key, Readers(0, 0, 0o400))
+    s.open()
+    try:
+        s.wait_for_usage()
+        stored = [EntryKey("v1", 16, key) for key in readers]
+        for key in stored:
+            s.write(key, payload())
+        for key in stored:  # as a store written under the "everyone" policy left them
+            os.chmod(tmp_path / "store" / key.relpath, 0o644)
+        missing = [f"gone-{i}" for i in range(absent)]
+        assert s.share_all("v1", {16, 32}, [*missing, *readers]) == len(stored)
+        assert s.share_all("v2", {16}, list(readers)) == 0  # another version's keys
+    finally:
+        s.close()
+    modes = {key.key: stat.S_IMODE((tmp_path / "store" / key.relpath).stat().st_mode)
+             for key in stored}  # fmt: skip
+    assert modes == {"k-open": 0o644, "k-shut": 0o600}

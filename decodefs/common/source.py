@@ -575,16 +575,15 @@ def restat_originals(index: SourceIndex, threads: int = 16, *, save: bool = True
     readers (readers.py: owner, group, mode and the directories above) changed; records
     what it sees now (and saves the cached index with it; with ``save`` false, later:
     ``save_stamps``, once what changed has been acted on). An original that cannot be
-    stat'ed is left as it was: a read of it says why."""
-    paths = [os.path.join(index.root, relpath) for relpath in index.relpaths]
+    stat'ed is left as it was: a read of it says why. Up to ``threads`` threads stat
+    where a stat waits on storage (see ``_stat_all``)."""
+    prefix = index.root.rstrip(os.sep) + os.sep
+    paths = [prefix + relpath for relpath in index.relpaths]
     folders = _directories_above(index)
     if not paths:
         index.folder_readers.update(folders)
         return Restat([], [])
-    chunk = -(-len(paths) // threads)
-    with ThreadPoolExecutor(threads, thread_name_prefix="restat") as pool:
-        parts = pool.map(_stats, [paths[i : i + chunk] for i in range(0, len(paths), chunk)])
-        seen = [st for part in parts for st in part]
+    seen = _stat_all(paths, threads)
     above = _StatsAbove()
     changed, readers_changed = [], []
     updated = index.folder_readers != folders
@@ -592,18 +591,19 @@ def restat_originals(index: SourceIndex, threads: int = 16, *, save: bool = True
     index.folder_readers.update(folders)
     sizes, mtimes = index.sizes, index.mtimes
     uids, gids, reads = index.uids, index.gids, index.reads
+    file_readers_in = above.file_readers
     for i, found in enumerate(seen):
         if found is None:
             continue
         st, target_dir = found
-        readers = above.file_readers(os.path.dirname(paths[i]), st)
+        readers = file_readers_in(paths[i].rpartition(os.sep)[0] or os.sep, st)
         if target_dir is not None:  # a symlink: read through its path and its target's
-            readers = readers._replace(bits=readers.bits & above.file_readers(target_dir, st).bits)
-        if (uids[i], gids[i], reads[i]) != readers:
+            readers = readers._replace(bits=readers.bits & file_readers_in(target_dir, st).bits)
+        if uids[i] != readers.uid or gids[i] != readers.gid or reads[i] != readers.bits:
             readers_changed.append(i)
             uids[i], gids[i], reads[i] = readers
             updated = True
-        if (sizes[i], mtimes[i]) == (st.st_size, st.st_mtime_ns):
+        if sizes[i] == st.st_size and mtimes[i] == st.st_mtime_ns:
             continue
         if sizes[i] >= 0:  # seen before, and different now
             changed.append(i)
@@ -614,6 +614,31 @@ def restat_originals(index: SourceIndex, threads: int = 16, *, save: bool = True
         if save:
             save_stamps(index)
     return Restat(changed, readers_changed)
+
+
+# How many threads stat the originals, from the mean time of a first few stats in one
+# thread. A local stat is a few microseconds, mostly the GIL's, and threads only hand it
+# back and forth (370k originals, warm: 1.7 s in one thread, 4.6 s in 16); one that reads
+# inodes from a local disk overlaps a little (cold: 5.9 s in one, 5.0 s in 4, 8.9 s in
+# 16); one that waits on a network file system's round trips overlaps them all.
+_STAT_THREADS: Final = ((500e-6, 16), (50e-6, 4))  # (mean stat over this, threads)
+_PROBE_STATS: Final = 512  # stat'ed in one thread first, to tell which
+
+
+def _stat_all(paths: list[str], threads: int) -> list[tuple[os.stat_result, str | None] | None]:
+    """``_stats(paths)``: the first ``_PROBE_STATS`` in this thread, the rest in as many
+    threads (up to ``threads``) as their time calls for."""
+    started = time.perf_counter()
+    probe = _stats(paths[:_PROBE_STATS])
+    rest = paths[_PROBE_STATS:]
+    mean = (time.perf_counter() - started) / max(len(probe), 1)
+    threads = min(threads, next((n for slower, n in _STAT_THREADS if mean > slower), 1))
+    if not rest or threads <= 1:
+        return probe + _stats(rest)
+    chunk = -(-len(rest) // threads)
+    with ThreadPoolExecutor(threads, thread_name_prefix="restat") as pool:
+        parts = pool.map(_stats, [rest[i : i + chunk] for i in range(0, len(rest), chunk)])
+        return probe + [found for part in parts for found in part]
 
 
 def save_stamps(index: SourceIndex) -> None:
@@ -729,7 +754,9 @@ def _save_cache(index: SourceIndex) -> None:
         fd = os.open(tmp, os.O_WRONLY | CREATE_FLAGS, 0o600)
         with open(fd, "w", encoding="utf-8") as f:
             os.fchmod(fd, 0o600)
-            json.dump(value, f)  # ensure_ascii: non-UTF-8 names survive as \udcXX escapes
+            # ensure_ascii: non-UTF-8 names survive as \udcXX escapes. dumps, not dump:
+            # dump encodes in Python, piece by piece (370k originals: 6.7 s against 0.5 s).
+            f.write(json.dumps(value))
         os.replace(tmp, path)
     except OSError as exc:
         with contextlib.suppress(OSError):

@@ -358,9 +358,8 @@ def changed_in_place(
             _remove_entries(store, version, source, found.changed, sizes)
         if found.readers_changed and config.access == "originals":
             readers_changed[version] = found.readers_changed
-            for index in found.readers_changed:
-                for size in sizes:
-                    store.share(EntryKey(version, size, source.keys[index]))
+            keys = source.keys
+            store.share_all(version, sizes, [keys[i] for i in found.readers_changed])
     return changed, readers_changed
 
 

@@ -35,7 +35,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from ..common.entry import (
@@ -100,6 +100,7 @@ CATALOG_FILE: Final = ".catalog.sqlite3"
 ACCESS_MARKER: Final = ".access.json"
 _DIR_MODES: Final = {"owner": 0o700, "everyone": 0o755, "originals": 0o711}
 _WHOLE: Final = 1 << 20  # entries up to this size are read whole, in one read
+_SHARE_BY_WALK: Final = 4096  # share_all walks the store for more keys than this
 
 
 class StoreWriteError(Exception):
@@ -357,6 +358,23 @@ class Store:
         finally:
             os.close(entry)
         return True
+
+    def share_all(self, version: str, sizes: Collection[int], keys: Collection[str]) -> int:
+        """``share`` the entries of ``keys`` of ``version`` at ``sizes`` that the store
+        has; how many. Many keys (a first start's every original) are matched against one
+        walk of the version's entries, not opened one by one at each size (370k originals
+        at 3 sizes: ~10 s of failed opens)."""
+        root = self._root.fd
+        if len(keys) * len(sizes) > _SHARE_BY_WALK and root is not None:
+            wanted = set(keys)
+            there = [
+                key
+                for key, _ in iter_entries(root, {version: None})
+                if key.size in sizes and key.key in wanted
+            ]
+        else:
+            there = [EntryKey(version, size, key) for key in keys for size in sizes]
+        return sum(self.share(key) for key in there)
 
     def _give_readers(self, fd: int, key: EntryKey) -> None:
         """The policy's mode for the entry open at ``fd`` (a read-only store keeps its own)."""
