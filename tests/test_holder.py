@@ -20,6 +20,7 @@ from decodefs.holder import ControlError, HolderUnreachable, ask_holder, kernel
 from decodefs.holder.backoff import MAX_DELAY, WINDOW, CrashBackoff
 from decodefs.holder.control import ControlConnection, listen
 from decodefs.holder.kernel import FuseConnection, answer_with_eio
+from decodefs.holder.loop import EventLoop
 from tests.conftest import needs_root
 from tests.helpers import NOBODY, errno_of, python_as_nobody, unmount_quietly
 
@@ -50,6 +51,26 @@ def test_a_crash_now_and_then_restarts_at_once_a_crash_loop_backs_off_and_is_for
     assert backoff.crashed() == 0.0 and backoff.crashed() == 1.0
     backoff.forget()  # the last one served a while before it died: a one-off
     assert backoff.crashed() == 0.0
+
+
+def test_a_repeating_timer_runs_at_its_interval_until_it_is_cancelled_even_by_itself() -> None:
+    clock = Clock()
+    loop = EventLoop(clock)
+    ran: list[float] = []
+
+    def tick() -> None:
+        ran.append(clock.now)
+        if len(ran) == 3:
+            loop.cancel("tick")  # from within: no fourth
+
+    loop.every("tick", 2.0, tick)
+    for _ in range(3):
+        assert loop.pending("tick") == 2.0
+        clock.now += 2.0
+        loop.step()  # due already: no wait
+    assert ran == [1002.0, 1004.0, 1006.0]
+    assert loop.pending("tick") is None  # nothing left to run
+    loop.close()
 
 
 def test_messages_carry_descriptors_and_a_gone_peer_is_said() -> None:

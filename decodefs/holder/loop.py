@@ -41,9 +41,12 @@ class EventLoop:
         self._timers[name] = (self.clock() + delay, action)
 
     def every(self, name: str, interval: float, action: Callable[[], None]) -> None:
+        """Run ``action`` every ``interval`` seconds until the timer ``name`` is cancelled
+        (by the action too) or replaced."""
+
         def tick() -> None:
+            self.at(name, interval, tick)  # first: the action may cancel it
             action()
-            self.at(name, interval, tick)
 
         self.at(name, interval, tick)
 
