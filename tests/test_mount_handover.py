@@ -274,6 +274,37 @@ def test_a_reload_applies_versions_originals_and_decode_settings(
     assert sorted(os.listdir(mount.mountpoint)) == [".decodefs", "v1"]
 
 
+def test_a_standby_prepared_from_an_edited_config_leaves_its_changes_to_the_reload(
+    mounts: MountFactory, originals: Path, tmp_path: Path
+) -> None:
+    # A standby started after the config file was edited (here: once a crash took the
+    # old one) prepares with the edited config; the reload that follows must still find
+    # the version removed and the decode settings changed, and the kernel must forget
+    # the pages decoded the old way.
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(originals / "camera-gray.jpg", other / "camera-gray.jpg")
+    mount = mounts({"v1": originals, "v2": other}, version_sizes=[SIZE], standby=True,
+                   expect_errors=KILLED)  # fmt: skip
+    astronaut = mount.path("v1", str(SIZE), "astronaut-baseline.npy")
+    bilinear = astronaut.read_bytes()  # its pages are in the kernel's cache now
+    first = wait_until(lambda: mount.stats()["standby_pid"], 60, "a standby ready")
+    write_config(mount.config, tmp_path / "store", {"v1": originals}, version_sizes=[SIZE],
+                 version_resample="nearest", standby=True)  # fmt: skip
+    os.kill(serving_pid(mount), signal.SIGKILL)  # the standby (the old config) takes over
+    wait_until(lambda: serving_pid(mount) == first, 60, "the standby serving")
+    wait_until(lambda: mount.stats()["standby_pid"] not in (None, first), 60, "a new standby")
+    assert astronaut.read_bytes() == bilinear  # served as the old config says, still
+    reloaded = decodefs("reload", mount.mountpoint)
+    assert reloaded.returncode == 0, reloaded.stderr
+    assert "version v2 removed" in reloaded.stdout, reloaded.stdout
+    assert "version v1: decode settings changed" in reloaded.stdout, reloaded.stdout
+    with Image.open(originals / "astronaut-baseline.jpg") as image:
+        nearest = np.asarray(image.convert("RGB").resize((SIZE, SIZE), Image.NEAREST))  # type: ignore[attr-defined]
+    assert np.array_equal(np.load(astronaut), nearest)
+    assert errno_of(os.stat, mount.path("v2")) == errno.ENOENT
+
+
 def test_a_reload_whose_config_does_not_load_is_refused_and_the_mount_keeps_serving(
     mounts: MountFactory, originals: Path
 ) -> None:

@@ -146,19 +146,27 @@ def test_changes_since_the_last_serving_process(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
     both = {"v1": index_of("v1", {"ax0", "ay1"}), "v2": index_of("v2", {"ax0"})}
-    _, changes = MountNumbers.load(str(state), both, {"v1": "a", "v2": "b"}, first=True)
+    serving, changes = MountNumbers.load(str(state), both, {"v1": "a", "v2": "b"}, first=True)
     assert changes.added == ["v1", "v2"] and not changes.removed and not changes.redecoded
+    serving.save_applied()  # it serves: what changed is acted on
     after = {"v1": index_of("v1", {"ax0", "bx2"})}
-    numbers, changes = MountNumbers.load(str(state), after, {"v1": "c"}, first=False)
-    assert changes.added == [] and [name for name, _ in changes.removed] == ["v2"]
-    assert changes.redecoded == ["v1"]  # its decoder fingerprint changed
-    v1 = numbers.versions["v1"]
-    assert [key for key, _ in v1.gone_keys] == ["ay1"] and v1.new_keys == 1
+    # A process that prepares with the new config and is let go (a standby, at a reload)
+    # leaves what changed to the next: its loading is not acting on it.
+    new_keys = []
+    for _ in range(2):
+        numbers, changes = MountNumbers.load(str(state), after, {"v1": "c"}, first=False)
+        assert changes.added == [] and [name for name, _ in changes.removed] == ["v2"]
+        assert changes.redecoded == ["v1"]  # its decoder fingerprint changed
+        assert [key for key, _ in numbers.versions["v1"].gone_keys] == ["ay1"]
+        new_keys.append(numbers.versions["v1"].new_keys)
+    assert new_keys == [1, 0]  # given by the first: numbers are kept at once
     assert numbers.note_size("v1", 64)
     numbers.save_size("v1", 64)
     assert not numbers.note_size("v1", 64)
-    again, _ = MountNumbers.load(str(state), after, {"v1": "c"}, first=False)
+    numbers.save_applied()
+    again, changes = MountNumbers.load(str(state), after, {"v1": "c"}, first=False)
     assert again.sizes_seen("v1") == {64}
+    assert not (changes.added or changes.removed or changes.redecoded)  # all applied
     recorded = json.loads((state / "numbers.json").read_text())
     assert set(recorded["versions"]) == {"v1", "v2"}  # the gone version keeps its id
 
@@ -205,6 +213,7 @@ def test_a_size_the_serving_process_saves_keeps_what_the_next_one_gave(tmp_path:
     preparing, _ = MountNumbers.load(str(state), two, {"v1": "d", "v2": "d"}, first=False)
     assert serving.note_size("v1", 64)
     serving.save_size("v1", 64)  # from its view of before v2
+    preparing.save_applied()  # it took over
     after, changes = MountNumbers.load(str(state), two, {"v1": "d", "v2": "d"}, first=False)
     assert after.ids == preparing.ids and not changes.added
     assert after.sizes_seen("v1") == {64}

@@ -68,6 +68,7 @@ def test_a_reload_forgets_what_went_away_and_the_pages_of_what_changed(tmp_path:
         "v3": index_of("v3", {"cz0", "cz1"}),
     }
     numbers, _ = MountNumbers.load(str(state), before, {v: "d" for v in before}, first=True)
+    numbers.save_applied()  # the first serving process serves
     for version, size in [("v1", 64), ("v1", 224), ("v3", 32)]:
         numbers.save_size(version, size)
     ids = dict(numbers.ids)

@@ -179,6 +179,7 @@ class Serving:
         await trio.to_thread.run_sync(self.reload.invalidate, kernel)
         for source in self.sources.values():  # what changed is acted on: the next needn't
             await trio.to_thread.run_sync(save_stamps, source)
+        await trio.to_thread.run_sync(self.numbers.save_applied)
         self.engine.release_held()
         value = (
             await trio.to_thread.run_sync(read_verified, self.state_dir) if self.state_dir else {}

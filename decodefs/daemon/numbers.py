@@ -136,11 +136,13 @@ class MountNumbers:
         versions: dict[str, VersionNumbers],
         state: _State | None,
         recorded: dict[str, Any],
+        digests: Mapping[str, str | None],
     ) -> None:
         self.ids = ids  # every version the mount has seen -> its id (removed ones too)
         self.versions = versions  # the configured versions
         self._state = state
-        self._recorded = recorded  # numbers.json, as written
+        self._recorded = recorded  # numbers.json, as this process sees the mount
+        self._digests = dict(digests)  # each configured version's decoder fingerprint
 
     @classmethod
     def load(
@@ -152,8 +154,10 @@ class MountNumbers:
         first: bool,
     ) -> tuple[MountNumbers, NumberChanges]:
         """The numbers of this mount for ``sources`` (giving new ones, written before this
-        returns), and what changed since the last serving process. ``digests``: each
-        version's decoder fingerprint (hex). Raises NumbersLost, OSError."""
+        returns), and what changed since the last serving process that applied its
+        changes (``save_applied``: a process that prepares and is let go, as a standby
+        is at a reload, leaves them for the next). ``digests``: each version's decoder
+        fingerprint (hex). Raises NumbersLost, OSError."""
         state = _State(state_dir) if state_dir is not None else None
         with state.locked() if state is not None else contextlib.nullcontext():
             return cls._load(state, sources, digests, first=first)
@@ -176,6 +180,9 @@ class MountNumbers:
                     "numbers this mount gave out are lost"
                 )
             recorded = {"format": _FORMAT, "versions": {}}
+        # What the file keeps: the ids and numbers given here, not yet which versions
+        # are present with which fingerprint (save_applied, once acted on).
+        on_disk = json.loads(json.dumps(recorded))
         entries: dict[str, dict[str, Any]] = recorded["versions"]
         changes = NumberChanges()
         ids = {name: int(entry["id"]) for name, entry in entries.items()}
@@ -184,6 +191,7 @@ class MountNumbers:
             entry = entries.get(name)
             if entry is None:
                 entry = entries[name] = {"id": _next_id(ids), "present": False, "sizes": []}
+                on_disk["versions"][name] = dict(entry)
                 ids[name] = entry["id"]
             if not entry.get("present"):
                 changes.added.append(name)
@@ -198,8 +206,9 @@ class MountNumbers:
                 changes.removed.append((name, int(entry["id"])))
                 changes.sizes_seen[name] = set(entry.get("sizes", []))
         if state is not None:
-            state.write_mount(recorded)
-        return cls(ids, versions, state, recorded), changes
+            state.write_mount(on_disk)
+        mine = {name: digests.get(name) for name in sources}
+        return cls(ids, versions, state, recorded, mine), changes
 
     @classmethod
     def positions(cls, sources: Mapping[str, SourceIndex]) -> MountNumbers:
@@ -234,6 +243,21 @@ class MountNumbers:
                 entry["sizes"] = sorted({*entry.get("sizes", []), size})
                 self._state.write_mount(recorded)
                 self._recorded = recorded
+
+    def save_applied(self) -> None:
+        """Record which versions this process serves, with which fingerprints (blocking):
+        once what changed since the last one is acted on, so that the next process finds
+        only what changed after. Merged into what the file says (sizes, ids)."""
+        if self._state is None:
+            return
+        with self._state.locked():
+            recorded = self._state.read_mount() or self._recorded
+            for name, entry in recorded["versions"].items():
+                if name in self._digests:
+                    entry["present"], entry["digest"] = True, self._digests[name]
+                else:
+                    entry["present"] = False
+            self._state.write_mount(recorded)
 
     def refresh_sizes(self) -> None:
         """Take the sizes an earlier serving process recorded after this one started
