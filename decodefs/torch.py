@@ -140,8 +140,11 @@ def _batch_items(
     indices: Sequence[int],
     key: Callable[[int], str],
     left_out: _LeftOut | None,
+    size: int,
+    target: Callable[[int], Any],
 ) -> list[tuple[Any, Any]]:
-    """``[dataset[i] for i in indices]`` without the items ``left_out`` leaves out."""
+    """``[dataset[i] for i in indices]`` without the items ``left_out`` leaves out (then
+    ``_Items``: what ``collate_uint8`` makes of the batch if nothing is left)."""
     if left_out is None:
         return [dataset[i] for i in indices]
     items = []
@@ -151,7 +154,31 @@ def _batch_items(
         except (OSError, DecodeError) as exc:
             if not left_out.leave_out(key(index), exc):
                 raise
-    return items
+    return _Items(items, (size, size, 3), _no_targets(indices, target) if not items else [])
+
+
+class _Items(list[tuple[Any, Any]]):
+    """A batch's items, of ``shape`` arrays, some of which may have been left out
+    (``skip_failed``): ``collate_uint8`` makes a batch of none an empty tensor, with
+    ``no_targets`` (none of the type the whole batch's targets would have had)."""
+
+    def __init__(
+        self, items: list[tuple[Any, Any]], shape: tuple[int, ...], no_targets: Any
+    ) -> None:
+        super().__init__(items)
+        self.shape = shape
+        self.no_targets = no_targets
+
+    def nothing(self) -> tuple[torch.Tensor, Any]:
+        """The batch when every item was left out."""
+        return torch.empty((0, *self.shape), dtype=torch.uint8), self.no_targets
+
+
+def _no_targets(indices: Sequence[int], target: Callable[[int], Any]) -> Any:
+    """What ``default_collate`` makes of none of the targets of ``indices``: an empty
+    tensor of theirs, or an empty list."""
+    collated = default_collate([target(i) for i in indices]) if indices else []
+    return collated[:0] if isinstance(collated, torch.Tensor) else []
 
 
 class _KeyDataset(Dataset[tuple[Any, Any]]):
@@ -163,6 +190,7 @@ class _KeyDataset(Dataset[tuple[Any, Any]]):
     """
 
     _left_out: _LeftOut | None = None  # skip_failed's, set by each dataset
+    size: int  # of the arrays, set by each dataset
 
     def __init__(self, keys: Sequence[str], targets: Targets, transform: Transform) -> None:
         if isinstance(keys, str | bytes):
@@ -209,7 +237,7 @@ class _KeyDataset(Dataset[tuple[Any, Any]]):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, as a DataLoader asks for a batch; with
         ``skip_failed``, without the items whose originals failed to decode."""
-        return _batch_items(self, indices, self.key, self._left_out)
+        return _batch_items(self, indices, self.key, self._left_out, self.size, self.target)
 
     def _target(self, index: int, key: str) -> Any:
         if self.targets is None:
@@ -320,7 +348,8 @@ class MountDataset(_KeyDataset):
             for i, (index, key) in enumerate(zip(indices, keys, strict=True))
             if i not in failed
         ]
-        return _Rows(items, images)
+        no_targets = _no_targets(indices, self.target) if not items else []
+        return _Rows(items, images, no_targets)
 
     def _array(self, index: int, key: str) -> Array:
         return read_array(self._path(key))
@@ -617,8 +646,12 @@ class _Batch:
         if not failed:
             return self.images, self.targets
         kept = [row for row in range(len(self.indices)) if row not in failed]
-        targets = [self.dataset.target(self.indices[row]) for row in kept]
-        return self.images[kept], default_collate(targets) if targets else targets
+        images = self.images[kept]  # a copy
+        if self.images.is_pinned():
+            images = images.pin_memory()
+        if not kept:
+            return images, _no_targets(self.indices, self.dataset.target)
+        return images, default_collate([self.dataset.target(self.indices[row]) for row in kept])
 
 
 def _default_threads() -> int:
@@ -640,8 +673,8 @@ def collate_uint8(
     (``num_workers=0``); with workers, pass ``pin_memory=True`` to the
     DataLoader, which pins each batch as it arrives.
     """
-    if isinstance(batch, _Rows) and not batch:  # every item left out (skip_failed)
-        return batch.images[:0], []
+    if isinstance(batch, _Items) and not batch:  # every item left out (skip_failed)
+        return batch.nothing()
     if not batch:
         raise ValueError("collate_uint8 needs at least one item")
     images = [_hwc_uint8(item[0]) for item in batch]
@@ -697,13 +730,13 @@ def _populate(address: int, length: int) -> None:
         _populating = ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)
 
 
-class _Rows(list[tuple[Any, Any]]):
+class _Rows(_Items):
     """``MountDataset.__getitems__``'s items, whose arrays are the rows of ``images``
-    in order: unless something replaced an item, ``collate_uint8`` passes
-    ``images`` on as the batch."""
+    in order: unless something replaced or left out an item, ``collate_uint8``
+    passes ``images`` on as the batch."""
 
-    def __init__(self, items: list[tuple[Any, Any]], images: torch.Tensor) -> None:
-        super().__init__(items)
+    def __init__(self, items: list[tuple[Any, Any]], images: torch.Tensor, no_targets: Any) -> None:
+        super().__init__(items, tuple(images.shape[1:]), no_targets)
         self.images = images
         self._arrays = [item[0] for item in items]
 
@@ -764,7 +797,8 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
         allow_empty: bool = False,
         skip_failed: bool = False,
     ) -> None:
-        self.root = os.path.join(os.fspath(mountpoint), version, str(_check_size(size)))
+        self.size = _check_size(size)
+        self.root = os.path.join(os.fspath(mountpoint), version, str(size))
         self.skip_failed = skip_failed
         self._left_out = (
             _LeftOut("ImageFolder", os.fspath(mountpoint), version) if skip_failed else None
@@ -818,14 +852,17 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """``[self[i] for i in indices]``, as a DataLoader asks for a batch; with
         ``skip_failed``, without the items whose originals failed to decode."""
-        return _batch_items(self, indices, self.key, self._left_out)
+        return _batch_items(self, indices, self.key, self._left_out, self.size, self._target)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        path, target = self.samples[index]
-        image: Any = read_array(path)
+        image: Any = read_array(self.samples[index][0])
         if self.transform is not None:
             image = self.transform(image)
-        return image, target if self.target_transform is None else self.target_transform(target)
+        return image, self._target(index)
+
+    def _target(self, index: int) -> Any:
+        target = self.samples[index][1]
+        return target if self.target_transform is None else self.target_transform(target)
 
 
 def _check_size(size: int) -> int:

@@ -120,14 +120,21 @@ def test_a_dataloader_and_batch_loader_leave_failed_items_out_with_a_warning(
     workers = DataLoader(dataset, batch_size=2, collate_fn=collate_uint8, num_workers=2)
     assert_good_items_in_order([(i.clone(), t) for i, t in workers], corpus, 2)
 
-    # A batch made only of bad items is empty, not an error.
-    only_bad = MountDataset(mount.mountpoint, "v1", SIZE, list(BAD), skip_failed=True)
-    with pytest.warns(FailedItemWarning):
-        images, targets = next(iter(DataLoader(only_bad, batch_size=2, collate_fn=collate_uint8)))
-    assert images.shape == (0, SIZE, SIZE, 3) and targets == []
-    with pytest.warns(FailedItemWarning):
-        images, targets = next(iter(BatchLoader(only_bad, batch_size=2)))
-    assert images.shape == (0, SIZE, SIZE, 3) and targets == []
+    # A batch made only of bad items is empty, not an error: no images, and targets of
+    # the type the batch's would have had (ints: a tensor; keys: a list).
+    for targets_given, no_targets in (([7, 8], torch.empty(0, dtype=torch.int64)), (None, [])):
+        only_bad = MountDataset(
+            mount.mountpoint, "v1", SIZE, list(BAD), targets=targets_given, skip_failed=True
+        )
+        plain = DataLoader(only_bad, batch_size=2, collate_fn=collate_uint8)
+        threads = BatchLoader(only_bad, batch_size=2)
+        for each in (plain, threads):
+            with pytest.warns(FailedItemWarning):
+                (images, targets), *rest = list(each)
+            assert rest == [] and images.shape == (0, SIZE, SIZE, 3)
+            assert type(targets) is type(no_targets) and len(targets) == 0
+            if isinstance(no_targets, torch.Tensor):
+                assert isinstance(targets, torch.Tensor) and targets.dtype == no_targets.dtype
 
 
 def test_without_skip_failed_or_for_another_error_the_read_raises(
@@ -177,6 +184,10 @@ def test_image_folder_and_live_dataset_leave_failed_items_out(
         original = next(folders.glob(f"*/{Path(path).stem}.*"))
         assert np.array_equal(image, pixels(original))
     assert len(caught) == 2 and all(w.category is FailedItemWarning for w in caught)
+    bad = [i for i, (path, _) in enumerate(dataset.samples) if Path(path).stem in BAD]
+    with pytest.warns(FailedItemWarning):
+        images, labels = collate_uint8(dataset.__getitems__(bad))
+    assert images.shape == (0, SIZE, SIZE, 3) and labels.dtype == torch.int64 and not len(labels)
     assert any("'dog/bad-text'" in str(w.message) or "'cat/bad-text'" in str(w.message)
                for w in caught)  # fmt: skip
 
@@ -187,5 +198,8 @@ def test_image_folder_and_live_dataset_leave_failed_items_out(
     with pytest.warns(FailedItemWarning, match="1 left out in this process"):
         batch = live.__getitems__([keys.index(BAD[0]), keys.index(keys[0])])
     assert [key for _, key in batch] == [keys[0]]
+    with pytest.warns(FailedItemWarning):
+        images, none = collate_uint8(live.__getitems__([keys.index(key) for key in BAD]))
+    assert images.shape == (0, SIZE, SIZE, 3) and none == []  # keys: a list
     with pytest.raises(DecodeError):
         LiveDataset(config, "v1", SIZE, keys).__getitems__([keys.index(BAD[0])])
