@@ -61,15 +61,16 @@ else
     # pyfuse3 is the one dependency compiled here (PyPI has no wheel of it): without
     # debug information (33 s -> 14 s on 2 cores), and for the light install beside the
     # download of the others, then taken from the wheel it made.
-    log="$(mktemp)"
-    wheels="$(mktemp -d)"
+    wheels="$(mktemp -d)" # private (0700): the logs go in it too
+    log="$wheels/install.log"
     build=
     pip=(env "CFLAGS=${CFLAGS--g0}" "$VENV/bin/pip" --quiet --disable-pip-version-check)
     failed() {
-        [ -z "$build" ] || kill "$build" 2>/dev/null || true
-        grep -hv "^WARNING: Location .* is ignored" "$log" "$log.build" 2>/dev/null >&2 || true
-        rm -rf "$log" "$log.build" "$wheels"
-        echo "setup: pip install failed" >&2
+        # The build runs in a session of its own: its compiler goes with it.
+        [ -z "$build" ] || kill -- -"$build" 2>/dev/null || true
+        grep -hv "^WARNING: Location .* is ignored" "$log" "$wheels/build.log" 2>/dev/null >&2 || true
+        rm -rf "$wheels"
+        echo "setup: ${1:-pip install failed}" >&2
         exit 1
     }
     if [ "$SETUP" = light ]; then
@@ -79,16 +80,19 @@ for requirement in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencie
     print(requirement)
 PY
         )
-        mapfile -t fuse < <(printf '%s\n' "${deps[@]}" | grep '^pyfuse3')
-        mapfile -t others < <(printf '%s\n' "${deps[@]}" | grep -v '^pyfuse3')
-        "${pip[@]}" wheel --no-deps -w "$wheels" "${fuse[@]}" >"$log.build" 2>&1 &
+        mapfile -t fuse < <(printf '%s\n' "${deps[@]}" | grep '^pyfuse3' || true)
+        mapfile -t others < <(printf '%s\n' "${deps[@]}" | grep -v '^pyfuse3' || true)
+        if ((${#fuse[@]} != 1 || ${#others[@]} == 0)); then
+            failed "cannot read the dependencies of $ROOT/pyproject.toml"
+        fi
+        setsid --wait "${pip[@]}" wheel --no-deps -w "$wheels" "${fuse[@]}" >"$wheels/build.log" 2>&1 &
         build=$!
         "${pip[@]}" install "${others[@]}" >"$log" 2>&1 || failed
-        wait "$build" || failed
+        wait "$build" || { build= && failed; }
         build=
     fi
     "${pip[@]}" install --find-links "$wheels" -e "${what[@]}" >"$log" 2>&1 || failed
-    rm -rf "$log" "$log.build" "$wheels"
+    rm -rf "$wheels"
     "$VENV/bin/python" -c "$check" # fails loudly if the install did
     echo "$want" >"$stamp"
 fi
