@@ -69,7 +69,8 @@ def test_with_access_everyone_another_user_reads_arrays_but_writes_nothing(
     first, second = sorted(photos)[:2]
     path = mount.path("v1", "64", f"{first}.npy")
     want = reference_npy(photos[first], 64)
-    assert as_nobody("cat", path).stdout == want  # a miss, decoded for nobody
+    read = as_nobody("cat", path)  # a miss, decoded for nobody
+    assert read.stdout == want, (read.returncode, read.stderr, mount.log_text()[-2000:])
     store = mount.config.parent / "store"
     stored = entry_in_store(store, 64, first)
     assert stat.S_IMODE(store.stat().st_mode) == 0o755
