@@ -205,11 +205,10 @@ class Holder:
         if self._fuse is None or self._eio == on or self._ended:
             return
         self._eio = on
-        if on:
-            self._loop.watch(self._fuse.fd, self._on_fuse)
-        else:
+        if not on:
             self._loop.unwatch(self._fuse.fd)
-        if on:
+        else:
+            self._loop.watch(self._fuse.fd, self._on_fuse)
             log.error("no serving process: every request of %s is answered EIO until one "
                       "starts", self.settings.mountpoint)  # fmt: skip
 
