@@ -135,6 +135,13 @@ class _LeftOut:
         return True
 
 
+def _leave_out_or_raise(left_out: _LeftOut | None, key: str, exc: BaseException) -> None:
+    """Leave ``key``'s item out of its batch (``left_out`` warns of it), or raise ``exc``,
+    which is not a failed original's (or nothing is to be left out)."""
+    if left_out is None or not left_out.leave_out(key, exc):
+        raise exc
+
+
 def _batch_items(
     dataset: Dataset[tuple[Any, Any]],
     indices: Sequence[int],
@@ -152,8 +159,7 @@ def _batch_items(
         try:
             items.append(dataset[index])
         except (OSError, DecodeError) as exc:
-            if not left_out.leave_out(key(index), exc):
-                raise
+            _leave_out_or_raise(left_out, key(index), exc)
     return _Items(items, (size, size, 3), _no_targets(indices, target) if not items else [])
 
 
@@ -340,8 +346,7 @@ class MountDataset(_KeyDataset):
             try:
                 read_array_into(paths[i], rows[i])
             except OSError as exc:
-                if self._left_out is None or not self._left_out.leave_out(keys[i], exc):
-                    raise
+                _leave_out_or_raise(self._left_out, keys[i], exc)
                 failed.add(i)
         items = [
             (rows[i], self._target(index, key))
@@ -637,11 +642,8 @@ class _Batch:
             try:
                 miss.result()
             except OSError as exc:
-                left_out = self.dataset._left_out
-                if left_out is None or not left_out.leave_out(
-                    self.dataset.key(self.indices[row]), exc
-                ):
-                    raise
+                key = self.dataset.key(self.indices[row])
+                _leave_out_or_raise(self.dataset._left_out, key, exc)
                 failed.append(row)
         if not failed:
             return self.images, self.targets
