@@ -54,22 +54,138 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 
 from .client import (
     BatchReader,
+    failed_originals,
     flush_reports,
     missing_directory,
     read_array,
     read_array_into,
 )
 from .common.config import Config, load_config
-from .common.decode import DecodeSettings, decode_image
+from .common.decode import DecodeError, DecodeSettings, decode_image
 from .common.names import ARRAY_SUFFIX, array_name, is_key
 from .common.source import scan_source
 
-__all__ = ["BatchLoader", "ImageFolder", "LiveDataset", "MountDataset", "collate_uint8"]
+__all__ = [
+    "BatchLoader",
+    "FailedItemWarning",
+    "ImageFolder",
+    "LiveDataset",
+    "MountDataset",
+    "collate_uint8",
+]
 
 Array: TypeAlias = npt.NDArray[np.uint8]
 Targets: TypeAlias = Sequence[Any] | Callable[[str], Any] | None
 Transform: TypeAlias = Callable[[Array], Any] | None
 PathLike: TypeAlias = str | os.PathLike[str]
+
+
+class FailedItemWarning(UserWarning):
+    """An item left out of a batch (``skip_failed=True``): its original failed to decode."""
+
+
+class _LeftOut:
+    """``skip_failed``'s bookkeeping for one dataset: which read errors are an original
+    that failed to decode (then the item is left out, with a warning), and how many
+    were left out in this process.
+
+    Through the mount, such a read is EIO and the mount's ``failed.json`` lists the
+    key (the daemon lists a failure before it answers). Any other error (a mount
+    that is gone, a daemon backing off: EIO too, but no listing) is raised as it is.
+    """
+
+    def __init__(self, owner: str, mountpoint: str | None, version: str) -> None:
+        self.owner = owner
+        self.mountpoint = mountpoint  # None: decoded here (LiveDataset), nothing to ask
+        self.version = version
+        self.count = 0
+
+    def reason(self, key: str, exc: BaseException) -> str | None:
+        """Why ``key``'s read raised ``exc`` because its original cannot be decoded; None
+        if that is not why."""
+        if self.mountpoint is None:
+            return str(exc) if isinstance(exc, DecodeError) else None
+        if not (isinstance(exc, OSError) and exc.errno == errno.EIO):
+            return None
+        try:
+            listed = failed_originals(self.mountpoint, self.version)
+        except (OSError, ValueError):
+            return None
+        for row in listed.failed:
+            if row.key == key:
+                return f"{row.path}: {row.reason}"
+        return None
+
+    def leave_out(self, key: str, exc: BaseException) -> bool:
+        """Whether to leave ``key``'s item out of its batch (warning that it was)."""
+        reason = self.reason(key, exc)
+        if reason is None:
+            return False
+        self.count += 1
+        listing = (
+            f"; `decodefs failed {self.mountpoint} {self.version}` lists them"
+            if self.mountpoint is not None
+            else ""
+        )
+        warnings.warn(
+            f"{self.owner}: left {key!r} of {self.version} out of its batch, its original "
+            f"failed to decode ({reason}): {self.count} left out in this process{listing}",
+            FailedItemWarning,
+            stacklevel=3,
+        )
+        return True
+
+
+def _leave_out_or_raise(left_out: _LeftOut | None, key: str, exc: BaseException) -> None:
+    """Leave ``key``'s item out of its batch (``left_out`` warns of it), or raise ``exc``,
+    which is not a failed original's (or nothing is to be left out)."""
+    if left_out is None or not left_out.leave_out(key, exc):
+        raise exc
+
+
+def _batch_items(
+    dataset: Dataset[tuple[Any, Any]],
+    indices: Sequence[int],
+    key: Callable[[int], str],
+    left_out: _LeftOut | None,
+    size: int,
+    target: Callable[[int], Any],
+) -> list[tuple[Any, Any]]:
+    """``[dataset[i] for i in indices]`` without the items ``left_out`` leaves out (then
+    ``_Items``: what ``collate_uint8`` makes of the batch if nothing is left)."""
+    if left_out is None:
+        return [dataset[i] for i in indices]
+    items = []
+    for index in indices:
+        try:
+            items.append(dataset[index])
+        except (OSError, DecodeError) as exc:
+            _leave_out_or_raise(left_out, key(index), exc)
+    return _Items(items, (size, size, 3), _no_targets(indices, target) if not items else [])
+
+
+class _Items(list[tuple[Any, Any]]):
+    """A batch's items, of ``shape`` arrays, some of which may have been left out
+    (``skip_failed``): ``collate_uint8`` makes a batch of none an empty tensor, with
+    ``no_targets`` (none of the type the whole batch's targets would have had)."""
+
+    def __init__(
+        self, items: list[tuple[Any, Any]], shape: tuple[int, ...], no_targets: Any
+    ) -> None:
+        super().__init__(items)
+        self.shape = shape
+        self.no_targets = no_targets
+
+    def nothing(self) -> tuple[torch.Tensor, Any]:
+        """The batch when every item was left out."""
+        return torch.empty((0, *self.shape), dtype=torch.uint8), self.no_targets
+
+
+def _no_targets(indices: Sequence[int], target: Callable[[int], Any]) -> Any:
+    """What ``default_collate`` makes of none of the targets of ``indices``: an empty
+    tensor of theirs, or an empty list."""
+    collated = default_collate([target(i) for i in indices]) if indices else []
+    return collated[:0] if isinstance(collated, torch.Tensor) else []
 
 
 class _KeyDataset(Dataset[tuple[Any, Any]]):
@@ -79,6 +195,9 @@ class _KeyDataset(Dataset[tuple[Any, Any]]):
     without the extension in the mirror layout (``cat/0001``): ``list_keys``
     lists them.
     """
+
+    _left_out: _LeftOut | None = None  # skip_failed's, set by each dataset
+    size: int  # of the arrays, set by each dataset
 
     def __init__(self, keys: Sequence[str], targets: Targets, transform: Transform) -> None:
         if isinstance(keys, str | bytes):
@@ -124,6 +243,11 @@ class _KeyDataset(Dataset[tuple[Any, Any]]):
             return self.targets[index]
         return self._target(index, self.key(index))
 
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """``[self[i] for i in indices]``, as a DataLoader asks for a batch; with
+        ``skip_failed``, without the items whose originals failed to decode."""
+        return _batch_items(self, indices, self.key, self._left_out, self.size, self.target)
+
     def _target(self, index: int, key: str) -> Any:
         if self.targets is None:
             return key
@@ -168,6 +292,15 @@ class MountDataset(_KeyDataset):
     mount. A key the version does not have raises FileNotFoundError when it
     is read; a mount point, version or size the mount does not have raises
     FileNotFoundError here, naming which.
+
+    An item whose original cannot be decoded raises OSError (EIO) when read.
+    With ``skip_failed=True``, a batch (``__getitems__``, as a DataLoader reads
+    one, and ``BatchLoader``'s) leaves such an item out instead, with a
+    ``FailedItemWarning`` naming it and counting those left out: the batch has
+    fewer items. Only an original the mount lists as failed (``decodefs
+    failed``) is left out; any other error is raised. ``dataset[i]`` alone
+    still raises: to leave such keys out of the dataset itself, filter them
+    with ``decodefs.failed_keys``.
     """
 
     def __init__(
@@ -181,12 +314,16 @@ class MountDataset(_KeyDataset):
         *,
         uuids: Sequence[str] | None = None,
         open_entries: int | None = None,
+        skip_failed: bool = False,
     ) -> None:
         super().__init__(_keys_argument("MountDataset", keys, uuids), targets, transform)
         self.size = _check_size(size)
         self.directory = os.path.join(os.fspath(mountpoint), version, str(size))
         if not os.path.isdir(self.directory):
             raise FileNotFoundError(missing_directory(os.fspath(mountpoint), version, size))
+        self.skip_failed = skip_failed
+        if skip_failed:
+            self._left_out = _LeftOut("MountDataset", os.fspath(mountpoint), version)
         if open_entries is not None and (
             isinstance(open_entries, bool) or not isinstance(open_entries, int) or open_entries < 0
         ):
@@ -223,16 +360,26 @@ class MountDataset(_KeyDataset):
         collate copies (a hand-written ``torch.stack``), it is memory of the
         worker's own, used again once the collate let go of it."""
         if self.transform is not None:
-            return [self[i] for i in indices]
+            return super().__getitems__(indices)
         for index in indices:
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} out of range for {len(self)} items")
         images = _worker_batches.tensor((len(indices), self.size, self.size, 3))
         rows = images.numpy()
+        failed = set()
         for p in self.batch_reader().read(indices, rows):  # the misses, through the mount
-            read_array_into(self.path(indices[p]), rows[p])
-        items = [(_row_of(rows, images, p), self.target(i)) for p, i in enumerate(indices)]
-        return _worker_batches.made(_Rows(items, images))
+            try:
+                read_array_into(self.path(indices[p]), rows[p])
+            except OSError as exc:
+                _leave_out_or_raise(self._left_out, self.key(indices[p]), exc)
+                failed.add(p)
+        items = [
+            (_row_of(rows, images, p), self.target(i))
+            for p, i in enumerate(indices)
+            if p not in failed
+        ]
+        no_targets = _no_targets(indices, self.target) if not items else []
+        return _worker_batches.made(_Rows(items, images, no_targets))
 
     def _array(self, index: int, key: str) -> Array:
         return read_array(self._path(key))
@@ -249,7 +396,8 @@ class LiveDataset(_KeyDataset):
     The source is scanned once, here; a key that is not an original of the
     version raises KeyError now. Reading an item raises
     FileNotFoundError if its original is gone (the mount says ENOENT) and
-    decodefs.DecodeError if it cannot be decoded (the mount says EIO).
+    decodefs.DecodeError if it cannot be decoded (the mount says EIO); with
+    ``skip_failed=True`` a batch leaves the latter out, as MountDataset's does.
     """
 
     def __init__(
@@ -262,9 +410,13 @@ class LiveDataset(_KeyDataset):
         transform: Transform = None,
         *,
         uuids: Sequence[str] | None = None,
+        skip_failed: bool = False,
     ) -> None:
         super().__init__(_keys_argument("LiveDataset", keys, uuids), targets, transform)
         self.size = _check_size(size)
+        self.skip_failed = skip_failed
+        if skip_failed:
+            self._left_out = _LeftOut("LiveDataset", None, version)
         loaded = config if isinstance(config, Config) else load_config(Path(config))
         if version not in loaded.versions:
             raise KeyError(
@@ -326,7 +478,9 @@ class BatchLoader:
     that fails (a key the version lacks, a mount that is gone) raises its
     error when its batch is due, and stops the epoch's threads; so does
     leaving the loop (``break``, an exception, KeyboardInterrupt) once the
-    iterator is closed or collected.
+    iterator is closed or collected. A dataset made with ``skip_failed=True``
+    has its items whose originals failed to decode left out of their batches
+    (warned of, as the dataset's own batches are): such a batch is smaller.
 
     Transforms stay with ``MountDataset`` in a ``DataLoader``: a dataset with a
     ``transform`` is refused. The batches are meant to be moved to the device
@@ -420,8 +574,9 @@ class BatchLoader:
             images = torch.empty((len(indices), size, size, 3), dtype=torch.uint8, pin_memory=True)
         else:
             images = self._memory.tensor(len(indices))
-        targets = default_collate([self.dataset.target(i) for i in indices])
-        return _Batch(images, targets, reads.submit(self.dataset, indices, images.numpy()))
+        return _Batch(
+            self.dataset, indices, images, reads.submit(self.dataset, indices, images.numpy())
+        )
 
 
 class _Reads:
@@ -444,28 +599,36 @@ class _Reads:
 
     def submit(
         self, dataset: MountDataset, indices: list[int], rows: Array
-    ) -> Future[list[Future[None]]]:
-        return self._pool.submit(self._read, dataset, indices, rows)
+    ) -> Future[list[tuple[int, Future[None]]]]:
+        # The rows go in a list each read empties: the pool's work item holds its
+        # arguments a moment after the result is out, and a view of a batch's block
+        # held there would keep _BatchMemory from handing the block out again.
+        return self._pool.submit(self._read, dataset, indices, [rows])
 
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._misses.shutdown(wait=True, cancel_futures=True)
 
-    def _read(self, dataset: MountDataset, indices: list[int], rows: Array) -> list[Future[None]]:
-        misses: list[Future[None]] = []
+    def _read(
+        self, dataset: MountDataset, indices: list[int], held: list[Array]
+    ) -> list[tuple[int, Future[None]]]:
+        """The batch's hits read; its misses being read (their rows, and their reads)."""
+        rows = held.pop()
+        misses: list[tuple[int, Future[None]]] = []
         if self._stop.is_set():
             return misses
 
         def miss(p: int) -> None:
             if not self._stop.is_set():
                 path = dataset.path(indices[p])
-                misses.append(self._misses.submit(self._read_miss, path, rows[p]))
+                misses.append((p, self._misses.submit(self._read_miss, path, [rows[p]])))
 
         dataset.batch_reader().read(indices, rows, on_miss=miss)
         return misses
 
-    def _read_miss(self, path: str, row: Array) -> None:
+    def _read_miss(self, path: str, held: list[Array]) -> None:
+        row = held.pop()
         if not self._stop.is_set():
             read_array_into(path, row)
 
@@ -497,19 +660,39 @@ class _BatchMemory:
 
 
 class _Batch:
-    """A batch being read: its tensor, its targets, and the reads that fill it."""
+    """A batch being read: its items, its tensor, and the reads that fill it."""
 
     def __init__(
-        self, images: torch.Tensor, targets: Any, reads: Future[list[Future[None]]]
+        self,
+        dataset: MountDataset,
+        indices: list[int],
+        images: torch.Tensor,
+        reads: Future[list[tuple[int, Future[None]]]],
     ) -> None:
+        self.dataset = dataset
+        self.indices = indices
+        self.targets = default_collate([dataset.target(i) for i in indices])
         self.images = images
-        self.targets = targets
         self.reads = reads
 
     def result(self) -> tuple[torch.Tensor, Any]:
-        for miss in self.reads.result():  # raises what a read raised
-            miss.result()
-        return self.images, self.targets
+        failed = []
+        for row, miss in self.reads.result():  # raises what a read raised
+            try:
+                miss.result()
+            except OSError as exc:
+                key = self.dataset.key(self.indices[row])
+                _leave_out_or_raise(self.dataset._left_out, key, exc)
+                failed.append(row)
+        if not failed:
+            return self.images, self.targets
+        kept = [row for row in range(len(self.indices)) if row not in failed]
+        images = self.images[kept]  # a copy
+        if self.images.is_pinned():
+            images = images.pin_memory()
+        if not kept:
+            return images, _no_targets(self.indices, self.dataset.target)
+        return images, default_collate([self.dataset.target(self.indices[row]) for row in kept])
 
 
 class _WorkerBatches:
@@ -573,6 +756,8 @@ def collate_uint8(
     (``num_workers=0``); with workers, pass ``pin_memory=True`` to the
     DataLoader, which pins each batch as it arrives.
     """
+    if isinstance(batch, _Items) and not batch:  # every item left out (skip_failed)
+        return batch.nothing()
     if not batch:
         raise ValueError("collate_uint8 needs at least one item")
     images = [_hwc_uint8(item[0]) for item in batch]
@@ -673,13 +858,13 @@ def _whole_batch(batch: Sequence[Any]) -> torch.Tensor | None:
 default_collate_fn_map[_Row] = _collate_rows
 
 
-class _Rows(list[tuple[Any, Any]]):
+class _Rows(_Items):
     """``MountDataset.__getitems__``'s items, whose arrays are the rows of ``images``
-    in order: unless something replaced an item, ``collate_uint8`` passes
-    ``images`` on as the batch."""
+    in order: unless something replaced or left out an item, ``collate_uint8``
+    passes ``images`` on as the batch."""
 
-    def __init__(self, items: list[tuple[Any, Any]], images: torch.Tensor) -> None:
-        super().__init__(items)
+    def __init__(self, items: list[tuple[Any, Any]], images: torch.Tensor, no_targets: Any) -> None:
+        super().__init__(items, tuple(images.shape[1:]), no_targets)
         self.images = images
         self._arrays = [item[0] for item in items]
 
@@ -688,7 +873,8 @@ class _Rows(list[tuple[Any, Any]]):
         return get_worker_info() is None or bool(self.images.is_shared())  # type: ignore[no-untyped-call]
 
     def intact(self) -> bool:
-        return len(self) == len(self._arrays) and all(
+        """Whether the items are still the rows of ``images``, every one, in order."""
+        return len(self) == len(self._arrays) == len(self.images) and all(
             item[0] is array for item, array in zip(self, self._arrays, strict=True)
         )
 
@@ -725,7 +911,9 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
     sorted, kept when ``name.lower().endswith(".npy")``. A class folder with
     no file raises FileNotFoundError unless ``allow_empty``. Items are
     ``(array, class_index)``, the array read with ``read_array`` (HWC uint8),
-    then ``transform`` and ``target_transform`` applied.
+    then ``transform`` and ``target_transform`` applied. ``skip_failed=True``
+    leaves the items whose originals failed to decode out of batches, as
+    MountDataset's does.
     """
 
     extensions = (ARRAY_SUFFIX,)
@@ -739,8 +927,14 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
         target_transform: Callable[[int], Any] | None = None,
         *,
         allow_empty: bool = False,
+        skip_failed: bool = False,
     ) -> None:
-        self.root = os.path.join(os.fspath(mountpoint), version, str(_check_size(size)))
+        self.size = _check_size(size)
+        self.root = os.path.join(os.fspath(mountpoint), version, str(size))
+        self.skip_failed = skip_failed
+        self._left_out = (
+            _LeftOut("ImageFolder", os.fspath(mountpoint), version) if skip_failed else None
+        )
         self.transform = transform
         self.target_transform = target_transform
         self.classes, self.class_to_idx = self.find_classes(self.root)
@@ -782,12 +976,25 @@ class ImageFolder(Dataset[tuple[Any, Any]]):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def key(self, index: int) -> str:
+        """Item ``index``'s key: its path below the size's folder, without ``.npy``."""
+        relative = os.path.relpath(self.samples[index][0], self.root)
+        return relative[: -len(ARRAY_SUFFIX)]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """``[self[i] for i in indices]``, as a DataLoader asks for a batch; with
+        ``skip_failed``, without the items whose originals failed to decode."""
+        return _batch_items(self, indices, self.key, self._left_out, self.size, self._target)
+
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        path, target = self.samples[index]
-        image: Any = read_array(path)
+        image: Any = read_array(self.samples[index][0])
         if self.transform is not None:
             image = self.transform(image)
-        return image, target if self.target_transform is None else self.target_transform(target)
+        return image, self._target(index)
+
+    def _target(self, index: int) -> Any:
+        target = self.samples[index][1]
+        return target if self.target_transform is None else self.target_transform(target)
 
 
 def _check_size(size: int) -> int:

@@ -3,7 +3,8 @@
 On a synthetic source tree of empty <uuid>.jpg files (made once, kept):
   index build     scan_source() of the tree, files/s (first build; no cached index)
   mount ready     `decodefs mount` until it returns, with and without a cached index
-  ls -f           listing a 370k-entry <version>/<size>/ directory through the mount
+  ls -f           listing a 370k-entry <version>/<size>/ directory through the mount,
+                  right after the mount is ready and again
   daemon RSS      after the kernel has seen every entry of 3 sizes (ls -l of each)
 
     .venv/bin/python scripts/bench_scale.py [--count 370000] [--dirs 100]
@@ -65,16 +66,25 @@ def main() -> None:
             if "first" in label:
                 bench.unmount()
 
-        started = time.perf_counter()
-        listing = subprocess.run(
-            ["ls", "-f", str(bench.arrays(sizes[0]))], capture_output=True, check=True
-        )
-        ls_seconds = time.perf_counter() - started
-        entries = listing.stdout.count(b"\n")
-        assert entries >= args.count, entries
-        rows.append(
-            (f"ls -f of a {args.count:,}-entry size directory", f"{ls_seconds:.2f} s", "<= 3 s")
-        )
+        # Right after the mount is ready, its serving process still saves what it saw
+        # (the index's stamps, the numbers) and a standby prepares beside it; the second
+        # listing is answered whole again (the kernel keeps no FUSE listing) by a mount
+        # with nothing else to do.
+        for when in ("right after the mount is ready", "again"):
+            started = time.perf_counter()
+            listing = subprocess.run(
+                ["ls", "-f", str(bench.arrays(sizes[0]))], capture_output=True, check=True
+            )
+            ls_seconds = time.perf_counter() - started
+            entries = listing.stdout.count(b"\n")
+            assert entries >= args.count, entries
+            rows.append(
+                (
+                    f"ls -f of a {args.count:,}-entry size directory, {when}",
+                    f"{ls_seconds:.2f} s",
+                    "<= 3 s",
+                )
+            )
 
         for size in sizes:
             subprocess.run(["ls", "-l", str(bench.arrays(size))], capture_output=True, check=True)

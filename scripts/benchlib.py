@@ -9,6 +9,7 @@ would, as often as a benchmark needs; ``mounted`` does it once and cleans up.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,11 @@ class BenchMount:
             ],
             check=True,
             stdout=subprocess.DEVNULL,
-            cwd=self.code,  # `python -m` looks in the working directory first
+            # The command is the checkout's (`python -m` looks in the working directory
+            # first); its daemon starts from / with -P, and finds the checkout through
+            # PYTHONPATH (which -P keeps).
+            cwd=self.code,
+            env={**os.environ, "PYTHONPATH": str(self.code)} if self.code else None,
         )
 
     def unmount(self) -> None:

@@ -6,7 +6,7 @@
 #                       /tmp/decodefs-demo, removed once the demo succeeds; one you name is kept)
 #   DEMO_COUNT          number of sample JPEGs (default 32)
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+DECODEFS_SETUP=light source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 
 work="${DECODEFS_DEMO_DIR:-${TMPDIR:-/tmp}/decodefs-demo}"
 count="${DEMO_COUNT:-32}"

@@ -121,6 +121,9 @@ def _make_factory(base: Path, created: list[Mount]) -> MountFactory:
         wrapper: tuple[str, ...] = (),
         **config: Any,
     ) -> Mount:
+        # A standby serving process is one more process start per mount: the tests of
+        # crashes ask for one.
+        config.setdefault("standby", False)
         config_path = write_config(
             base / f"{name}.toml", store or base / "store", versions, **config
         )

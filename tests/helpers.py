@@ -38,6 +38,13 @@ WAIT_SECONDS = float(os.environ.get("DECODEFS_TEST_WAIT_SECONDS", "30"))
 # -- waiting on conditions --------------------------------------------------
 
 
+def interruptible() -> None:
+    """A Popen ``preexec_fn``: SIGINT as a terminal gives it, even to a run started as a
+    background job (whose SIGINT the shell ignores, which Python would keep: Ctrl-C
+    would then never reach the command under test)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str | None = None) -> T:
     """Poll ``predicate`` until it returns something true, and return that.
 
@@ -171,7 +178,16 @@ def png_header_only(width: int, height: int) -> bytes:
 
 
 def write_config(path: Path, store: Path, versions: dict[str, Path], **extra: Any) -> Path:
-    """A config file; ``extra`` holds top-level keys and ``version_<key>`` for every version."""
+    """A config file; ``extra`` holds top-level keys and ``version_<key>`` for every version.
+
+    The tests read any size, listed or not, and count what is stored: unless a test
+    says otherwise, unlisted sizes are stored for the daemon's own user
+    (``unlisted_sizes = "owner"``); ``unlisted_sizes=None`` leaves the key out, for
+    the default ("memory", tests/test_mount_nothing_silent.py).
+    """
+    extra.setdefault("unlisted_sizes", "owner")
+    if extra["unlisted_sizes"] is None:
+        del extra["unlisted_sizes"]
     version_keys = {k[len("version_") :]: v for k, v in extra.items() if k.startswith("version_")}
     top = {k: v for k, v in extra.items() if not k.startswith("version_")}
     lines = [f"store = {json.dumps(str(store))}"]
@@ -248,6 +264,8 @@ class Mount:
         return code
 
     def kill9(self) -> None:
+        """Kill the mount's holder: the mount is lost with it (its serving process, told
+        by the kernel, dies too, and may say so first)."""
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()

@@ -16,10 +16,11 @@ import pyfuse3
 from decodefs.common.config import Config, parse_config
 from decodefs.common.decode import quiet_pillow_warnings
 from decodefs.common.entry import EntryKey
-from decodefs.common.source import SourceIndex, scan_source
+from decodefs.common.source import SourceIndex, restat_originals, scan_source
 from decodefs.daemon.background_warm import BackgroundWarm
 from decodefs.daemon.engine import Engine, Handle
 from decodefs.daemon.fs import DecodeFS
+from decodefs.daemon.lifecycle import _readers_of
 from decodefs.daemon.namespace import ROOT, Tree
 from decodefs.daemon.stats import snapshot
 from decodefs.store.store import Store
@@ -102,6 +103,15 @@ def start(
     ``top`` holds top-level config keys, ``version_keys`` keys for every version,
     ``overrides`` keys for one version by its name.
     """
+    # As helpers.write_config: the tests read any size (unlisted_sizes=None: the default).
+    top.setdefault("unlisted_sizes", "owner")
+    if top["unlisted_sizes"] is None:
+        del top["unlisted_sizes"]
+    # Everything the daemon's, unless a test asks for its originals' readers (or
+    # access=None: the default, "originals" as root).
+    top.setdefault("access", "owner")
+    if top["access"] is None:
+        del top["access"]
     raw: dict[str, Any] = {
         "store": str(store or base / "store"),
         "versions": {
@@ -122,6 +132,10 @@ def start(
             name: scan_source(name, v.source, v.extensions, v.duplicates, index_cache)
             for name, v in config.versions.items()
         }
+        if config.access == "originals":  # as lifecycle.build: who may read each original
+            for source in sources.values():
+                restat_originals(source)
+            st.readers = _readers_of(sources)
         if engine_clock is None:
             engine = Engine(config, sources, st)
         else:

@@ -88,7 +88,7 @@ def test_adopt_move_takes_the_cache_into_the_store_and_the_mount_serves_it_undec
     verify = decodefs("verify", config)
     assert verify.returncode == 0 and f"{adopted} ok, 0 corrupt" in verify.stdout, verify.stdout
     entry = tmp_path / "store" / "v1" / str(SIZE) / "ch" / "chelsea-444.npy"
-    assert entry.stat().st_mode & 0o777 == 0o600  # the store's modes (allow_other off)
+    assert entry.stat().st_mode & 0o777 == 0o600  # the store's modes (root's originals)
 
     mount = mounts({"v1": photos_dir})  # the same store
     for uuid, original in photos.items():
@@ -102,7 +102,7 @@ def test_adopt_move_takes_the_cache_into_the_store_and_the_mount_serves_it_undec
     again = adopt(cache, config)  # while the daemon runs: refused, one line naming it
     assert again.returncode == 1 and again.stdout == ""
     assert again.stderr.startswith("decodefs: error: the store ")
-    pid = stats["pid"]
+    pid = stats["holder_pid"]  # the mount's holder: it keeps the store's lock
     assert f"is in use by a running decodefs daemon (pid {pid}); stop it first" in again.stderr
     assert f"it is the daemon of {mount.mountpoint} (stop it: `decodefs umount " in again.stderr
     assert len(again.stderr.splitlines()) == 1

@@ -46,7 +46,9 @@ def test_the_stats_table_shows_every_counter_a_user_acts_on() -> None:
     assert table["memory fallbacks"].startswith("19 (23 store write errors")
     assert table["memory waits"] == "37 (memory_cache_bytes), 41 (decode_memory_bytes)"
     assert table["errors"] == "EIO 3, ENOENT 9"
-    assert table["version v1"] == "200 originals (uuid layout), 4 duplicate names left out"
+    assert table["version v1"] == (
+        "200 originals (uuid layout), 4 duplicate names left out; stored: nothing"
+    )
     assert rows(format_stats({"hits": 1}))["errors"] == "none"  # shown when there are none
 
 

@@ -297,17 +297,19 @@ def test_a_config_that_never_sets_decode_workers_loads_on_a_machine_of_many_core
         load_config(write(tmp_path, "decode_workers = 384\n" + MINIMAL))
 
 
-def test_the_example_service_config_loads_and_keeps_the_mount_private(tmp_path: Path) -> None:
+def test_the_example_service_config_loads_and_lets_the_originals_decide(tmp_path: Path) -> None:
     """systemd/config.example.toml, through the real loader: valid once its paths exist,
-    allow_other off (the README's advice for restricted data), its comments true."""
+    access left to its default (who may read an original may read its array), its
+    comments true."""
     text = (Path(__file__).parents[1] / "systemd" / "config.example.toml").read_text()
     example = tomllib.loads(text)
     example["store"] = str(tmp_path / "store")
     (tmp_path / "originals").mkdir()
     example["versions"]["v1"]["source"] = str(tmp_path / "originals")
     config = parse_config(example, base_dir=tmp_path)
-    assert not config.allow_other
-    assert re.search(r"^#\s*allow_other = true", text, re.MULTILINE)  # shown, not set
+    assert "access" not in example and "allow_other" not in example
+    assert config.access == ("originals" if os.geteuid() == 0 else "owner")
+    assert re.search(r'^#\s*access = "everyone"', text, re.MULTILINE)  # shown, not set
     assert "when idle" not in text  # the warm runs at nice 19, not only when idle
     assert "nice 19" in text
 
@@ -348,6 +350,13 @@ def test_the_configuration_docs_list_every_key_with_the_dataclasses_default() ->
             if key == "decode_workers":
                 assert documented == "number of cores (at most 256)"
                 continue
+            if key == "access":
+                assert documented == '`"originals"` as root, else `"owner"`'
+                assert values[key] == ("originals" if os.geteuid() == 0 else "owner")
+                continue
+            if key == "allow_other":  # no field: the old name of two access values
+                assert documented == "unset"
+                continue
             if documented in spoken:
                 assert values[key] == spoken[documented], key
                 continue
@@ -357,3 +366,35 @@ def test_the_configuration_docs_list_every_key_with_the_dataclasses_default() ->
             if key == "extensions":
                 literal = sorted(literal)
             assert literal == values[key], (key, documented, values[key])
+
+
+def test_access_defaults_to_the_originals_as_root_and_allow_other_is_its_old_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    default = load_config(write(tmp_path, MINIMAL))
+    assert default.access == ("originals" if os.geteuid() == 0 else "owner")
+    assert default.allow_other == (os.geteuid() == 0)  # the mount option
+    for value in ("originals", "owner", "everyone"):
+        config = load_config(write(tmp_path, f'access = "{value}"\n' + MINIMAL))
+        assert config.access == value and config.allow_other == (value != "owner")
+        assert config.as_dict()["access"] == value and "allow_other" not in config.as_dict()
+    for old, new in (("true", "everyone"), ("false", "owner")):
+        caplog.clear()
+        assert load_config(write(tmp_path, f"allow_other = {old}\n" + MINIMAL)).access == new
+        assert f"allow_other = {old} is deprecated: it means access = '{new}'" in caplog.text
+        agreed = f'allow_other = {old}\naccess = "{new}"\n'
+        assert load_config(write(tmp_path, agreed + MINIMAL)).access == new
+
+
+def test_access_mistakes_name_the_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, 'allow_other = true\naccess = "originals"\n' + MINIMAL))
+    assert str(caught.value).endswith(
+        "allow_other = true and access = 'originals' disagree: allow_other is the old name "
+        "of access = 'everyone'; keep access alone"
+    )
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"access: 'root' is not one of 'originals', 'owner', "):
+        load_config(write(tmp_path, 'access = "root"\n' + MINIMAL))
+    with pytest.raises(ConfigError, match=r"allow_other: expected true or false, got 'yes'"):
+        load_config(write(tmp_path, 'allow_other = "yes"\n' + MINIMAL))

@@ -138,7 +138,8 @@ async def test_stats_report_every_figure(daemons: DaemonFactory, originals: Path
     d.store.wait_for_usage()  # the catalog's fill scan runs in the background
     stats = d.stats()
     assert set(stats) == {
-        "hits", "misses", "decodes", "decode_errors", "coalesced", "corrupt_entries",
+        "hits", "misses", "decodes", "decode_errors", "coalesced", "claim_waits",
+        "corrupt_entries",
         "store_bytes", "store_entries", "store_usage_complete", "store_writable",
         "store_max_bytes", "evictions", "store_write_errors", "memory_fallbacks",
         "memory_cache_bytes", "memory_cache_entries", "memory_bytes", "memory_limit_bytes",
@@ -147,7 +148,8 @@ async def test_stats_report_every_figure(daemons: DaemonFactory, originals: Path
         "queued_decodes",
         "background_decodes", "warm_decodes", "warm_not_stored", "direct_hits", "errors",
         "store_reads_inline", "store_reads_threaded", "page_drops",
-        "decode_seconds", "uptime_seconds", "versions",
+        "decode_seconds", "uptime_seconds", "versions", "store_by_size", "failed_originals",
+        "failed_not_listed",
     }  # fmt: skip
     assert stats["store_usage_complete"] is True and stats["store_writable"] is True
     assert stats["store_max_bytes"] == 1 << 20 and stats["memory_limit_bytes"] == 2 << 20

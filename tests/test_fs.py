@@ -11,7 +11,10 @@ import errno
 import json
 import logging
 import os
+import shutil
 import stat
+import struct
+import tempfile
 from pathlib import Path
 
 import pyfuse3
@@ -20,7 +23,10 @@ import pytest
 from decodefs.common.inodes import Kind, Node
 from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import RECHECK_FLAG, TRAILER_SIZE, WARM_FLAG
-from tests.conftest import DaemonFactory
+from decodefs.daemon.lifecycle import changed_in_place
+from decodefs.daemon.numbers import MountNumbers
+from decodefs.store.entry_modes import ACL_XATTR
+from tests.conftest import DaemonFactory, needs_root
 from tests.helpers import reference_npy, write_bad_originals
 from tests.inprocess import CTX, InProcess
 
@@ -179,7 +185,9 @@ async def test_verified_hits_take_the_hot_path_with_a_handle_each(
     capacity.flush_accesses()
     now[0] = 2000.0
     fhs = [(await d.ops.open(entry, os.O_RDONLY, CTX)).fh for _ in range(3)]
-    assert len(set(fhs)) == 3  # one FileInfo may be reused; never a handle
+    # A file handle is the array's inode: a READ or RELEASE means the same to any
+    # serving process of the mount. Each open holds its own pin all the same.
+    assert fhs == [entry] * 3
     assert capacity.pinned(key)  # eviction cannot take it while any is open
     for fh in fhs:
         assert bytes(await d.ops.read(fh, 0, len(want) + 10)) == want
@@ -291,3 +299,48 @@ async def test_every_handle_is_released(daemons: DaemonFactory, originals: Path)
     assert not any(d.store.capacity.pinned(d.key("v1", SIZE, p.stem)) for p in originals.iterdir())
     assert d.engine.memory.used == d.stats()["memory_cache_bytes"]
     assert Node.from_ino(inodes[0]).kind == Kind.ENTRY
+
+
+@needs_root
+async def test_with_access_originals_an_array_shows_its_originals_readers(
+    daemons: DaemonFactory, photos: dict[str, Path]
+) -> None:
+    """Owner, group and read bits, from the original and the directories above it; a
+    chmod is seen at the next start of a serving process (changed_in_place), and given
+    to the stored entry too."""
+    base = Path(tempfile.mkdtemp(prefix="decodefs-fs-"))  # every user may pass it
+    try:
+        os.chmod(base, 0o755)
+        (base / "private").mkdir(mode=0o700)
+        jpeg = next(p for p in photos.values() if p.suffix == ".jpg")
+        for name, owner, group, mode in (
+            ("team.jpg", 61234, 62345, 0o640),
+            ("private/hidden.jpg", 61234, 62345, 0o644),
+        ):
+            shutil.copyfile(jpeg, base / name)
+            os.chown(base / name, owner, group)
+            os.chmod(base / name, mode)
+        d = daemons({"v1": base}, access="originals", sizes=[SIZE])
+        size_dir = await d.lookup_path("v1", str(SIZE))
+        assert (size_dir.st_uid, stat.S_IMODE(size_dir.st_mode)) == (0, 0o555)  # the source's
+        team = await d.lookup_path("v1", str(SIZE), "team.npy")
+        assert (team.st_uid, team.st_gid, stat.S_IMODE(team.st_mode)) == (61234, 62345, 0o440)
+        hidden = await d.ops.lookup(size_dir.st_ino, b"hidden.npy", CTX)  # the hot path
+        assert (hidden.st_uid, stat.S_IMODE(hidden.st_mode)) == (61234, 0)  # in root's dir
+        assert await read_file(d, team.st_ino) == reference_npy(jpeg, SIZE)  # stored
+        entry = d.entry_path("v1", SIZE, "team")
+        assert (entry.stat().st_gid, stat.S_IMODE(entry.stat().st_mode)) == (62345, 0o640)
+
+        os.chmod(base / "team.jpg", 0o600)  # its group may no longer read it
+        numbers = MountNumbers.positions(d.sources)
+        changed, readers_changed = changed_in_place(d.config, d.store, d.sources, numbers)
+        assert changed == {} and readers_changed == {"v1": [d.index("v1", "team")]}
+        team = await d.ops.getattr(team.st_ino, CTX)
+        assert (team.st_gid, stat.S_IMODE(team.st_mode)) == (62345, 0o400)
+        assert stat.S_IMODE(entry.stat().st_mode) == 0o640  # the ACL's mask: its owner alone
+        acl = os.getxattr(entry, ACL_XATTR)
+        assert acl[4:] and all(
+            perm == 0 for tag, perm, _ in struct.iter_unpack("<HHI", acl[4:]) if tag == 4
+        )  # its group: nothing
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

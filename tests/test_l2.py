@@ -91,6 +91,8 @@ class Cluster:
             "store": str(base / "store"),
             "versions": {"v1": version},
             "l2": self.l2,
+            # The nodes read any size (as helpers.write_config: stored for the owner).
+            "unlisted_sizes": "owner",
             **self.keys,
             **keys,
         }

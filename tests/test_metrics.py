@@ -42,7 +42,7 @@ def test_prometheus_text_parses_with_every_figure() -> None:
     }
     assert samples[("decodefs_hits_total", ())] == 10
     assert samples[("decodefs_evictions_total", ())] == 3
-    assert samples[("decodefs_bytes_served_total", ())] == 12345
+    assert samples[("decodefs_served_bytes_total", ())] == 12345
     assert samples[("decodefs_store_bytes", ())] == 999
     assert samples[("decodefs_inflight_decodes", ())] == 1
     assert samples[("decodefs_errors_total", (("kind", "store_ENOSPC"),))] == 2

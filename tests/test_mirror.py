@@ -409,6 +409,7 @@ def tree(tmp_path: Path) -> Iterator[tuple[Tree, Engine, Path]]:
         {
             "store": "store",
             "sizes": [64],
+            "access": "owner",  # the tree's names; who may read: test_tree.py, test_fs.py
             "versions": {
                 "m": {"source": "src", "layout": "mirror"},
                 "u": {"source": "plain"},
@@ -568,7 +569,10 @@ def test_an_engine_serves_a_mirror_entry_and_stores_it_under_its_key(tmp_path: P
     (source / "cat" / "0001.png").write_bytes((SKIMAGE_DATA / "coffee.png").read_bytes())
     (source / "dog" / "0001.png").write_bytes((SKIMAGE_DATA / "chelsea.png").read_bytes())
     config = parse_config(
-        {"store": "store", "versions": {"v1": {"source": "src", "layout": "mirror"}}},
+        {
+            "store": "store",
+            "versions": {"v1": {"source": "src", "layout": "mirror", "sizes": [32]}},
+        },
         base_dir=tmp_path,
     )
     store = Store(config.store, {"v1": V1})

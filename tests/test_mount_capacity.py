@@ -6,11 +6,12 @@ import contextlib
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from tests.conftest import MountFactory, Tmpfs, needs_root
-from tests.helpers import reference_npy
+from tests.helpers import reference_npy, wait_until
 
 ENTRY = npy_file_size(224) + TRAILER_SIZE  # one stored 224 array
 
@@ -109,7 +110,7 @@ def test_usage_is_known_right_after_a_restart(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    mount = mounts({"v1": photos_dir})
+    mount = mounts({"v1": photos_dir}, sizes=[64])
     for uuid in photos:
         mount.path("v1", "64", f"{uuid}.npy").read_bytes()
     assert mount.stop() == 0
@@ -158,3 +159,35 @@ def test_entries_of_a_version_no_longer_configured_are_evicted_quietly(
     assert stats["evictions"] >= len(photos)
     assert not list(store.glob("old/*/*/*.npy"))
     assert "unexpected" not in stats["errors"]
+
+
+def test_a_lowered_limit_is_met_soon_after_the_start_while_reads_go_on(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    mount = mounts({"v1": photos_dir})
+    for uuid in photos:
+        mount.path("v1", "224", f"{uuid}.npy").read_bytes()
+    assert mount.stop() == 0
+    assert len(stored(store)) == len(photos)
+    # The limit is lowered to a third of what the store holds; nothing writes now.
+    limit = len(photos) // 3 * ENTRY
+    mount.config.write_text(f"max_store_bytes = {limit}\n" + mount.config.read_text())
+    mount.start()
+    keys = sorted(photos)
+    reads = 0
+
+    def trimmed() -> dict[str, Any] | None:
+        # Readers go on meanwhile (hits and, once evicted, misses): none fails or waits long.
+        nonlocal reads
+        key = keys[reads % len(keys)]
+        assert mount.path("v1", "224", f"{key}.npy").read_bytes() == reference_npy(photos[key], 224)
+        reads += 1
+        stats = mount.stats()
+        return stats if stats["store_bytes"] <= limit else None
+
+    stats = wait_until(trimmed, 60, "the store within its lowered limit")
+    assert stats is not None
+    assert stats["evictions"] >= len(photos) - len(photos) // 3
+    assert sum(stored(store).values()) <= limit
+    assert "store trimmed:" in mount.log_text()

@@ -138,10 +138,12 @@ def test_the_mount_is_the_source_tree_and_listing_it_never_decodes(
     for top, dirs, files in os.walk(root):
         for name in dirs:
             st = os.stat(os.path.join(top, name))
-            assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o555
+            # access = "originals" (root's default): the source's folders and originals,
+            # root's, below pytest's root-only tmp directory, are root's alone.
+            assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o500
         for name in files:
             st = os.stat(os.path.join(top, name))
-            assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o444
+            assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o400
             assert st.st_size == npy_file_size(SIZE)
     # ".." climbs back up, folder by folder.
     nested = array(mount, "wild/big cats/0001")

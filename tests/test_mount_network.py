@@ -31,6 +31,11 @@ pytestmark = [
 
 SIZE = 64
 LEASE = 0.5  # seconds: shorter than a node's misses queue for its one decode slot
+# The warm's claims are renewed from a Dask worker through S3 calls over the veth: on a
+# loaded 2-core box a renewal can outlast half of LEASE, the claim runs out and a node
+# decodes the array again (as a lease allows: it is what a dead holder looks like). The
+# warm test is of one decode per original, not of takeovers: its lease outlasts the load.
+WARM_LEASE = 10.0
 NODES = ("n0", "n1", "n2")
 
 
@@ -135,7 +140,10 @@ def test_a_node_cut_off_mid_epoch_reads_right_while_the_others_do_not_decode(
             read(cut, name)  # decoded there, after at most one call's deadline
             read(other, name)
         during = cut.stats()
-        assert during["l2_state"] == "open" and during["decodes"] == third, during
+        # Open, or half-open where reading the third outlasted the breaker's pause (a
+        # loaded machine): either way it opened, and no read waited on the cut link.
+        assert during["l2_state"] in ("open", "half-open"), during
+        assert during["l2_breaker_opens"] >= 1 and during["decodes"] == third, during
     finally:
         lan.net.restore("n1")
     # The breaker tries again only for a miss once its pause is over: read arrays of new
@@ -168,10 +176,8 @@ def test_a_cluster_warm_on_workers_in_the_namespaces_racing_two_nodes_decodes_on
     names = sorted(f"{p.stem}.npy" for p in originals)
     bucket = lan.server.bucket()
     l2 = {"l2": f"s3://{bucket}/decoded", "l2_endpoint": lan.server.endpoint}
-    config = write_config(
-        tmp_path / "warm.toml", tmp_path / "unused", {"v1": source}, l2_lease_seconds=LEASE, **l2
-    )
-    keys = {"l2_lease_seconds": LEASE}
+    keys = {"l2_lease_seconds": WARM_LEASE}
+    config = write_config(tmp_path / "warm.toml", tmp_path / "unused", {"v1": source}, **keys, **l2)
     nodes = {n: lan.node(mounts, tmp_path, n, source, bucket, **keys) for n in ("n1", "n2")}
     hosts = lan.net.hosts
     workers = [(hosts[n].command(), hosts[n].address) for n in NODES]

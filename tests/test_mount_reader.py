@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import multiprocessing
 import os
@@ -153,7 +154,7 @@ def test_a_user_who_may_not_read_the_store_reads_through_the_mount(
     photos_dir: Path, photos: dict[str, Path], shared_dir: Path, tmp_path: Path
 ) -> None:
     store = tmp_path / "store"  # under root-only tmp_path: other users cannot read it
-    config = write_config(tmp_path / "c.toml", store, {"v1": photos_dir}, allow_other=True)
+    config = write_config(tmp_path / "c.toml", store, {"v1": photos_dir}, access="everyone")
     (shared_dir / "mnt").mkdir(mode=0o755)
     assert (
         decodefs(
@@ -226,6 +227,21 @@ def test_only_names_the_mount_has_are_read(
     for name in (("0224", f"{uuid}.npy"), ("224", "xx", f"{uuid}.npy"), ("224", "absent.npy")):
         with pytest.raises(FileNotFoundError):
             read_array(mount.path("v1", *name))
+    # Each says what is missing, not only that something is.
+    missing = {
+        ("v1", "5000", f"{uuid}.npy"): r"v1 has no size 5000: .* \(8 to 4096\)",
+        ("v9", "224", f"{uuid}.npy"): r"has no version 'v9' \(it has: v1\)",
+        ("v1", "224", "absent.npy"): r"v1 has no original 'absent' \(decodefs.list_keys",
+        ("v1", "0224", f"{uuid}.npy"): r"v1 has no size '0224'",
+    }
+    for name, reason in missing.items():
+        with pytest.raises(FileNotFoundError, match=reason) as raised:
+            read_array(mount.path(*name))
+        assert raised.value.errno == errno.ENOENT and raised.value.filename == str(
+            mount.path(*name)
+        )
+    with pytest.raises(FileNotFoundError, match=r"No such file or directory") as raised:
+        read_array(mount.mountpoint.parent / "absent.npy")  # on no mount: as open() says
 
 
 def test_an_original_gone_at_a_remount_is_gone_for_read_array(
@@ -296,7 +312,7 @@ def test_a_store_or_entry_others_may_write_to_is_not_read_directly(
     for uuid in (first, second):
         read_array(mount.path("v1", "64", f"{uuid}.npy"))  # stored
     store = mount.config.parent / "store"
-    assert stat.S_IMODE(os.stat(entry_file(store, 64, first)).st_mode) == 0o600  # allow_other off
+    assert stat.S_IMODE(os.stat(entry_file(store, 64, first)).st_mode) == 0o600  # root's originals
 
     os.chmod(entry_file(store, 64, first), 0o620)  # a group may rewrite it
     hits = mount.stats()["hits"]

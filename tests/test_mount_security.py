@@ -1,8 +1,8 @@
 """What another local user can and cannot do to a root daemon, on real mounts.
 
 Each test reads as user ``nobody`` (setpriv), through the mount and straight
-from the store, with ``allow_other`` off and on: the store's modes must say
-what the mount says.
+from the store, with ``access = "owner"`` and ``"everyone"``: the store's modes
+must say what the mount says (``"originals"``: tests/test_mount_access.py).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def entry_in_store(store: Path, size: int, uuid: str) -> Path:
     return store / "v1" / str(size) / uuid[:2] / f"{uuid}.npy"
 
 
-def test_with_allow_other_off_another_user_reads_neither_the_mount_nor_the_store(
+def test_with_access_owner_another_user_reads_neither_the_mount_nor_the_store(
     public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
-    mount = public_mounts({"v1": photos_dir}, allow_other=False)
+    mount = public_mounts({"v1": photos_dir}, access="owner")
     uuid = sorted(photos)[0]
     path = mount.path("v1", "64", f"{uuid}.npy")
     assert path.read_bytes() == reference_npy(photos[uuid], 64)  # stored, by root
@@ -62,14 +62,15 @@ def test_with_allow_other_off_another_user_reads_neither_the_mount_nor_the_store
     assert result.returncode != 0 and b"PermissionError" in result.stderr
 
 
-def test_with_allow_other_on_another_user_reads_arrays_but_writes_nothing(
+def test_with_access_everyone_another_user_reads_arrays_but_writes_nothing(
     public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
-    mount = public_mounts({"v1": photos_dir}, allow_other=True, sizes=[64])
+    mount = public_mounts({"v1": photos_dir}, access="everyone", sizes=[64])
     first, second = sorted(photos)[:2]
     path = mount.path("v1", "64", f"{first}.npy")
     want = reference_npy(photos[first], 64)
-    assert as_nobody("cat", path).stdout == want  # a miss, decoded for nobody
+    read = as_nobody("cat", path)  # a miss, decoded for nobody
+    assert read.stdout == want, (read.returncode, read.stderr, mount.log_text()[-2000:])
     store = mount.config.parent / "store"
     stored = entry_in_store(store, 64, first)
     assert stat.S_IMODE(store.stat().st_mode) == 0o755
@@ -103,7 +104,7 @@ def test_with_allow_other_on_another_user_reads_arrays_but_writes_nothing(
 def test_another_user_cannot_fill_the_flash_with_sizes_nobody_configured(
     public_mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
-    mount = public_mounts({"v1": photos_dir}, allow_other=True, sizes=[64])
+    mount = public_mounts({"v1": photos_dir}, access="everyone", sizes=[64], unlisted_sizes="owner")
     uuid = sorted(photos)[0]
     for size in [64, *range(100, 110)]:  # one listed size and ten sizes nobody listed
         result = as_nobody("cat", mount.path("v1", str(size), f"{uuid}.npy"))
@@ -168,7 +169,7 @@ def test_files_held_open_by_another_user_cannot_starve_the_daemons_memory(
     # reads right (fetched again if memory had to drop it meanwhile).
     budget = 2 << 20
     mount = public_mounts(
-        {"v1": photos_dir}, allow_other=True, sizes=[64], memory_cache_bytes=budget
+        {"v1": photos_dir}, access="everyone", sizes=[64], memory_cache_bytes=budget
     )
     uuid = sorted(photos)[0]
     sizes = range(300, 316)  # 16 arrays of ~270 KiB: twice the budget

@@ -1,4 +1,4 @@
-"""Running as a service: systemd notify and watchdog, units, allow_other, metrics."""
+"""Running as a service: systemd notify and watchdog, units, access, metrics."""
 
 from __future__ import annotations
 
@@ -61,14 +61,18 @@ def test_notify_ready_watchdog_and_stopping(
         stderr=log,
     )
     try:
-        assert receive_until(sock, "READY=1") == [
-            f"STATUS=indexing originals for {mountpoint}",
-            f"READY=1\nSTATUS=serving {mountpoint}",
-        ]
+        started = [m for m in receive_until(sock, "READY=1") if m != "WATCHDOG=1"]
+        serving = f"READY=1\nSTATUS=serving {mountpoint}"
+        assert started == [f"STATUS=starting {mountpoint}", serving]
         assert is_live_mount(mountpoint)  # READY=1 came only once the mount answers
 
         pings = [sock.recv(4096).decode() for _ in range(5)]
         assert pings == ["WATCHDOG=1"] * 5  # every 0.1 s: half of WATCHDOG_USEC
+
+        # systemctl reload: SIGHUP (or ExecReload's `decodefs reload`) to the holder.
+        daemon.send_signal(signal.SIGHUP)
+        reloading = [m for m in receive_until(sock, "READY=1") if m != "WATCHDOG=1"]
+        assert reloading == [f"RELOADING=1\nSTATUS=reload of {mountpoint}", serving]
 
         daemon.send_signal(signal.SIGTERM)
         *before, stopping = receive_until(sock, "STOPPING=1")
@@ -145,7 +149,8 @@ def test_installed_units_pass_systemd_analyze_verify(tmp_path: Path, photos_dir:
     example["store"] = str(tmp_path / "store")
     example["versions"]["v1"]["source"] = str(photos_dir)
     config = parse_config(example, base_dir=tmp_path)
-    assert not config.allow_other and config.mountpoint == Path("/mnt/decoded")
+    assert config.access == ("originals" if os.geteuid() == 0 else "owner")
+    assert config.mountpoint == Path("/mnt/decoded")
     # A second install keeps the edited config and puts the example beside it.
     install()
     assert (root / "etc" / "decodefs" / "config.example.toml").exists()
@@ -164,16 +169,16 @@ def shared_mountpoint(shared_tmp: Path) -> Iterator[Path]:
 
 
 @needs_root
-@pytest.mark.parametrize("allow_other", [True, False])
-def test_allow_other_lets_other_users_read(
+@pytest.mark.parametrize("access", ["everyone", "owner"])
+def test_access_everyone_lets_other_users_read(
     tmp_path: Path,
     photos_dir: Path,
     photos: dict[str, Path],
     shared_mountpoint: Path,
-    allow_other: bool,
+    access: str,
 ) -> None:
     config = write_config(
-        tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir}, allow_other=allow_other
+        tmp_path / "config.toml", tmp_path / "store", {"v1": photos_dir}, access=access
     )
     assert (
         decodefs(
@@ -193,7 +198,7 @@ def test_allow_other_lets_other_users_read(
             str(entry),
         ]
         result = subprocess.run(as_nobody, capture_output=True, timeout=60)
-        if allow_other:
+        if access == "everyone":
             assert result.returncode == 0, result.stderr
             assert result.stdout == reference_npy(original, 224)
         else:
@@ -265,8 +270,9 @@ def test_metrics_file_is_prometheus_text_agreeing_with_stats(
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    for name in ["hits", "misses", "decodes", "bytes_served", "evictions"]:
+    for name in ["hits", "misses", "decodes", "evictions"]:
         assert samples[(f"decodefs_{name}_total", ())] == stats[name], name
+    assert samples[("decodefs_served_bytes_total", ())] == stats["bytes_served"]
     assert samples[("decodefs_decodes_total", ())] == len(photos)
     assert samples[("decodefs_store_entries", ())] == stats["store_entries"] == len(photos)
     assert samples[("decodefs_store_bytes", ())] == stats["store_bytes"]

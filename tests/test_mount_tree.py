@@ -25,6 +25,7 @@ def test_root_lists_versions_and_status_dir(mount: Mount) -> None:
     assert sorted(os.listdir(mount.mountpoint)) == [".decodefs", "v1", "v2"]
     assert sorted(os.listdir(mount.path(".decodefs"))) == [
         "config.json",
+        "failed.json",
         "metrics",
         "stats.json",
         "store.json",
@@ -99,7 +100,9 @@ def test_metadata_never_decodes(mount: Mount, photos: dict[str, Path]) -> None:
         for size in (64, 224, 999):
             st = os.stat(mount.path("v2", str(size), f"{uuid}.npy"))
             assert st.st_size == npy_file_size(size) == 128 + size * size * 3
-            assert stat.S_IMODE(st.st_mode) == 0o444 and stat.S_ISREG(st.st_mode)
+            # access = "originals" (root's default): root's originals, below pytest's
+            # root-only tmp directory, are root's alone.
+            assert stat.S_IMODE(st.st_mode) == 0o400 and stat.S_ISREG(st.st_mode)
     assert f" {npy_file_size(224)} " in listing
     assert mount.stats()["decodes"] == before
 
@@ -175,11 +178,11 @@ def test_status_files(mount: Mount) -> None:
 def test_statvfs_and_stat_of_directories(mount: Mount) -> None:
     vfs = os.statvfs(mount.mountpoint)
     assert vfs.f_namemax == 255
-    for path in [
-        mount.mountpoint,
-        mount.path("v1"),
-        mount.path("v1", "224"),
-        mount.path(".decodefs"),
+    for path, mode in [
+        (mount.mountpoint, 0o555),
+        (mount.path("v1"), 0o500),  # the source's, root's alone (below pytest's tmp)
+        (mount.path("v1", "224"), 0o500),
+        (mount.path(".decodefs"), 0o555),
     ]:
         st = os.stat(path)
-        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o555
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == mode, path

@@ -12,7 +12,14 @@ from pathlib import Path
 
 from decodefs.sample import make_sample_corpus
 from tests.conftest import LARGE_COUNT, MountFactory
-from tests.helpers import Mount, decodefs, reference_npy, wait_until, write_bad_originals
+from tests.helpers import (
+    Mount,
+    decodefs,
+    interruptible,
+    reference_npy,
+    wait_until,
+    write_bad_originals,
+)
 
 
 def test_warm_fills_the_cache_and_a_second_run_costs_nothing(
@@ -40,7 +47,7 @@ def test_warm_a_listed_subset_and_report_what_is_wrong(
     source = tmp_path / "originals"
     shutil.copytree(next(iter(photos.values())).parents[2], source)
     bad = write_bad_originals(source / "bad", photos["astronaut-baseline"])
-    mount = mounts({"v1": source}, expect_errors=())
+    mount = mounts({"v1": source}, expect_errors=(), sizes=[64])
     wanted = sorted(photos)[:3]
     listing = tmp_path / "uuids.txt"
     listing.write_text(
@@ -61,7 +68,7 @@ def test_warm_a_listed_subset_and_report_what_is_wrong(
 
 
 def test_warm_is_interruptible_and_resumes(mounts: MountFactory, large: list[Path]) -> None:
-    mount = mounts({"v1": large[0].parents[1]}, decode_workers=1)
+    mount = mounts({"v1": large[0].parents[1]}, decode_workers=1, sizes=[512])
     warm = subprocess.Popen(
         [
             sys.executable,
@@ -74,6 +81,7 @@ def test_warm_is_interruptible_and_resumes(mounts: MountFactory, large: list[Pat
             "--jobs",
             "1",
         ],
+        preexec_fn=interruptible,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -184,7 +192,7 @@ def test_cli_warm_stops_at_the_cap_without_evicting(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
 ) -> None:
     entry = 128 + 64 * 64 * 3 + 40
-    mount = mounts({"v1": photos_dir}, max_store_bytes=3 * entry)
+    mount = mounts({"v1": photos_dir}, max_store_bytes=3 * entry, sizes=[64])
     trained = sorted(photos)[:3]
     for uuid in trained:  # training's entries fill the store
         mount.path("v1", "64", f"{uuid}.npy").read_bytes()

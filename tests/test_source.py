@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from decodefs.common import source as source_module
 from decodefs.common.config import DEFAULT_EXTENSIONS
-from decodefs.common.source import OriginalMissing, SourceError, scan_source
+from decodefs.common.source import (
+    OriginalMissing,
+    SourceError,
+    changed_originals,
+    restat_originals,
+    save_stamps,
+    scan_source,
+)
 from tests.conftest import needs_root_because
 
 
@@ -293,3 +303,90 @@ def test_a_cache_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
     assert scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
     os.chown(tmp_path / "v1.json", 65534, 65534)
     assert not scan_source("v1", root, DEFAULT_EXTENSIONS, cache_dir=str(tmp_path)).from_cache
+
+
+def test_originals_changed_in_place_are_found_by_size_and_mtime(tmp_path: Path) -> None:
+    source, cache = tmp_path / "src", tmp_path / "cache"
+    cache.mkdir()
+    for name in ("a", "b", "c"):
+        touch(source / "d" / f"{name}.jpg", name.encode())
+    make_old(source, source / "d")  # a tree the cached index is trusted for
+    index = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert changed_originals(index) == []  # first seen: nothing to compare with
+    os.utime(source / "d" / "b.jpg", ns=(1, 1))  # touched: another mtime
+    (source / "d" / "c.jpg").write_bytes(b"longer now")  # rewritten in place
+    assert changed_originals(index) == [index.find("b"), index.find("c")]
+    assert changed_originals(index) == []  # what it saw is what it compares with now
+    (source / "d" / "a.jpg").write_bytes(b"A")  # in place: its directory is unchanged
+    again = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert again.from_cache and changed_originals(again) == [again.find("a")]  # kept in the cache
+    touch(source / "d" / "e.jpg")  # the tree changed: walked again, what it saw kept
+    (source / "d" / "b.jpg").write_bytes(b"bb")
+    walked = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert not walked.from_cache and changed_originals(walked) == [walked.find("b")]
+    # Found by a process that does not act on it (a standby let go at a reload): not
+    # saved, so the next one finds it too; saved once acted on.
+    (source / "d" / "c.jpg").write_bytes(b"c, once more")
+    assert restat_originals(walked, save=False).changed == [walked.find("c")]
+    nextone = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert restat_originals(nextone, save=False).changed == [nextone.find("c")]
+    save_stamps(nextone)  # (without it, the next finds c changed again)
+    last = scan_source("v1", source, DEFAULT_EXTENSIONS, cache_dir=str(cache))
+    assert changed_originals(last) == []
+
+
+def test_who_may_read_an_original_counts_the_directories_its_path_and_a_symlink_lead_through() -> (
+    None
+):
+    base = Path(tempfile.mkdtemp(prefix="decodefs-source-"))  # every user may pass it
+    try:
+        os.chmod(base, 0o755)
+        (base / "private").mkdir(mode=0o700)
+        (base / "open.jpg").write_bytes(b"x")
+        (base / "private" / "hidden.jpg").write_bytes(b"x")
+        (base / "link.jpg").symlink_to(base / "private" / "hidden.jpg")  # inside the source
+        (base / "private.d").symlink_to(base / "private")
+        for path in (base / "open.jpg", base / "private" / "hidden.jpg"):
+            os.chmod(path, 0o644)
+        index = scan_source("v1", base, {"jpg"})
+        assert sorted(index.keys) == ["hidden", "link", "open"]
+        found = restat_originals(index)
+        assert found.changed == [] and sorted(found.readers_changed) == [0, 1, 2]  # first seen
+        me = os.getuid(), os.getgid()
+        assert index.readers(index.keys.index("open")) == (*me, 0o444)
+        assert index.readers(index.keys.index("hidden")) == (*me, 0o400)  # its directory: 0700
+        assert index.readers(index.keys.index("link")) == (*me, 0o400)  # where it leads: the same
+        assert index.folder("") == (*me, 0o444)
+        assert restat_originals(index) == ([], [])  # nothing changed since
+
+        os.chmod(base / "private", 0o755)
+        assert restat_originals(index).readers_changed == [
+            index.keys.index("hidden"),
+            index.keys.index("link"),
+        ]
+        assert index.readers(index.keys.index("link")).bits == 0o444
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_restat_finds_the_same_in_one_thread_or_several(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    # Which path is taken depends on how long a stat takes here: each is forced.
+    monkeypatch.setattr(source_module, "_PROBE_STATS", 7)
+    monkeypatch.setattr(source_module, "_STAT_THREADS", ((0.0, threads),))
+    source = tmp_path / "src"
+    names = [f"{i:03d}" for i in range(100)]
+    for name in names:
+        touch(source / name[:2] / f"{name}.jpg", name.encode())
+    index = scan_source("v1", source, DEFAULT_EXTENSIONS)
+    first = restat_originals(index)
+    assert first.changed == [] and len(first.readers_changed) == len(names)
+    rewritten = names[3::9]  # in the probe and past it, in each thread's share
+    for name in rewritten:
+        (source / name[:2] / f"{name}.jpg").write_bytes(b"rewritten")
+    (source / "05" / "055.jpg").unlink()  # gone: left as it was
+    again = restat_originals(index)
+    assert again.changed == [index.find(name) for name in rewritten]
+    assert again.readers_changed == []

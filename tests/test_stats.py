@@ -19,6 +19,7 @@ from decodefs.common.config import parse_config
 from decodefs.common.metrics import Metrics, render_prometheus
 from decodefs.common.source import scan_source
 from decodefs.common.stats_schema import STATS
+from decodefs.common.status import holder_figures
 from decodefs.daemon.engine import Engine
 from decodefs.daemon.stats import snapshot
 from decodefs.store.store import Store
@@ -31,6 +32,7 @@ PROMETHEUS_TYPES = {
     "flag": "gauge",
     "state": "gauge",
     "per version": "gauge",
+    "per version and size": "gauge",
     "text": "gauge",  # an info metric, in the text format: a gauge <name>_info of 1
     "histogram": "histogram",
 }
@@ -67,6 +69,26 @@ def full_snapshot(tmp_path: Path, photos_dir: Path) -> Iterator[dict[str, object
             version="0.1.0+g0123456789ab",
             log="/var/log/decodefs.log",
             started=engine.metrics.started,
+            **holder_figures(
+                {
+                    "pid": 1,
+                    "state": "serving",
+                    "version": "0.1.0+g0123456789ab",
+                    "started": 1.0,
+                    "handovers": 2,
+                    "crashes": 1,
+                    "refused": 0,
+                    "remounts": 0,
+                    "eio_answers": 0,
+                    "rss_bytes": 1 << 20,
+                    "last_problem": "serving process 7 (#2, reload) killed by SIGKILL",
+                    "decodes_before": 3,
+                    "last_pause": 0.01,
+                    "standby_pid": 2,
+                    "longest_pause": 0.5,
+                }
+            ),
+            mount_decodes=4,
         )
     finally:
         engine.close()
@@ -115,3 +137,26 @@ def test_the_counters_behind_the_figures_are_named_as_the_schema() -> None:
     l2 = [f"l2_{f.name}" for f in dataclasses.fields(L2Metrics)]
     for name in engine + l2:
         assert kinds.get(name) in ("counter", "gauge", "counter by kind", "histogram"), name
+
+
+def test_prometheus_names_follow_its_naming_rules() -> None:
+    """The unit last, a counter's _total after it (decodefs_served_bytes_total, not
+    bytes_served_total); a base unit, plural."""
+    for stat in STATS:
+        name = stat.prometheus
+        assert name.startswith("decodefs_") and not name.endswith("_total"), name
+        if stat.unit in ("bytes", "seconds") and stat.kind != "per version and size":
+            assert name.endswith(f"_{stat.unit}"), (stat.name, name)
+        if stat.unit not in ("bytes", "seconds"):
+            assert not name.endswith(("_bytes", "_seconds")), (stat.name, name)
+
+
+def test_an_absent_limit_is_no_sample_not_a_zero(full_snapshot: dict[str, object]) -> None:
+    def samples(snapshot: dict[str, object]) -> dict[str, float]:
+        text = render_prometheus(snapshot).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    assert samples(full_snapshot)["decodefs_store_max_bytes"] == 1 << 30
+    unlimited = samples({**full_snapshot, "store_max_bytes": None})
+    assert "decodefs_store_max_bytes" not in unlimited
+    assert unlimited["decodefs_served_bytes_total"] == full_snapshot["bytes_served"]

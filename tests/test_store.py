@@ -18,6 +18,7 @@ from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_bytes
 from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.common.readers import Readers
 from decodefs.common.source import scan_source
 from decodefs.store.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError
 from tests.conftest import Tmpfs, fail_read_only, needs_root
@@ -486,7 +487,7 @@ def test_the_stores_modes_follow_who_may_read_the_mount(
     root = tmp_path / "store"
     os.umask(0o000 if shared else 0o022)  # whatever the umask says
     try:
-        s = Store(root, {"v1": V1}, shared=shared)
+        s = Store(root, {"v1": V1}, access="everyone" if shared else "owner")
         s.open()
         s.wait_for_usage()
         s.write(KEY, payload())
@@ -511,7 +512,7 @@ def test_the_stores_modes_follow_who_may_read_the_mount(
         assert mode == (0o600 if path.parts[0] == ".index" else files), path
 
     # The policy changes with the config: the store follows at the next start.
-    again = Store(root, {"v1": V1}, shared=not shared)
+    again = Store(root, {"v1": V1}, access="owner" if shared else "everyone")
     again.open()
     again.close()
     assert stat.S_IMODE(root.stat().st_mode) == (0o755 if not shared else 0o700)
@@ -669,3 +670,52 @@ def test_a_store_from_a_config_has_its_limits_policy_and_fingerprints(tmp_path: 
     # The fingerprints the daemon checks entries against: the layout is part of them.
     assert s.digests() == {name: v.fingerprint().hex for name, v in config.versions.items()}
     assert s.digest("m") != s.digest("u") == config.versions["u"].fingerprint().digest
+
+
+def test_a_lowered_limit_is_met_by_trim_oldest_first_and_never_a_pinned_entry(
+    tmp_path: Path,
+) -> None:
+    uuids = [f"e{i:02d}" for i in range(10)]
+    stored_and_closed(tmp_path / "store", uuids)  # no limit then: 10 entries
+    ticks = iter(range(1_000_000, 2_000_000))
+    s = Store(
+        tmp_path / "store", {"v1": V1}, max_bytes=4 * entry_bytes(), clock=lambda: next(ticks)
+    )
+    s.open()
+    try:
+        assert s.wait_for_usage().entries == 10 and s.capacity.over_limit()
+        for uuid in uuids[5:]:  # read lately: the newest
+            s.capacity.record_access(EntryKey("v1", 16, uuid))
+        s.capacity.pin(EntryKey("v1", 16, "e00"))  # held open by a reader: stays
+        assert s.capacity.trim() == (6, 6 * entry_bytes())
+        assert not s.capacity.over_limit()
+        kept = sorted(k for k in uuids if s.contains(EntryKey("v1", 16, k)))
+        assert kept == ["e00", "e07", "e08", "e09"]
+        assert s.usage().bytes == 4 * entry_bytes() and s.usage().evictions == 6
+        assert s.usage_by_size()[("v1", 16)].entries == 4
+        assert s.capacity.trim() == (0, 0)  # within its limit: nothing more
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("absent", [10, 6000])  # opened one by one; matched by a walk
+def test_share_all_gives_the_entries_there_their_readers_mode(tmp_path: Path, absent: int) -> None:
+    readers = {"k-open": Readers(0, 0, 0o444), "k-shut": Readers(0, 0, 0o400)}
+    s = Store(tmp_path / "store", {"v1": V1}, access="originals")
+    s.readers = lambda key: readers.get(key.key, Readers(0, 0, 0o400))
+    s.open()
+    try:
+        s.wait_for_usage()
+        stored = [EntryKey("v1", 16, key) for key in readers]
+        for key in stored:
+            s.write(key, payload())
+        for key in stored:  # as a store written under the "everyone" policy left them
+            os.chmod(tmp_path / "store" / key.relpath, 0o644)
+        missing = [f"gone-{i}" for i in range(absent)]
+        assert s.share_all("v1", {16, 32}, [*missing, *readers]) == len(stored)
+        assert s.share_all("v2", {16}, list(readers)) == 0  # another version's keys
+    finally:
+        s.close()
+    modes = {key.key: stat.S_IMODE((tmp_path / "store" / key.relpath).stat().st_mode)
+             for key in stored}  # fmt: skip
+    assert modes == {"k-open": 0o644, "k-shut": 0o600}

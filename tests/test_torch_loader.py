@@ -337,8 +337,8 @@ def test_a_mount_that_vanishes_mid_epoch_raises_and_stops_the_threads(
         expected = FileNotFoundError
     with pytest.raises(expected) as raised:
         next(epoch)
-    if how == "killed":
-        assert raised.value.errno == errno.ENOTCONN
+    if how == "killed":  # ECONNABORTED: its request was pending as the connection ended
+        assert raised.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     assert str(mount.mountpoint) in str(raised.value)  # names the path it could not read
     assert not loader_threads()
     with pytest.raises(StopIteration):

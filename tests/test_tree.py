@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,13 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from decodefs.common.config import parse_config
 from decodefs.common.inodes import Kind, Node
 from decodefs.common.protocol import NAME_MAX
-from decodefs.daemon.namespace import ROOT, STATUS_DIR_NODE
+from decodefs.common.source import restat_originals, scan_source
+from decodefs.daemon.namespace import ROOT, STATUS_DIR_NODE, Tree
 from tests import inprocess
+from tests.conftest import needs_root
 from tests.inprocess import CTX, InProcess
 
 # File stems as bytes: what a directory of originals may hold.
@@ -75,11 +80,9 @@ class Model:
         return None
 
     def shards(self, version: int) -> dict[bytes, int]:
-        """Shard name -> the index of its first entry."""
-        found: dict[bytes, int] = {}
-        for i, uuid in enumerate(self.keys[self.versions[version]]):
-            found.setdefault(os.fsencode(uuid[:2]), i)
-        return found
+        """Shard name -> its number: at a mount's first start, the shards in name order."""
+        names = sorted({uuid[:2] for uuid in self.keys[self.versions[version]]})
+        return {os.fsencode(name): number for number, name in enumerate(names)}
 
     def entries(self, version: int) -> dict[bytes, int]:
         uuids = self.keys[self.versions[version]]
@@ -103,12 +106,14 @@ class Model:
             index = self.entries(parent.version).get(name)
             if index is not None:
                 uuids = self.keys[self.versions[parent.version]]
-                if parent.kind == Kind.SIZE or uuids[index][:2] == uuids[parent.number][:2]:
+                shard = {n: name for name, n in self.shards(parent.version).items()}
+                prefix = os.fsencode(uuids[index][:2])
+                if parent.kind == Kind.SIZE or prefix == shard[parent.number]:
                     return Node(Kind.ENTRY, parent.version, parent.size, index)
                 return None
             if parent.kind == Kind.SIZE and name in self.shards(parent.version):
-                start = self.shards(parent.version)[name]
-                return Node(Kind.SHARD, parent.version, parent.size, start)
+                number = self.shards(parent.version)[name]
+                return Node(Kind.SHARD, parent.version, parent.size, number)
         return None
 
     def exists(self, node: Node) -> bool:
@@ -462,3 +467,36 @@ def test_fs_getattr_of_any_inode_is_its_attributes_or_enoent(hostile: Hostile, i
     else:
         assert code == errno.ENOENT
     assert "unexpected" not in hostile.daemon.stats()["errors"]
+
+
+@needs_root
+def test_with_access_originals_a_mirrors_folders_show_their_source_directories() -> None:
+    base = Path(tempfile.mkdtemp(prefix="decodefs-tree-"))  # every user may pass it
+    try:
+        os.chmod(base, 0o755)
+        for folder, owner, group, mode in (("cat", 61234, 62345, 0o750), ("dog", 0, 0, 0o700)):
+            (base / folder).mkdir()
+            (base / folder / "0001.jpg").write_bytes(b"never decoded here")
+            os.chown(base / folder, owner, group)
+            os.chmod(base / folder, mode)
+        config = parse_config(
+            {"store": "/nonexistent", "access": "originals",
+             "versions": {"v1": {"source": str(base), "layout": "mirror"}}},
+            base_dir=base,
+        )  # fmt: skip
+        index = scan_source("v1", base, {"jpg"}, layout="mirror")
+        restat_originals(index)
+        tree = Tree(config, {"v1": index})
+        size = tree.lookup(Node(Kind.VERSION, 0), b"224")
+        assert size is not None
+        seen = {}
+        for name in (b"cat", b"dog"):
+            node = tree.lookup(size, name)
+            assert node is not None and node.kind == Kind.FOLDER
+            attrs = tree.attributes(node)
+            seen[name] = (attrs.uid, attrs.gid, stat.S_IMODE(attrs.mode))
+        assert seen == {b"cat": (61234, 62345, 0o550), b"dog": (0, 0, 0o500)}
+        attrs = tree.attributes(size)  # the source itself
+        assert (attrs.uid, stat.S_IMODE(attrs.mode)) == (0, 0o555)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

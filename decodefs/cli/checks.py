@@ -8,10 +8,11 @@ import argparse
 import errno
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
-from ..client import read_key_list
+from ..client import iter_key_list, read_key_list
 from ..common.config import DEFAULT_CONFIG_PATH, Config, load_config
 from ..common.mounts import PROBE_TIMEOUT, decodefs_mount_above, find_mount, mounts, probe
 from ..common.protocol import CONFIG_FILE, FS_TYPE, STORE_MARKER
@@ -19,13 +20,16 @@ from .errors import UsageError
 from .status import read_status
 
 __all__ = [
+    "check_l2_client",
     "check_log_file",
+    "count_keys",
     "daemon_gone",
     "decodefs_mounts",
     "default_log_file",
     "live_mount",
     "mount_failure",
     "mounted_at",
+    "mounted_version",
     "named_config",
     "named_mountpoint",
     "read_keys",
@@ -50,6 +54,19 @@ def named_config(args: argparse.Namespace) -> Config:
             "or $DECODEFS_CONFIG (a minimal one: docs/configuration.md)"
         )
     return load_config(args.config)
+
+
+def check_l2_client(config: Config) -> None:
+    """An S3 l2 needs boto3, which decodefs installs only with its ``s3`` extra."""
+    if config.l2 is None or not config.l2.is_s3:
+        return
+    try:
+        import boto3  # noqa: F401  (the daemon imports it anyway, for this l2)
+    except ImportError:
+        raise UsageError(
+            f"{config.path}: l2 = {config.l2.url!r} needs boto3, which is not installed: "
+            "pip install 'decodefs[s3]' (in decodefs's clone: .venv/bin/pip install -e '.[s3]')"
+        ) from None
 
 
 def named_mountpoint(given: Path | None, configured: Path | None) -> str:
@@ -104,8 +121,21 @@ def _read_only(path: Path) -> bool:
 
 def read_keys(path: Path) -> list[str]:
     """The keys of a --keys file, one a line; a UsageError naming what is wrong with it."""
+    return _key_file(path, read_key_list)
+
+
+def count_keys(path: Path) -> int:
+    """How many keys a --keys file holds, every line checked, none kept (``read_keys``'s
+    UsageErrors): the file is read again, a line at a time, as the warm goes."""
+    return _key_file(path, lambda p: sum(1 for _ in iter_key_list(p)))
+
+
+T = TypeVar("T")
+
+
+def _key_file(path: Path, read: Callable[[Path], T]) -> T:
     try:
-        return read_key_list(path)
+        return read(path)
     except IsADirectoryError:
         raise UsageError(f"--keys {path}: is a directory, not a file of keys") from None
     except OSError as exc:
@@ -164,8 +194,8 @@ def mount_failure(mountpoint: Path, exc: OSError) -> UsageError:
     return UsageError(f"cannot read {exc.filename or mountpoint}: {exc.strerror or exc}")
 
 
-def version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
-    """``<mountpoint>/<version>/<size>``, or a UsageError naming what the mount lacks."""
+def mounted_version(mountpoint: Path, version: str) -> None:
+    """A UsageError unless the live mount at ``mountpoint`` serves ``version``."""
     try:
         versions = sorted(n for n in os.listdir(mountpoint) if not n.startswith("."))
     except OSError as exc:
@@ -174,6 +204,11 @@ def version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
         raise UsageError(
             f"{mountpoint} has no version {version!r} (it has: {', '.join(versions) or 'none'})"
         )
+
+
+def version_size_dir(mountpoint: Path, version: str, size: int) -> Path:
+    """``<mountpoint>/<version>/<size>``, or a UsageError naming what the mount lacks."""
+    mounted_version(mountpoint, version)
     directory = mountpoint / version / str(size)
     try:
         os.stat(directory)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import logging
 import os
 import signal
@@ -15,22 +16,27 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
-from ..client import warm
-from ..common.advice import empty_version_warning, store_warning
-from ..common.config import load_config
-from ..common.mounts import clear_stale, find_mount, prepare_mountpoint, unmount
-from ..common.protocol import FS_TYPE, STATS_FILE, STATUS_DIR
-from ..common.status import parse_status, read_status_bytes
+from ..client import failed_originals, iter_key_list, warm
+from ..common.advice import discarded_warning, empty_version_warning, store_warning
+from ..common.config import Config, load_config
+from ..common.mounts import MountError, clear_stale, find_mount, prepare_mountpoint, unmount
+from ..common.protocol import CONFIG_FILE, FS_TYPE, STATS_FILE, STATUS_DIR
+from ..common.status import holder_figures, parse_status, read_status_bytes
+from ..holder import ControlError, HolderUnreachable, ask_holder, mount_problem
 from ..store import adopt, recorded_digests, verify_store
 from .checks import (
+    check_l2_client,
     check_log_file,
+    count_keys,
     daemon_gone,
     decodefs_mounts,
     default_log_file,
     live_mount,
     mount_failure,
     mounted_at,
+    mounted_version,
     named_config,
     named_mountpoint,
     read_keys,
@@ -38,13 +44,25 @@ from .checks import (
     version_size_dir,
 )
 from .errors import EXIT_ERROR, UsageError, error_text, exit_status, is_user_error
-from .status import counter, format_all_stats, format_stats, read_stats, serving
+from .spawn import holder_command, spawn
+from .status import (
+    counter,
+    failed_summary,
+    format_all_stats,
+    format_stats,
+    l2_problem,
+    read_stats,
+    read_status,
+    serving,
+)
 
 __all__ = [
     "run_adopt",
+    "run_failed",
     "run_make_sample",
     "run_mount",
     "run_stats",
+    "run_switch",
     "run_umount",
     "run_verify",
     "run_warm",
@@ -52,9 +70,10 @@ __all__ = [
 
 
 def run_mount(args: argparse.Namespace) -> int:
-    """`decodefs mount`: checks what it can in the user's terminal, then serves here
-    (--foreground) or starts a daemon and returns once the mount is live."""
+    """`decodefs mount`: checks what it can in the user's terminal, then becomes the mount's
+    holder (--foreground) or starts one and returns once the mount is live."""
     config = named_config(args)
+    check_l2_client(config)
     mountpoint = named_mountpoint(args.mountpoint, config.mountpoint)
     log_file = None
     if not args.foreground:  # the one thing the daemon cannot report: checked first
@@ -63,25 +82,26 @@ def run_mount(args: argparse.Namespace) -> int:
     if args.mkdir:
         with contextlib.suppress(OSError):  # a stale mount there is dealt with below
             os.makedirs(mountpoint, exist_ok=True)
-    if log_file is None:
-        _setup_logging(args.log_level or config.log_level)
-    else:
-        logging.basicConfig(
-            level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr
-        )
+    logging.basicConfig(level=logging.WARNING, format="decodefs: %(message)s", stream=sys.stderr)
     ready = _Ready(args.ready_fd)
-    with ready.reporting():  # fail before the daemon (pyfuse3, trio) is even loaded
+    with ready.reporting():  # every mistake said here, before anything is mounted
         prepare_mountpoint(mountpoint, args.nonempty)
-    from .. import daemon  # here alone: it loads pyfuse3 and trio, which no other command needs
-
+        problem = mount_problem(config.access)
+        if problem is not None:
+            raise MountError(f"cannot mount {mountpoint}: {problem}")
     if log_file is None:
-        with ready.reporting():
-            daemon.serve(config, mountpoint, ready.tell)
-        return 0
+        _become_holder(args, config, mountpoint)
     warning = store_warning(config)
     if warning is not None:  # the daemon logs it too, but the user is here
         print(f"decodefs: warning: {warning}", file=sys.stderr)
-    pid = daemon.spawn(args.config.resolve(), mountpoint, log_file, args.log_level, args.nonempty)
+    config_path = args.config.resolve()
+    pid = spawn(
+        mountpoint,
+        log_file,
+        lambda ready_fd: holder_command(
+            mountpoint, config_path, config.log_level, config.access, args.log_level, ready_fd
+        ),
+    )
     print(f"decodefs: mounted {mountpoint} (daemon pid {pid}, log {log_file})")
     print("\n".join(serving(Path(mountpoint))))
     stats = read_stats(Path(mountpoint))
@@ -91,7 +111,77 @@ def run_mount(args: argparse.Namespace) -> int:
         if isinstance(served, dict) and served.get("originals") == 0:
             warning = empty_version_warning(config, name)
             print(f"decodefs: warning: {warning}", file=sys.stderr)
+        discarded = served.get("discarded") if isinstance(served, dict) else None
+        if isinstance(discarded, dict):
+            print(f"decodefs: warning: {discarded_warning(name, discarded)}", file=sys.stderr)
+    if config.l2 is not None:
+        problem = l2_problem(Path(mountpoint), config.l2.timeout_seconds)
+        if problem is not None:
+            print(f"decodefs: warning: {problem}", file=sys.stderr)
     return 0
+
+
+def _become_holder(args: argparse.Namespace, config: Config, mountpoint: str) -> NoReturn:
+    """Replace this process with the mount's holder (same pid: systemd's main process,
+    a caller's child), so that it keeps none of the command's imports."""
+    command = holder_command(
+        mountpoint, args.config.resolve(), config.log_level, config.access, args.log_level,
+        args.ready_fd,
+    )  # fmt: skip
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir("/")  # the holder holds none of the user's directories
+    try:
+        os.execv(sys.executable, command)
+    except OSError as exc:
+        raise MountError(
+            f"cannot start the mount's holder ({sys.executable}: {exc.strerror}); this user "
+            "must be able to run the Python that runs decodefs"
+        ) from None
+
+
+def run_switch(args: argparse.Namespace) -> int:
+    """`decodefs reload` and `decodefs restart`: a new serving process takes the mount over."""
+    command = args.switch
+    mountpoint = named_mountpoint(args.mountpoint, _configured_mountpoint(args))
+    info = find_mount(mountpoint)
+    if info is None or info.fstype != FS_TYPE:
+        raise UsageError(f"{mountpoint} is not a decodefs mount{mounted_at(decodefs_mounts())}")
+    config_path = _holder_config(mountpoint)
+    if config_path is not None:  # a config that does not load is refused here, in one line
+        load_config(Path(config_path))
+    try:
+        answer = ask_holder(mountpoint, command)
+    except HolderUnreachable as exc:
+        raise UsageError(
+            f"{mountpoint} has no holder to {command} it ({exc}); is it a decodefs mount? "
+            "(`decodefs stats` says)"
+        ) from None
+    except ControlError as exc:
+        raise UsageError(f"{command} of {mountpoint} failed: {exc}; the serving process "
+                         "before it keeps serving") from None  # fmt: skip
+    server = answer.get("server") or {}
+    print(f"decodefs: {command}ed {mountpoint}: serving process {server.get('pid')} "
+          f"(decodefs {server.get('version')})")  # fmt: skip
+    for line in answer.get("changes") or ["nothing else changed"]:
+        print(f"  {line}")
+    return 0
+
+
+def _configured_mountpoint(args: argparse.Namespace) -> Path | None:
+    if args.mountpoint is not None:
+        return None
+    return named_config(args).mountpoint
+
+
+def _holder_config(mountpoint: str) -> str | None:
+    """The config file the mount's holder gives its serving processes."""
+    try:
+        status = ask_holder(mountpoint, "status", timeout=10.0)
+    except (HolderUnreachable, ControlError):
+        return None
+    path = status.get("holder", {}).get("config")
+    return path if isinstance(path, str) else None
 
 
 class _Ready:
@@ -100,22 +190,6 @@ class _Ready:
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
-
-    def tell(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            os.write(self._fd, b"ready\n")
-        except BrokenPipeError:
-            # The command that asked for this mount is gone before it heard that the
-            # mount is live (Ctrl-C): the mount is not wanted. SIGTERM unmounts cleanly.
-            logging.getLogger(__name__).warning(
-                "the command that started this mount is gone; unmounting"
-            )
-            os.kill(os.getpid(), signal.SIGTERM)
-        finally:
-            os.close(self._fd)
-            self._fd = None
 
     @contextlib.contextmanager
     def reporting(self) -> Iterator[None]:
@@ -165,40 +239,55 @@ def run_warm(args: argparse.Namespace) -> int:
         return _warm_cluster(args)
     if args.mountpoint is None:
         args.parser.error("the following arguments are required: mountpoint (or --cluster)")
-    keys = read_keys(args.keys) if args.keys else None
+    count = count_keys(args.keys) if args.keys else None  # every line checked first
     directory = version_size_dir(
         live_mount(args.mountpoint, f"warm {{}} {args.version} {args.size}"),
         args.version,
         args.size,
     )
+    _refuse_unstored_size(args.mountpoint, args.version, args.size)
     before = read_stats(args.mountpoint)
+    if count is None:
+        versions = before.get("versions")
+        served = versions.get(args.version) if isinstance(versions, dict) else None
+        originals = served.get("originals") if isinstance(served, dict) else None
+        count = originals if isinstance(originals, int) else None
     try:
         report = warm(
             directory,
-            keys,
+            iter_key_list(args.keys) if args.keys else None,
             args.jobs,
             progress=sys.stderr.isatty(),
             refusals=lambda: counter(read_stats(args.mountpoint), "warm_not_stored"),
+            total=count,
         )
-    except OSError as exc:  # listing the size directory
+    except OSError as exc:  # listing the size directory, or reading --keys again
         raise mount_failure(args.mountpoint, exc) from None
+    except ValueError as exc:  # --keys changed since it was checked
+        raise UsageError(f"--keys {args.keys}: {exc}") from None
     if report.daemon_gone:
-        progress = f"after {report.done:,} of {report.total:,} arrays"
-        raise daemon_gone(args.mountpoint, report.daemon_gone, progress)
+        of = f" of {report.total:,}" if report.total is not None else ""
+        raise daemon_gone(args.mountpoint, report.daemon_gone, f"after {report.done:,}{of} arrays")
     after = read_stats(args.mountpoint)
     decoded = counter(after, "decodes") - counter(before, "decodes")
     rate = report.done / report.seconds if report.seconds else 0.0
     what = f"{args.version}/{args.size}"
     print(
-        f"decodefs: warmed {report.done:,} of {report.total:,} arrays of {what} "
+        f"decodefs: warmed {report.done:,} of {report.total or report.seen:,} arrays of {what} "
         f"in {report.seconds:.1f} s ({rate:,.1f}/s); the daemon decoded {decoded:,} meanwhile"
     )
     log = after.get("log") or "the daemon's log"  # where it goes, as the daemon says
     for key, reason in sorted(report.failed.items())[:20]:
         print(f"decodefs: failed: {key}: {reason} ({log} says why)", file=sys.stderr)
-    if report.missing:
+    if report.failed_count > 20:
         print(
-            f"decodefs: error: {len(report.missing):,} keys of {args.keys} are not "
+            f"decodefs: ... and {report.failed_count - 20:,} more failed (`decodefs failed "
+            f"{args.mountpoint} {args.version}` lists every one, with its reason)",
+            file=sys.stderr,
+        )
+    if report.missing_count:
+        print(
+            f"decodefs: error: {report.missing_count:,} keys of {args.keys} are not "
             f"originals of {args.version}, e.g. {report.missing[0]!r} (`decodefs.list_keys` "
             f"or `ls {directory}` lists those it has)",
             file=sys.stderr,
@@ -210,7 +299,23 @@ def run_warm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
-    return exit_status(report.interrupted, failed=bool(report.failed or report.missing))
+    return exit_status(report.interrupted, failed=bool(report.failed_count or report.missing_count))
+
+
+def _refuse_unstored_size(mountpoint: Path, version: str, size: int) -> None:
+    """A warm of a size the daemon will not store (unlisted, ``unlisted_sizes = "memory"``)
+    would decode every original and keep none: a UsageError saying how to store it."""
+    config = read_status(mountpoint, CONFIG_FILE)
+    versions, unlisted = config.get("versions"), config.get("unlisted_sizes")
+    settings = versions.get(version) if isinstance(versions, dict) else None
+    sizes = settings.get("sizes") if isinstance(settings, dict) else None
+    if not isinstance(sizes, list) or size in sizes or unlisted != "memory":
+        return  # listed, stored anyway, or a daemon that does not say
+    raise UsageError(
+        f"size {size} is not one of {version}'s sizes ({', '.join(map(str, sizes))}), and "
+        f'the daemon stores no unlisted size (unlisted_sizes = "memory"): a warm would '
+        f"store nothing; add {size} to versions.{version}.sizes in its config and mount again"
+    )
 
 
 def _warm_cluster(args: argparse.Namespace) -> int:
@@ -218,6 +323,7 @@ def _warm_cluster(args: argparse.Namespace) -> int:
     config = named_config(args)
     if config.l2 is None:
         raise UsageError(f"{args.config}: no l2 to warm (--cluster fills the cluster's L2)")
+    check_l2_client(config)
     if args.version not in config.versions:
         names = ", ".join(sorted(config.versions))
         raise UsageError(f"{args.config} has no version {args.version!r} (it has: {names})")
@@ -340,21 +446,71 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    """`decodefs stats`: prints a live mount's counters (a table, --all, or --json)."""
-    mountpoint = live_mount(args.mountpoint, "stats {}")
-    path = mountpoint / STATUS_DIR / STATS_FILE
+    """`decodefs stats`: prints a live mount's counters (a table, --all, or --json); when no
+    serving process answers, what the mount's holder says."""
+    path = args.mountpoint / STATUS_DIR / STATS_FILE
+    mountpoint = args.mountpoint
     try:
+        mountpoint = live_mount(args.mountpoint, "stats {}")
         raw = read_status_bytes(mountpoint, STATS_FILE)
         stats = parse_status(raw, STATS_FILE)
     except OSError as exc:
-        raise mount_failure(args.mountpoint, exc) from None
+        held = _holder_only(args.mountpoint)
+        if held is None:
+            raise mount_failure(args.mountpoint, exc) from None
+        raw, stats = (json.dumps(held, indent=2) + "\n").encode(), held
+    except UsageError:
+        held = _holder_only(args.mountpoint)
+        if held is None:
+            raise
+        raw, stats = (json.dumps(held, indent=2) + "\n").encode(), held
     except ValueError as exc:
         raise UsageError(f"{path} is not JSON ({exc}); is this decodefs?") from None
     if args.json:
         sys.stdout.write(raw.decode())
         return 0
-    print(format_all_stats(stats) if args.all else format_stats(stats))
+    if args.all:
+        print(format_all_stats(stats))
+        return 0
+    failed = None  # a daemon older than failed.json, or none serving: the count alone
+    if "hits" in stats:
+        with contextlib.suppress(OSError, ValueError):
+            failed = failed_originals(mountpoint)
+    print(format_stats(stats, failed))
     return 0
+
+
+def run_failed(args: argparse.Namespace) -> int:
+    """`decodefs failed`: the originals that failed to decode, one a line (or --json)."""
+    mountpoint = live_mount(args.mountpoint, "failed {}")
+    if args.version is not None:
+        mounted_version(mountpoint, args.version)
+    try:
+        listed = failed_originals(mountpoint, args.version)
+    except OSError as exc:
+        raise mount_failure(args.mountpoint, exc) from None
+    except ValueError as exc:
+        raise UsageError(f"{mountpoint}: {exc}; is this decodefs?") from None
+    if args.json:
+        sys.stdout.buffer.write(listed.to_json())
+        return 0
+    for row in listed.failed:
+        print(f"{row.version}\t{row.key}\t{row.path}\t{row.reason}")
+    print(failed_summary(listed, args.version, read_stats(mountpoint)), file=sys.stderr)
+    return 0
+
+
+def _holder_only(mountpoint: Path) -> dict[str, object] | None:
+    """What the mount's holder says of it (no serving process answers), as stats figures."""
+    info = find_mount(os.path.realpath(mountpoint))
+    if info is None or info.fstype != FS_TYPE:
+        return None
+    try:
+        answer = ask_holder(info.mountpoint, "status", timeout=10.0)
+    except (HolderUnreachable, ControlError):
+        return None
+    holder = answer.get("holder")
+    return holder_figures(holder) if isinstance(holder, dict) else None
 
 
 def run_make_sample(args: argparse.Namespace) -> int:
@@ -378,11 +534,3 @@ def run_make_sample(args: argparse.Namespace) -> int:
         f"decodefs: {len(paths)} sample JPEGs ({args.width}x{args.height}) under {args.directory}"
     )
     return 0
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )

@@ -9,12 +9,10 @@ a traceback. Details that follow such a line are indented.
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 from ..common.config import ConfigError
-from ..common.mounts import MountError, daemon_mountpoint
+from ..common.mounts import MountError, store_holder_hint
 from ..common.source import SourceError
 from ..store import AdoptError, StoreBusy, StoreError
 
@@ -62,27 +60,8 @@ def error_text(exc: BaseException) -> str:
     text = str(exc)
     pid = getattr(exc, "holder_pid", None)
     if isinstance(pid, int) and pid > 0:
-        text += _store_holder_hint(pid)
+        text += store_holder_hint(pid)
     return text
-
-
-def _store_holder_hint(pid: int) -> str:
-    """What process ``pid`` (holding a store's lock) is: the daemon of which mount point,
-    or which command; found without touching any mount that does not answer."""
-    mountpoint = daemon_mountpoint(pid)
-    if mountpoint is not None:
-        return f"; it is the daemon of {mountpoint} (stop it: `decodefs umount {mountpoint}`)"
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return ""
-    words = [
-        os.path.basename(os.fsdecode(a)) if i == 0 else os.fsdecode(a)
-        for i, a in enumerate(argv)
-        if a
-    ]
-    command = " ".join(words)
-    return f"; pid {pid} is `{command[:200]}`" if command else ""
 
 
 def exit_status(interrupted: bool, failed: bool) -> int:

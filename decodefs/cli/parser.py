@@ -10,14 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..common.config import DEFAULT_CONFIG_PATH, LOG_LEVELS
-from ..common.protocol import STATS_FILE
+from ..common.protocol import FAILED_FILE, STATS_FILE
 from ..common.version import package_version
 from ..store import DEFAULT_SAMPLE
 from .commands import (
     run_adopt,
+    run_failed,
     run_make_sample,
     run_mount,
     run_stats,
+    run_switch,
     run_umount,
     run_verify,
     run_warm,
@@ -42,10 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     for add_arguments in (
         _mount_arguments,
         _umount_arguments,
+        _reload_arguments,
+        _restart_arguments,
         _warm_arguments,
         _adopt_arguments,
         _verify_arguments,
         _stats_arguments,
+        _failed_arguments,
         _make_sample_arguments,
     ):
         add_arguments(commands.add_parser)
@@ -119,6 +124,41 @@ def _umount_arguments(add_command: AddCommand) -> None:
         help="only clear a mount whose daemon is gone; never touch a live one (systemd)",
     )
     umount.set_defaults(run=run_umount)
+
+
+def _reload_arguments(add_command: AddCommand) -> None:
+    """The arguments of `decodefs reload`."""
+    _switch_arguments(
+        add_command,
+        "reload",
+        help="apply the config and the sources as they are now, without unmounting",
+        description="A new serving process reads the mount's config and scans its sources, "
+        "then takes the mount over from the running one: readers pause, never fail. A config "
+        "that does not load is refused and the running process keeps serving. SIGHUP to the "
+        "mount's holder (systemctl reload) does the same.",
+    )
+
+
+def _restart_arguments(add_command: AddCommand) -> None:
+    """The arguments of `decodefs restart`."""
+    _switch_arguments(
+        add_command,
+        "restart",
+        help="serve the mount from the decodefs installed now (after an upgrade)",
+        description="A new serving process, started from the code installed now, takes the "
+        "mount over from the running one (it reads the config and the sources too): "
+        "readers pause, never fail.",
+    )
+
+
+def _switch_arguments(add_command: AddCommand, switch: str, help: str, description: str) -> None:
+    """A command that hands the mount to a new serving process (run_switch)."""
+    command = add_command(switch, help=help, description=description)
+    command.add_argument(
+        "mountpoint", type=Path, nargs="?", help="default: the config's `mountpoint`"
+    )
+    _config_option(command)
+    command.set_defaults(run=run_switch, switch=switch)
 
 
 def _warm_arguments(add_command: AddCommand) -> None:
@@ -221,6 +261,23 @@ def _stats_arguments(add_command: AddCommand) -> None:
         "--all", action="store_true", help="print every figure, with its unit and meaning"
     )
     stats.set_defaults(run=run_stats)
+
+
+def _failed_arguments(add_command: AddCommand) -> None:
+    """The arguments of `decodefs failed`."""
+    failed = add_command(
+        "failed",
+        help="list the originals that failed to decode: version, key, path and reason",
+        description="One line per original that failed to decode since the mount's daemon "
+        "started and has not decoded since: VERSION, KEY, PATH and REASON, separated by tabs "
+        f"(the mount's .decodefs/{FAILED_FILE}). Its array is EIO through the mount.",
+    )
+    failed.add_argument("mountpoint", type=Path)
+    failed.add_argument("version", nargs="?", help="only this version's (default: every one)")
+    failed.add_argument(
+        "--json", action="store_true", help=f"print them as {FAILED_FILE} holds them"
+    )
+    failed.set_defaults(run=run_failed)
 
 
 def _make_sample_arguments(add_command: AddCommand) -> None:

@@ -19,6 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result: int = args.run(args)
+        # Output to a pipe is buffered: a reader gone away shows here, where it is
+        # handled, not as noise and exit 120 when the interpreter flushes at its exit.
+        sys.stdout.flush()
         return result
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

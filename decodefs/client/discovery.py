@@ -48,7 +48,7 @@ class Mount:
     root_mtime_ns: int  # when its daemon mounted it: tells this mount from a later one
     owner: int  # the uid the daemon runs as (the mount root's owner)
     store: str
-    versions: tuple[str, ...]  # by the version index in inode numbers
+    versions: tuple[str, ...]  # by the version id in inode numbers ("": no version)
     digests: dict[str, bytes]
     min_size: int
     max_size: int

@@ -4,6 +4,7 @@ as the daemon checks it, anything else through the mount; knows the entry format
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -17,10 +18,11 @@ from ..common.entry import STALE, EntryKey, check_entry_pieces, layout_problem
 from ..common.inodes import Kind, Node
 from ..common.names import key_of
 from ..common.npy import npy_file_size, npy_header
-from ..common.protocol import RECHECK_FLAG, TRAILER_SIZE
+from ..common.protocol import RECHECK_FLAG, STATUS_DIR, TRAILER_SIZE
 from ..common.trusted import owned_alone
 from .discovery import Mount, forget_mounts, readable_mount
 from .hits import flush_reports, report_hit
+from .keys import missing_directory
 
 __all__ = ["flush_reports", "read_array", "read_array_into", "read_stored_rows"]
 
@@ -134,7 +136,10 @@ def locate(
     """The mount whose store may hold ``path``'s array, and its key; None if the
     file is no array of a mount whose store this process may read. ``known``:
     the mounts found by device so far in one batch, used and added to."""
-    st = os.lstat(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, _why_missing(path), path) from None
     name = os.path.basename(path)
     if stat.S_ISLNK(st.st_mode):
         real = os.path.realpath(path)
@@ -149,6 +154,27 @@ def locate(
         return None
     key = _key_of(mount, st, name, path)
     return None if key is None else (mount, key)
+
+
+def _why_missing(path: str) -> str:
+    """What is missing of ``<mount>/<version>/<size>/<key>.npy``: the mount, the version,
+    the size (out of the config's bounds) or the original; the plain reason for a path
+    on no mount."""
+    plain = os.strerror(errno.ENOENT)
+    parts = os.path.abspath(path).split(os.sep)
+    for depth in range(len(parts) - 3, 0, -1):  # the mount's root: the one with STATUS_DIR
+        root = os.sep.join(parts[:depth]) or os.sep
+        if os.path.isdir(os.path.join(root, STATUS_DIR)):
+            break
+    else:
+        return plain
+    version, size = parts[depth], parts[depth + 1]
+    if not os.path.isdir(os.path.join(root, version, size)):
+        if size.isdigit() and str(int(size)) == size:
+            return missing_directory(root, version, int(size))
+        return f"{os.path.join(root, version)} has no size {size!r}" if version else plain
+    key = os.sep.join(parts[depth + 2 :]).removesuffix(".npy")
+    return f"{version} has no original {key!r} (decodefs.list_keys lists its keys)"
 
 
 # -- which array a file is ----------------------------------------------------------
@@ -169,6 +195,8 @@ def _key_of(mount: Mount, st: os.stat_result, name: str, path: str) -> EntryKey 
     if not stat.S_ISREG(st.st_mode) or st.st_size != npy_file_size(node.size):
         return None
     version = mount.versions[node.version]
+    if not version:
+        return None
     if version in mount.mirrors:
         return _mirror_key(mount, st, path, version, node.size)
     return EntryKey(version, node.size, key)

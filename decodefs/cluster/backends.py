@@ -93,6 +93,11 @@ class L2Backend(Protocol):
         """Remove the object if it exists."""
         ...
 
+    def check(self) -> None:
+        """Raise L2Error unless the tier can be used at all: reached, with credentials
+        it accepts (S3), a directory that exists and can be written (POSIX)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -189,6 +194,11 @@ class S3L2:
     def delete(self, name: str) -> None:
         with _s3_errors():
             self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    def check(self) -> None:
+        # One request: signed (credentials), answered (the endpoint), about the bucket.
+        with _s3_errors():
+            self._s3.head_bucket(Bucket=self.bucket)
 
     def close(self) -> None:
         self._s3.close()
@@ -336,6 +346,12 @@ class PosixL2:
                     os.unlink(leaf, dir_fd=parent)
             finally:
                 os.close(parent)
+
+    def check(self) -> None:
+        with _os_errors():
+            os.close(os.open(self.root, NAMED_DIRECTORY_FLAGS))  # a directory, reached
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "cannot be written", str(self.root))
 
     def close(self) -> None:
         pass

@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, TypeVar, cast
+from typing import Final, Literal, TypeVar, cast
 
 import trio
 
@@ -75,6 +75,10 @@ _POLL_MAX: Final = 0.5  # ... up to this: ~2 requests a second per waiting array
 _WAITS: Final = 3  # other nodes' claims on one array waited out before decoding it anyway
 RENEW_LEASES: Final = 6  # a claim is renewed for at most this many leases from when taken
 _TAKE_CALLS: Final = 4  # L2 calls a claim makes (leases.take): its deadline is that many
+
+
+# Whether the tier can be used: not known yet, it answered, its last call failed.
+CheckState = Literal["checking", "ok", "failing"]
 
 
 class L2Unavailable(Exception):
@@ -170,6 +174,9 @@ class L2Tier:
         self._queued = 0
         self._held: set[_Held] = set()  # renewed by ``run``
         self.metrics = L2Metrics()
+        # Whether the tier can be used, as its check at start and every call since say.
+        self.check_state: CheckState = "checking"
+        self.problem = ""  # the last failure, while the tier fails; "" once a call succeeds
         self._throttle = LogThrottle(log)
 
     @property
@@ -188,15 +195,35 @@ class L2Tier:
         """Publish queued arrays and renew claims until cancelled (a task of the daemon's
         nursery)."""
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.check)
             for _ in range(max(1, self.settings.workers // 2)):
                 nursery.start_soon(self._publisher)
             if self.settings.lease_seconds > 0:
                 nursery.start_soon(self._renewer, nursery)
 
+    async def check(self) -> None:
+        """Find out at once whether the tier can be used (credentials, endpoint, the
+        shared directory), not after misses have failed: ``check_state`` and
+        ``problem`` say, in stats.json, and ``decodefs mount`` on the terminal."""
+        try:
+            await self._call(self.backend.check)
+        except L2Unavailable:
+            self.check_state = "failing"
+            log.warning(
+                "L2 %s is configured but cannot be used: %s; every miss decodes here until "
+                "it answers",
+                self.backend.description,
+                self.problem or "its circuit breaker is open",
+            )
+        else:
+            log.info("L2 %s answers", self.backend.description)
+
     def stats(self) -> dict[str, object]:
         """The tier's figures of stats.json (stats_schema.STATS, those with ``l2``)."""
         return {
             "l2": self.backend.description,
+            "l2_check": self.check_state,
+            "l2_problem": self.problem,
             "l2_state": self._breaker.state,
             "l2_breaker_opens": self._breaker.opened,
             "l2_publish_queue": self._queued,
@@ -434,9 +461,12 @@ class L2Tier:
         finally:
             slot.give_back()
         self._breaker.success()
+        self.check_state, self.problem = "ok", ""
         return result
 
     def _failed(self, kind: str, detail: str) -> None:
+        said = detail if detail.startswith(f"{kind}:") else f"{kind}: {detail}"
+        self.check_state, self.problem = "failing", said[:300]
         self.metrics.errors[kind] += 1
         log.debug("L2 call failed: %s", detail)
         self._breaker.failure(f"{kind}: {detail[:300]}")

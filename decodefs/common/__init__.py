@@ -2,8 +2,9 @@
 
 Names and status files (protocol), the stats schema, the inode layout, the entry
 format, the ``.npy`` layout, decode and the decoder fingerprint, config, the
-source index, trusted opens, the mount table and the status files, file names
-and keys, metrics. Imports nothing of
+source index, who may read an original (readers), trusted opens, the mount
+table and the status files, file names and keys, metrics, the runtime
+directory and the holder's channel to its serving processes. Imports nothing of
 decodefs outside this folder, and nothing heavy here: each room is imported by
 name (``from decodefs.common.config import Config``), so a client that needs
 the ``.npy`` layout (npy) does not load Pillow (decode).
@@ -11,6 +12,7 @@ the ``.npy`` layout (npy) does not load Pillow (decode).
 
 __all__ = [
     "advice",
+    "channel",
     "config",
     "decode",
     "entry",
@@ -21,7 +23,10 @@ __all__ = [
     "names",
     "npy",
     "protocol",
+    "readers",
+    "runtime",
     "source",
+    "startlog",
     "stats_schema",
     "status",
     "trusted",

@@ -6,10 +6,11 @@ the terminal and by the daemon in its log; knows the config and the filesystem o
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from .config import Config
 
-__all__ = ["empty_version_warning", "store_warning"]
+__all__ = ["discarded_warning", "empty_version_warning", "store_warning"]
 
 
 def empty_version_warning(config: Config, version: str) -> str:
@@ -21,6 +22,43 @@ def empty_version_warning(config: Config, version: str) -> str:
         f"(files ending in {extensions}, any case, found recursively); check "
         f"versions.{version}.source and extensions"
     )
+
+
+def discarded_warning(version: str, discarded: Mapping[str, object]) -> str:
+    """What a user should hear about a version whose stored arrays were discarded at start
+    (stats.json's ``versions.<name>.discarded``): what changed, and how much will be
+    decoded again."""
+    now = discarded.get("now")
+    was = discarded.get("was")
+    changes = _changes(was, now) if isinstance(was, Mapping) and isinstance(now, Mapping) else []
+    what = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
+    entries, nbytes = discarded.get("entries"), discarded.get("bytes")
+    if isinstance(entries, int) and isinstance(nbytes, int):
+        amount = f"its {entries:,} stored arrays ({_mib(nbytes)})"
+    else:
+        amount = "its stored arrays (how many is not known: the store was being counted)"
+    return (
+        f"version {version}'s decode settings or libraries changed"
+        + (f" ({what})" if what else "")
+        + f": {amount} were discarded, and will be decoded again as they are read "
+        "(or by `decodefs warm`)"
+    )
+
+
+def _changes(was: Mapping[str, object], now: Mapping[str, object], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two descriptions."""
+    changes = []
+    for key in sorted({*was, *now}):
+        old, new = was.get(key), now.get(key)
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changes += _changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key}: {old} -> {new}")
+    return changes
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def store_warning(config: Config) -> str | None:

@@ -8,6 +8,7 @@ This module knows nothing of FUSE or the store's layout.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -30,15 +31,18 @@ from .inodes import SIZE_LIMIT
 from .source import Duplicates, Layout
 
 __all__ = [
+    "ACCESS_VALUES",
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_EXTENSIONS",
     "LOG_LEVELS",
     "WORKERS_MAX",
+    "Access",
     "Config",
     "ConfigError",
     "L2Config",
     "VersionConfig",
     "load_config",
+    "metrics_host_port",
     "parse_byte_size",
     "parse_config",
 ]
@@ -48,13 +52,28 @@ DEFAULT_EXTENSIONS: Final = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 # The most threads of one kind a config may ask for (decode_workers, io_workers, l2_workers).
 WORKERS_MAX: Final = 256
 # A version name is a path component both in the mount and in the store.
+log = logging.getLogger(__name__)
 _VERSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}")
 _BYTE_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _BYTE_UNITS: Final = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-UnlistedSizes = Literal["owner", "everyone"]
+# Who gets an array of a size no version lists stored on flash: nobody ("memory": served
+# from memory, decoded again when the memory cache dropped it), the daemon's own user
+# ("owner"), or every user ("everyone").
+UnlistedSizes = Literal["memory", "owner", "everyone"]
+# Who may read the arrays, through the mount and in the store: the users who may read
+# each one's original ("originals", as root), the daemon's own user ("owner"), or every
+# local user ("everyone"); the last two were ``allow_other = false`` and ``true``.
+Access = Literal["originals", "owner", "everyone"]
+ACCESS_VALUES: Final[tuple[Access, ...]] = get_args(Access)
 LOG_LEVELS: Final[tuple[LogLevel, ...]] = get_args(LogLevel)
+
+
+def default_access() -> Access:
+    """access when a config does not set it: what the originals allow, as root; else
+    the daemon's own user (only root can show other users' files as theirs)."""
+    return "originals" if os.geteuid() == 0 else "owner"
 
 
 def default_decode_workers() -> int:
@@ -145,7 +164,7 @@ class Config:
     versions: Mapping[str, VersionConfig]
     path: Path | None = None
     mountpoint: Path | None = None
-    allow_other: bool = False
+    access: Access = field(default_factory=default_access)
     max_store_bytes: int | None = None
     # Keep this much of the store's filesystem free (0: no such limit): one user
     # asking for many arrays can never fill the flash.
@@ -156,11 +175,22 @@ class Config:
     io_workers: int = 8
     memory_cache_bytes: int = 512 << 20
     decode_memory_bytes: int = 1 << 30
-    unlisted_sizes: UnlistedSizes = "owner"
+    unlisted_sizes: UnlistedSizes = "memory"
     max_pixels: int = DEFAULT_MAX_PIXELS
     error_cache_seconds: float = 10.0
     log_level: LogLevel = "info"
+    # Where Prometheus may scrape the metrics over HTTP ("127.0.0.1:9464"; None: nowhere).
+    metrics_address: str | None = None
+    # Keep a second serving process ready beside the one serving, so that a crash is
+    # answered in milliseconds rather than a process's start (its memory: the cost).
+    standby: bool = True
     l2: L2Config | None = None
+
+    @property
+    def allow_other(self) -> bool:
+        """Whether the mount lets other users' processes in (FUSE ``allow_other``): the
+        kernel then checks each file's owner, group and mode (``default_permissions``)."""
+        return self.access != "owner"
 
     def fingerprints(self) -> dict[str, Fingerprint]:
         """Each version's fingerprint, as the store is opened with: whoever opens the
@@ -228,6 +258,16 @@ def parse_config(raw: Mapping[str, Any], base_dir: Path, path: Path | None = Non
     return config
 
 
+def metrics_host_port(value: object) -> tuple[str, int]:
+    """``metrics_address`` as (host, port): "" for every address; ValueError if it is none."""
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]*):([0-9]{1,5})", str(value))
+    if not isinstance(value, str) or match is None or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(
+            f'expected "HOST:PORT" such as "127.0.0.1:9464" (":9464": every address), got {value!r}'
+        )
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
 def parse_byte_size(value: object) -> int:
     """An int of bytes, or a string like "512M", "60G", "1.5TiB" (powers of 1024)."""
     if isinstance(value, bool):
@@ -251,6 +291,7 @@ _NOT_KEYS: Final = ("path", "l2")
 _TOP_KEYS: Final = (
     *(f.name for f in fields(Config) if f.name not in _NOT_KEYS),
     "sizes",
+    "allow_other",  # the old name of access = "everyone" (true) or "owner" (false)
     *L2_KEYS,
 )
 _VERSION_KEYS: Final = (
@@ -300,7 +341,7 @@ class _Parser:
         mountpoint = None
         if "mountpoint" in raw:
             mountpoint = self.check(lambda: self.path(raw["mountpoint"], "mountpoint"), None)
-        allow_other = self.boolean(raw, "allow_other", defaults.allow_other, None)
+        access = self.access(raw)
         decode_workers = self.workers(raw, "decode_workers", defaults.decode_workers)
         io_workers = self.workers(raw, "io_workers", defaults.io_workers)
         memory_cache_bytes, decode_memory_bytes = self.memory_budgets(raw)
@@ -308,6 +349,8 @@ class _Parser:
             raw, "unlisted_sizes", defaults.unlisted_sizes, get_args(UnlistedSizes)
         )
         max_pixels, error_cache_seconds = self.decode_limits(raw)
+        metrics_address = self.metrics_address(raw)
+        standby = self.boolean(raw, "standby", defaults.standby, None)
         l2 = l2_config(self, raw)
         if self.problems or store is None:
             return None
@@ -316,7 +359,7 @@ class _Parser:
             versions=versions,
             path=path,
             mountpoint=mountpoint,
-            allow_other=allow_other,
+            access=access,
             max_store_bytes=max_store_bytes,
             min_free_fraction=min_free_fraction,
             min_size=low,
@@ -329,8 +372,31 @@ class _Parser:
             max_pixels=max_pixels,
             error_cache_seconds=error_cache_seconds,
             log_level=cast(LogLevel, log_level),
+            metrics_address=metrics_address,
+            standby=standby,
             l2=l2,
         )
+
+    def access(self, raw: Mapping[str, Any]) -> Access:
+        """``access``, or the deprecated ``allow_other`` that it replaces (true:
+        "everyone", false: "owner"); both set, they must agree."""
+        access = cast(Access, self.choice(raw, "access", self.defaults.access, ACCESS_VALUES))
+        if "allow_other" not in raw:
+            return access
+        allow_other = self.boolean(raw, "allow_other", False, None)
+        implied: Access = "everyone" if allow_other else "owner"
+        if "access" in raw and raw["access"] in ACCESS_VALUES and access != implied:
+            self.problems.append(
+                f"allow_other = {str(allow_other).lower()} and access = {access!r} disagree: "
+                f"allow_other is the old name of access = {implied!r}; keep access alone"
+            )
+        elif "access" not in raw:
+            log.warning(
+                "allow_other = %s is deprecated: it means access = %r (set that instead)",
+                str(allow_other).lower(),
+                implied,
+            )
+        return implied
 
     def required_store(self, raw: Mapping[str, Any]) -> Path | None:
         """``store``, which every config must set."""
@@ -431,6 +497,19 @@ class _Parser:
             defaults.error_cache_seconds,
         )
         return max_pixels, error_cache_seconds
+
+    def metrics_address(self, raw: Mapping[str, Any]) -> str | None:
+        """``metrics_address``: "HOST:PORT" ("127.0.0.1:9464", "[::1]:9464", ":9464" for
+        every address); None if unset."""
+        value = raw.get("metrics_address")
+        if value is None:
+            return None
+        try:
+            metrics_host_port(value)
+        except ValueError as exc:
+            self.problems.append(f"metrics_address: {exc}")
+            return None
+        return cast(str, value)
 
     # -- one [versions.<name>] table --
 

@@ -1,8 +1,8 @@
 """Inode numbers of the mount: a node packs into 64 bits, computed, never allocated.
 
-    bits 60-63  kind      bits 48-59  version index (in sorted version order)
-    bits 35-47  size      bits  0-34  number: original index (or shard start index,
-                                      or a mirror version's folder index)
+    bits 60-63  kind      bits 48-59  version id (given once per mount, numbers.py)
+    bits 35-47  size      bits  0-34  number: an original's, a shard's or a mirror
+                                      folder's (given once per mount, numbers.py)
 
 Shared by the daemon's namespace (namespace.py, whose hot paths take the
 fields apart with the shifts and masks below rather than make a Node), the
@@ -30,7 +30,7 @@ __all__ = [
     "Node",
 ]
 
-INODE_LAYOUT: Final = 1
+INODE_LAYOUT: Final = 2
 KIND_SHIFT: Final = 60
 VERSION_SHIFT: Final = 48
 VERSION_MASK: Final = (1 << (KIND_SHIFT - VERSION_SHIFT)) - 1  # 12 bits
@@ -58,8 +58,7 @@ class Node(NamedTuple):
     kind: Kind
     version: int = 0
     size: int = 0
-    number: int = 0  # an original's index, a shard's first index, a folder's index,
-    # a status file's number
+    number: int = 0  # an original's, a shard's or a folder's number, a status file's
 
     @property
     def ino(self) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "Metrics",
     "figures",
     "render_prometheus",
+    "stats_families",
 ]
 
 _THROTTLE_KINDS_MAX: Final = 10_000
@@ -75,6 +76,7 @@ class Metrics:
     decodes: int = 0  # decodes that ran, failed ones and rebuilds included
     decode_errors: int = 0  # originals that failed to decode
     coalesced: int = 0  # opens that waited on a decode already running for the same file
+    claim_waits: int = 0  # misses that waited while another serving process decoded the array
     corrupt_entries: int = 0  # stored entries that failed verification and were rebuilt
     store_write_errors: int = 0
     memory_fallbacks: int = 0  # decoded arrays kept in memory because the store refused them
@@ -157,9 +159,15 @@ class _StatsCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        for stat in STATS:
-            if stat.name in self._stats:
-                yield _family(stat, self._stats[stat.name])
+        return stats_families(self._stats)
+
+
+def stats_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    """The Prometheus families of a stats snapshot: one per figure of stats_schema.STATS
+    that it holds."""
+    for stat in STATS:
+        if stat.name in stats:
+            yield _family(stat, stats[stat.name])
 
 
 def _family(stat: Stat, value: Any) -> Metric:
@@ -167,7 +175,9 @@ def _family(stat: Stat, value: Any) -> Metric:
     if stat.kind == "counter":
         return CounterMetricFamily(name, documentation, value=value)
     if stat.kind == "gauge":
-        return GaugeMetricFamily(name, documentation, value=0 if value is None else value)
+        if value is None:  # no such limit: no sample, not a 0 that would read as one
+            return GaugeMetricFamily(name, documentation)
+        return GaugeMetricFamily(name, documentation, value=value)
     if stat.kind == "flag":
         return GaugeMetricFamily(name, documentation, value=int(bool(value)))
     if stat.kind == "text":
@@ -186,6 +196,12 @@ def _family(stat: Stat, value: Any) -> Metric:
         return HistogramMetricFamily(
             name, documentation, buckets=list(value["buckets"].items()), sum_value=value["sum"]
         )
+    if stat.kind == "per version and size":
+        family = GaugeMetricFamily(name, documentation, labels=["version", "size"])
+        for version, sizes in sorted(value.items()):
+            for size, usage in sorted(sizes.items(), key=lambda item: int(item[0])):
+                family.add_metric([version, str(size)], usage["bytes"])
+        return family
     assert stat.kind == "per version", stat
     family = GaugeMetricFamily(name, documentation, labels=["version"])
     for version, info in sorted(value.items()):

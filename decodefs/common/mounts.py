@@ -33,6 +33,7 @@ __all__ = [
     "mounts",
     "prepare_mountpoint",
     "probe",
+    "store_holder_hint",
     "unmount",
 ]
 
@@ -192,10 +193,11 @@ def decodefs_mount_above(path: str) -> str | None:
 
 
 def daemon_mountpoint(pid: int) -> str | None:
-    """The mount point that the decodefs daemon ``pid`` serves, if it serves a live one.
+    """The mount point that the decodefs daemon ``pid`` (a mount's holder) serves, if it
+    serves a live one.
 
-    Asks each decodefs mount's stats.json for its pid; a mount that does not
-    answer within PROBE_TIMEOUT is passed over.
+    Asks each decodefs mount's stats.json for its holder's pid; a mount that does
+    not answer within PROBE_TIMEOUT is passed over.
     """
     for info in mounts():
         if info.fstype != FS_TYPE:
@@ -208,6 +210,26 @@ def daemon_mountpoint(pid: int) -> str | None:
         if _daemon_pid(info.mountpoint) == pid:
             return info.mountpoint
     return None
+
+
+def store_holder_hint(pid: int) -> str:
+    """What process ``pid`` (holding a store's lock) is: the daemon of which mount point,
+    or which command; found without touching any mount that does not answer."""
+    mountpoint = daemon_mountpoint(pid)
+    if mountpoint is not None:
+        return f"; it is the daemon of {mountpoint} (stop it: `decodefs umount {mountpoint}`)"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return ""
+    words = [
+        os.path.basename(os.fsdecode(a)) if i == 0 else os.fsdecode(a)
+        for i, a in enumerate(argv)
+        if a
+    ]
+    command = " ".join(words)
+    return f"; pid {pid} is `{command[:200]}`" if command else ""
 
 
 def clear_stale(mountpoint: str) -> bool:
@@ -247,10 +269,12 @@ def unmount(mountpoint: str, lazy: bool = False, wait: float = 30.0) -> None:
 
 
 def _daemon_pid(mountpoint: str) -> int | None:
+    """The process that holds the mount (stats.json's ``holder_pid``): it exits last."""
     try:
-        pid = read_status(mountpoint, STATS_FILE).get("pid")
+        stats = read_status(mountpoint, STATS_FILE)
     except (OSError, ValueError):
         return None
+    pid = stats.get("holder_pid", stats.get("pid"))
     return pid if isinstance(pid, int) else None
 
 

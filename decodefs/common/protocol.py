@@ -20,6 +20,7 @@ __all__ = [
     "ACCESS_REPORT_MAX",
     "ACCESS_SOCKET",
     "CONFIG_FILE",
+    "FAILED_FILE",
     "FS_NAME",
     "FS_TYPE",
     "METRICS_FILE",
@@ -36,6 +37,8 @@ __all__ = [
     "TRAILER_MAGIC",
     "TRAILER_SIZE",
     "WARM_FLAG",
+    "FailedList",
+    "FailedOriginal",
     "OpenRequest",
     "StoreStatus",
     "encode_access",
@@ -60,9 +63,67 @@ STATS_FILE: Final = "stats.json"  # live counters (JSON)
 METRICS_FILE: Final = "metrics"  # the same, in Prometheus text format
 CONFIG_FILE: Final = "config.json"  # the effective config
 STORE_FILE: Final = "store.json"  # where the store is, for read_array (client/discovery.py)
+FAILED_FILE: Final = "failed.json"  # originals that failed to decode (FailedList)
 # Every status file, as the status directory lists them: a file's inode number
 # follows from its place here (namespace.py), the same in every serving process.
-STATUS_FILES: Final = (STATS_FILE, METRICS_FILE, CONFIG_FILE, STORE_FILE)
+# A new file goes at the END, so that the others keep their numbers.
+STATUS_FILES: Final = (STATS_FILE, METRICS_FILE, CONFIG_FILE, STORE_FILE, FAILED_FILE)
+
+
+class FailedOriginal(NamedTuple):
+    """One original that failed to decode at its last try (a row of failed.json)."""
+
+    version: str
+    key: str  # as the version names it: <key>.npy below <version>/<size>/
+    path: str  # the original, as found in the version's source
+    reason: str  # why it cannot be decoded (Pillow's words, shortened)
+    sizes: tuple[int, ...]  # the sizes asked for when it failed
+    time: float  # when it last failed (Unix time)
+
+    def to_json(self) -> dict[str, object]:
+        return {**self._asdict(), "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, object]) -> FailedOriginal:
+        """Raises ValueError (or KeyError, TypeError) for anything the daemon did not write."""
+        sizes = value["sizes"]
+        if not isinstance(sizes, list):
+            raise TypeError(f"sizes is {sizes!r}, not a list")
+        when = value["time"]
+        if not isinstance(when, int | float):
+            raise TypeError(f"time is {when!r}, not a number")
+        return cls(
+            version=str(value["version"]),
+            key=str(value["key"]),
+            path=str(value["path"]),
+            reason=str(value["reason"]),
+            sizes=tuple(int(s) for s in sizes),
+            time=float(when),
+        )
+
+
+class FailedList(NamedTuple):
+    """The content of failed.json: every original that failed to decode since the
+    serving process started and has not decoded since, within a bound on the
+    list's bytes; failures past that bound are only counted (``not_listed``)."""
+
+    failed: tuple[FailedOriginal, ...]
+    not_listed: int  # failures met while the list was full: not in ``failed``
+
+    def to_json(self) -> bytes:
+        value = {"failed": [f.to_json() for f in self.failed], "not_listed": self.not_listed}
+        return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, object]) -> FailedList:
+        """Raises ValueError (or KeyError, TypeError) for anything the daemon did not write."""
+        rows = value["failed"]
+        if not isinstance(rows, list):
+            raise TypeError(f"failed is {type(rows).__name__}, not a list")
+        not_listed = value.get("not_listed", 0)
+        if not isinstance(not_listed, int):
+            raise TypeError(f"not_listed is {not_listed!r}, not an integer")
+        return cls(tuple(FailedOriginal.from_json(row) for row in rows), not_listed)
 
 
 class StoreStatus(NamedTuple):
@@ -78,7 +139,7 @@ class StoreStatus(NamedTuple):
 
     store: str  # the store directory
     digests: Mapping[str, str]  # version -> the decoder fingerprint its entries carry (hex)
-    version_order: tuple[str, ...]  # versions by their index in inode numbers
+    version_order: tuple[str, ...]  # versions by their id in inode numbers ("": none)
     inode_layout: int  # inodes.INODE_LAYOUT of the daemon
     min_size: int
     max_size: int

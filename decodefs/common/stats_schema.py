@@ -22,6 +22,7 @@ StatKind = Literal[
     "counter by kind",  # {kind: count} (Prometheus: <name>_total{kind="..."})
     "histogram",  # {"count", "sum", "buckets": {bound: cumulative count}}
     "per version",  # {version: {"originals", "layout", ...}} (Prometheus: originals)
+    "per version and size",  # {version: {size: {"entries", "bytes"}}} (Prometheus: bytes)
 ]
 
 
@@ -35,7 +36,9 @@ class Stat(NamedTuple):
     l2: bool = False  # only with an ``l2`` configured
     daemon: bool = False  # added by the daemon, not known in-process (pid, mountpoint)
     states: tuple[str, ...] = ()  # a "state"'s possible values
-    family: str = ""  # its Prometheus name below "decodefs_", if not ``name``
+    # Its Prometheus name below "decodefs_", if not ``name``: Prometheus's naming rules put
+    # the unit last (before a counter's "_total"): bytes_served is decodefs_served_bytes.
+    family: str = ""
 
     @property
     def prometheus(self) -> str:
@@ -54,6 +57,18 @@ STATS: Final = (
     Stat("decodes", "counter", "decodes", "Decodes that ran, failed ones and rebuilds included"),
     Stat("decode_errors", "counter", "originals", "Originals that failed to decode"),
     Stat(
+        "failed_originals",
+        "gauge",
+        "originals",
+        "Originals listed in failed.json: failed to decode, and not decoded since",
+    ),
+    Stat(
+        "failed_not_listed",
+        "counter",
+        "failures",
+        "Decode failures left out of failed.json because its list was at its bound",
+    ),
+    Stat(
         "coalesced",
         "counter",
         "opens",
@@ -66,6 +81,13 @@ STATS: Final = (
         "Stored entries that failed verification and were rebuilt",
     ),
     Stat("store_bytes", "gauge", "bytes", "Bytes of stored entries"),
+    Stat(
+        "store_by_size",
+        "per version and size",
+        "bytes",
+        "Stored entries and their bytes, by version and size",
+        family="stored_bytes",
+    ),
     Stat("store_entries", "gauge", "entries", "Stored entries"),
     Stat(
         "store_usage_complete",
@@ -78,7 +100,7 @@ STATS: Final = (
         "store_max_bytes",
         "gauge",
         "bytes",
-        "The configured store limit (max_store_bytes; none: null, 0 in Prometheus)",
+        "The configured store limit (max_store_bytes; none: null, and no sample in Prometheus)",
     ),
     Stat(
         "evictions",
@@ -146,9 +168,15 @@ STATS: Final = (
         "unlisted_not_stored",
         "counter",
         "arrays",
-        "Arrays of sizes no version lists, served from memory to other users",
+        "Arrays of sizes their version does not list, served from memory, not stored",
     ),
-    Stat("bytes_served", "counter", "bytes", "Bytes delivered in READ replies"),
+    Stat(
+        "bytes_served",
+        "counter",
+        "bytes",
+        "Bytes delivered in READ replies",
+        family="served_bytes",
+    ),
     Stat("inflight_decodes", "gauge", "decodes", "Decodes running in the pool"),
     Stat("queued_decodes", "gauge", "decodes", "Decodes waiting for a pool slot"),
     Stat(
@@ -195,7 +223,7 @@ STATS: Final = (
     Stat(
         "versions", "per version", "originals", "Originals indexed, by version", family="originals"
     ),
-    Stat("pid", "gauge", "", "The daemon's process id", daemon=True),
+    Stat("pid", "gauge", "", "The serving process's id", daemon=True),
     Stat("mountpoint", "text", "", "Where the daemon is mounted", daemon=True),
     Stat(
         "version",
@@ -220,8 +248,122 @@ STATS: Final = (
         daemon=True,
         family="start_time_seconds",
     ),
+    Stat(
+        "claim_waits",
+        "counter",
+        "decodes",
+        "Misses that waited while another serving process of the mount decoded the array",
+    ),
+    # -- the mount's holder (holder/): the same for every serving process of the mount --
+    Stat("holder_pid", "gauge", "", "The process that holds the mount", daemon=True),
+    Stat(
+        "holder_state",
+        "state",
+        "",
+        "What the holder is doing: serving, switching (a reload or restart), backing off "
+        "(serving processes keep dying: requests are answered EIO), starting, stopping",
+        daemon=True,
+        states=("serving", "switching", "backing off", "starting", "stopping", "none"),
+    ),
+    Stat("holder_version", "text", "", "The decodefs the holder runs", daemon=True),
+    Stat(
+        "mount_started",
+        "gauge",
+        "seconds",
+        "When the mount was mounted (Unix time)",
+        daemon=True,
+        family="mount_start_time_seconds",
+    ),
+    Stat(
+        "handovers",
+        "counter",
+        "switches",
+        "Serving processes that took the mount over (reloads, restarts, crashes)",
+        daemon=True,
+    ),
+    Stat("crashes", "counter", "processes", "Serving processes that died", daemon=True),
+    Stat(
+        "handovers_refused",
+        "counter",
+        "switches",
+        "Switches refused (the new process answered the kernel's INIT differently)",
+        daemon=True,
+    ),
+    Stat(
+        "remounts",
+        "counter",
+        "mounts",
+        "Times the holder mounted afresh because a crash could not be handed over",
+        daemon=True,
+    ),
+    Stat(
+        "holder_eio_answers",
+        "counter",
+        "requests",
+        "Requests the holder answered EIO while no serving process could run",
+        daemon=True,
+    ),
+    Stat("holder_rss_bytes", "gauge", "bytes", "The holder's resident memory", daemon=True),
+    Stat(
+        "standby_pid",
+        "gauge",
+        "",
+        "The serving process ready to take over if the serving one dies (standby = true)",
+        daemon=True,
+    ),
+    Stat(
+        "switch_pause_seconds",
+        "gauge",
+        "seconds",
+        "How long the last switch kept requests unread: from the old serving process told "
+        "to stop reading (or found dead) until the new one served",
+        daemon=True,
+    ),
+    Stat(
+        "longest_switch_pause_seconds",
+        "gauge",
+        "seconds",
+        "The longest such pause in the mount's life",
+        daemon=True,
+    ),
+    Stat(
+        "decodes_before",
+        "counter",
+        "decodes",
+        "Decodes run by the mount's serving processes before this one, as each last said",
+        daemon=True,
+    ),
+    Stat(
+        "mount_decodes",
+        "counter",
+        "decodes",
+        "Decodes run in the mount's life, by every serving process (decodes_before + decodes)",
+        daemon=True,
+    ),
+    Stat(
+        "last_problem",
+        "text",
+        "",
+        "The holder's last crash or refused switch, if any",
+        daemon=True,
+    ),
     # -- the cluster's L2 tier (cluster/tier.py) --
     Stat("l2", "text", "", "The L2 tier (its URL or directory)", l2=True),
+    Stat(
+        "l2_check",
+        "state",
+        "",
+        "Whether L2 can be used: checking (at start), ok (its last call answered), failing",
+        l2=True,
+        states=("checking", "ok", "failing"),
+    ),
+    Stat(
+        "l2_problem",
+        "text",
+        "",
+        "Why L2 cannot be used (credentials, unreachable, ...), empty while it answers",
+        l2=True,
+    ),
     Stat(
         "l2_state",
         "state",
@@ -305,7 +447,12 @@ STATS: Final = (
         l2=True,
     ),
     Stat(
-        "l2_bytes_fetched", "counter", "bytes", "Bytes of verified objects fetched from L2", l2=True
+        "l2_bytes_fetched",
+        "counter",
+        "bytes",
+        "Bytes of verified objects fetched from L2",
+        l2=True,
+        family="l2_fetched_bytes",
     ),
     Stat("l2_errors", "counter by kind", "calls", "Failed L2 calls, by kind", l2=True),
     Stat(

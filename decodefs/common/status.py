@@ -9,7 +9,13 @@ import os
 
 from .protocol import STATUS_DIR
 
-__all__ = ["StatusElsewhere", "parse_status", "read_status", "read_status_bytes"]
+__all__ = [
+    "StatusElsewhere",
+    "holder_figures",
+    "parse_status",
+    "read_status",
+    "read_status_bytes",
+]
 
 
 class StatusElsewhere(OSError):
@@ -41,6 +47,29 @@ def read_status(mountpoint: str | os.PathLike[str], name: str) -> dict[str, obje
     a JSON object (not JSON, not UTF-8, nested too deep to parse, or another value).
     """
     return parse_status(read_status_bytes(mountpoint, name), name)
+
+
+def holder_figures(holder: dict[str, object]) -> dict[str, object]:
+    """A holder's status (what its control socket answers) as the figures of stats.json
+    (stats_schema.STATS): what every serving process of the mount reports of it, and
+    what `decodefs stats` shows when no serving process answers."""
+    return {
+        "holder_pid": holder.get("pid"),
+        "holder_state": holder.get("state", "none"),
+        "holder_version": holder.get("version"),
+        "mount_started": holder.get("started"),
+        "handovers": holder.get("handovers", 0),
+        "crashes": holder.get("crashes", 0),
+        "handovers_refused": holder.get("refused", 0),
+        "remounts": holder.get("remounts", 0),
+        "holder_eio_answers": holder.get("eio_answers", 0),
+        "holder_rss_bytes": holder.get("rss_bytes"),
+        "last_problem": holder.get("last_problem"),
+        "decodes_before": holder.get("decodes_before", 0),
+        "standby_pid": holder.get("standby_pid"),
+        "switch_pause_seconds": holder.get("last_pause", 0.0),
+        "longest_switch_pause_seconds": holder.get("longest_pause", 0.0),
+    }
 
 
 def parse_status(data: bytes, name: str) -> dict[str, object]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Final, Protocol, TypeVar
@@ -29,6 +30,7 @@ from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
 from ..common.npy import npy_bytes
 from ..common.source import OriginalMissing, SourceIndex
+from .failures import FailedOriginals
 from .memory import MemoryBudget
 from .workers import Job, LowPriorityPool, run_in_thread
 
@@ -89,6 +91,8 @@ class Decodes:
         self.failures: cachetools.TTLCache[EntryKey, str] = cachetools.TTLCache(
             maxsize=_FAILURE_CACHE_MAX, ttl=config.error_cache_seconds, timer=clock
         )
+        # Every original that failed to decode and has not decoded since (failed.json).
+        self.failed = FailedOriginals()
         self._throttle = LogThrottle(log)
 
     def close(self) -> None:
@@ -155,6 +159,8 @@ class Decodes:
             self._metrics.decode_errors += 1
             self._metrics.errors["EIO"] += 1
             self.failures[key] = f"{path}: {exc.reason}"
+            listed = os.path.join(source.root, source.relpaths[index])  # as the source has it
+            self.failed.add(key.version, key.key, key.size, listed, exc.reason)
             self._throttle.log(  # once per original per interval, however often asked
                 logging.WARNING,
                 f"decode-{path}",
@@ -165,6 +171,7 @@ class Decodes:
             )
             raise OriginalUndecodable(f"{path}: {exc.reason}") from exc
         self._metrics.decodes += 1
+        self.failed.discard(key.version, key.key)  # it decodes now (replaced, or fixed)
         self._metrics.background_decodes += purpose is Purpose.BACKGROUND
         self._metrics.warm_decodes += purpose is Purpose.WARM_REQUEST
         self._metrics.decode_seconds.observe(seconds)

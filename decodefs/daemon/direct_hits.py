@@ -60,11 +60,16 @@ class DirectHits:
     async def receive(self, path: str) -> None:
         """Listen at ``path`` and note every report until cancelled (a daemon task)."""
         with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            # Bound beside and renamed into place: an earlier serving process of the
+            # mount may still listen there, and stops hearing reports at once.
+            ours = f"{path}.{os.getpid()}"
             try:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # left by an earlier daemon
-                await sock.bind(path)
-                os.chmod(path, 0o666)  # any reader may report; reports only order the LRU
+                    os.unlink(ours)
+                await sock.bind(ours)
+                os.chmod(ours, 0o666)  # any reader may report; reports only order the LRU
+                bound = os.stat(ours).st_ino
+                os.replace(ours, path)
             except OSError as exc:
                 log.warning("cannot listen for direct hits at %s: %s", path, exc)
                 return
@@ -78,4 +83,5 @@ class DirectHits:
                         await trio.sleep(0.1)  # a socket that keeps failing must not spin
             finally:
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
+                    if os.stat(path).st_ino == bound:  # not a later serving process's
+                        os.unlink(path)

@@ -34,8 +34,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 import trio
 
@@ -120,6 +121,10 @@ class _Flight:
 # EntryKey(...) without NamedTuple's Python-level __new__, for open's hot path.
 _new_key = tuple.__new__
 
+# How often a key another process claimed is tried again (seconds, doubling).
+CLAIM_POLL_FIRST: Final = 0.005
+CLAIM_POLL_MAX: Final = 0.1
+
 
 class Engine:
     def __init__(
@@ -154,12 +159,33 @@ class Engine:
         self.upkeep = StoreUpkeep(store, self.known, self._write_limiter)
         self._decodes = Decodes(config, sources, self.metrics, self._read_limiter, clock=clock)
         self.decode_memory = self._decodes.memory  # stats.py reports it
+        self.failed = self._decodes.failed  # originals that failed to decode (failed.json)
         self.memory = MemoryBudget(config.memory_cache_bytes)
         # Arrays the store did not take (stats.py reads its size).
         self.memory_cache = MemoryCache(self.memory)
         self._throttle = LogThrottle(log)
         # Requests of each other user waiting for a decode now (admission.py).
         self.admission = Admission(self.metrics, waiting_per_user)
+        # Versions none of whose arrays may be served yet (``hold``): their decode
+        # settings changed while an earlier serving process of the mount still serves.
+        self._held: dict[str, trio.Event] = {}
+
+    # -- versions held ----------------------------------------------------------
+
+    def hold(self, versions: Iterable[str]) -> None:
+        """Serve none of ``versions``' arrays until ``release_held``: opens and reads wait."""
+        for version in versions:
+            self._held.setdefault(version, trio.Event())
+
+    def release_held(self) -> None:
+        held, self._held = self._held, {}
+        for event in held.values():
+            event.set()
+
+    async def _unheld(self, version: str) -> None:
+        event = self._held.get(version)
+        if event is not None:
+            await event.wait()
 
     # -- arrays -------------------------------------------------------------
 
@@ -180,16 +206,18 @@ class Engine:
         client filling the cache, not reading) decodes at low priority and
         never evicts; if the store will not take the array, the handle still
         serves it (a reader must never fail for the flag) and ``warm_not_stored``
-        counts it. ``uid`` is who asks (None: the daemon's own user); with
-        ``unlisted_sizes = "owner"``, a size the version does not list is stored
-        only for the daemon's own user, and served to others from memory, so no
-        one user can fill the flash with sizes nobody configured. ``recheck``
+        counts it. ``uid`` is who asks (None: the daemon's own user); a size the
+        version does not list is stored only as ``unlisted_sizes`` says (by
+        default for nobody: served from memory), so no one can fill the flash
+        with sizes nobody configured. ``recheck``
         verifies the stored entry again even if it was verified earlier in this
         daemon's life (a reader found it damaged). Any user may ask: a recheck
         reads and hashes the file once, as reading it would, joins one already
         running for the key, and waits for a store read slot, so a flood of them
         costs no more than a flood of reads.
         """
+        if self._held:
+            await self._unheld(version)
         key = EntryKey(version, size, self._sources[version].keys[index])
         if recheck:  # check it now, at this open, whatever was believed of it
             self.known.not_stored(key, index)
@@ -215,6 +243,8 @@ class Engine:
         are checked after the pin, so eviction cannot take the file once the check
         has passed. Written for the fewest steps: it runs for most requests.
         """
+        if self._held and version in self._held:
+            return None
         verified = self._verified.get((version, size))
         bit = 1 << (index & 7)
         unverified = verified is None or not verified.bits[index >> 3] & bit
@@ -245,11 +275,13 @@ class Engine:
     ) -> None:
         """The engine's own work beside the requests, until cancelled (a task of the
         daemon's nursery): learn what is stored, record hits for LRU, watch the
-        store, drop the entry pages brought in, and publish to the cluster's L2."""
+        store, bring it within its limits, drop the entry pages brought in, and
+        publish to the cluster's L2."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.known.note_stored)
             nursery.start_soon(self.upkeep.flush_accesses_forever, access_flush)
             nursery.start_soon(self.upkeep.watch_store_forever, store_check)
+            nursery.start_soon(self.upkeep.trim_forever, store_check)
             nursery.start_soon(self.reads.drop_forever)
             if self.l2 is not None:
                 nursery.start_soon(self.l2.run)
@@ -260,9 +292,15 @@ class Engine:
             self.l2.close()
 
     def _may_store(self, version: str, size: int, uid: int | None) -> bool:
-        if uid is None or uid == self._owner or self.config.unlisted_sizes == "everyone":
+        """Whether an array of ``size`` asked for by ``uid`` may go to flash: a listed
+        size always; one no version lists as ``unlisted_sizes`` says (by default never:
+        a typo such as 2240 must not fill the flash with a second cache)."""
+        if size in self.config.versions[version].sizes:
             return True
-        return size in self.config.versions[version].sizes
+        unlisted = self.config.unlisted_sizes
+        return unlisted == "everyone" or (
+            unlisted == "owner" and (uid is None or uid == self._owner)
+        )
 
     def release(self, handle: Handle) -> None:
         self._capacity.unpin(handle.key)
@@ -274,6 +312,8 @@ class Engine:
         end = min(offset + size, handle.length)
         if offset >= end:
             return b""
+        if self._held:
+            await self._unheld(handle.key.version)
         if handle.unverified:
             await self._verify_for_read(handle)
         data: memoryview | bytes | bytearray
@@ -418,19 +458,35 @@ class Engine:
     ) -> _Flight:
         """Be the one task that acquires ``key``; others wait on the returned flight."""
         flight = self._flights[key] = _Flight()
+        claims = self.store.flights
+        claimed = False
         try:
+            claimed = await self._claim(key)
             flight.outcome = await self._acquire(key, index, purpose, flight, may_store=may_store)
             if flight.outcome.stored:
                 self.known.mark_stored(key, index)
         except Exception as exc:
             flight.error = exc
         finally:
+            if claimed:
+                claims.release(key)
             del self._flights[key]
             if flight.outcome is not None and flight.outcome.held is not None:
                 for _ in range(flight.waiters):  # one hold each; the caller keeps the first
                     flight.outcome.held.retain()
             flight.done.set()
         return flight
+
+    async def _claim(self, key: EntryKey) -> bool:
+        """Claim ``key`` among the processes using the store (while serving processes of
+        the mount overlap, another may be decoding it: wait for it, then find its
+        entry stored). True once claimed."""
+        delay = CLAIM_POLL_FIRST
+        while not self.store.flights.claim(key):
+            self.metrics.claim_waits += delay == CLAIM_POLL_FIRST
+            await trio.sleep(delay)
+            delay = min(2 * delay, CLAIM_POLL_MAX)
+        return True
 
     async def _acquire(
         self, key: EntryKey, index: int, purpose: Purpose, flight: _Flight, *, may_store: bool

@@ -1,9 +1,10 @@
 """The mount's namespace: which names exist, their inodes, listings and attributes.
 
-Inode numbers are computed, not allocated (inodes.py): the kernel can hold
-millions of entries without a table here, lookup counts need no bookkeeping,
-and an entry has the same inode under ``<size>/`` and under ``<size>/<uu>/``
-(one page cache for both paths).
+Inode numbers are computed from the mount's numbers (inodes.py, numbers.py):
+the kernel can hold millions of entries without a table of lookups here, and
+an entry has the same inode under ``<size>/`` and under ``<size>/<uu>/`` (one
+page cache for both paths). A number means the same to every serving process
+of the mount; a name that went away answers ENOENT by its old number.
 
 A mirror version (source.MirrorFolders) has no shard directories: its size
 directory is the source's root folder, and each folder lists its subfolders,
@@ -11,8 +12,13 @@ then its originals as ``<name>.npy``. In a folder, ``<name>.npy`` is the
 original ``<folder>/<name>`` if there is one, else (like any other name) a
 subfolder.
 
-The tree reads the config (versions, sizes, size bounds) and the sources (each
-version's originals) directly; it knows nothing of the engine or the store.
+Attributes follow the config's ``access``: with "originals", an array shows its
+original's owner, group and read bits, and a version's directories its source
+directory's (readers.py), for the kernel to enforce; otherwise everything is the
+daemon's, readable by whoever reaches the mount.
+
+The tree reads the config (versions, sizes, size bounds, access) and the sources
+(each version's originals) directly; it knows nothing of the engine or the store.
 This module is filesystem logic only: it does not import pyfuse3.
 """
 
@@ -23,6 +29,7 @@ import os
 import stat
 import sys
 import time
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -41,8 +48,10 @@ from ..common.inodes import (
 )
 from ..common.names import ARRAY_SUFFIX_BYTES, key_of_bytes
 from ..common.npy import npy_file_size
-from ..common.protocol import NAME_MAX, SIZE_NAME, STATUS_DIR, STATUS_FILES
+from ..common.protocol import FAILED_FILE, NAME_MAX, SIZE_NAME, STATUS_DIR, STATUS_FILES
+from ..common.readers import Readers
 from ..common.source import Folder, MirrorFolders, SourceIndex
+from .numbers import MountNumbers, VersionNumbers
 
 __all__ = [
     "ROOT",
@@ -52,7 +61,6 @@ __all__ = [
     "Kind",
     "Node",
     "Tree",
-    "version_order",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,19 +76,40 @@ ROOT: Final = Node(Kind.SPECIAL, number=1)  # pyfuse3.ROOT_INODE == 1
 STATUS_DIR_NODE: Final = Node(Kind.SPECIAL, number=2)  # protocol.STATUS_DIR, in the root
 _FIRST_STATUS_FILE: Final = 3
 _DIRECTORY_KINDS: Final = (Kind.VERSION, Kind.SIZE, Kind.SHARD, Kind.FOLDER)
+_FILE_NOBODY: Final = stat.S_IFREG  # an original never seen: the daemon alone reads it
+# With access = "originals", the list of failed originals (their paths) is the daemon's alone.
+_PRIVATE_STATUS_FILES: Final = frozenset({FAILED_FILE})
 
 
 class ArrayRows(NamedTuple):
-    """Entry ``i`` of ``rows`` is named keys[i][strip:] + ".npy", has inode
-    ``base_ino | i`` and the attributes of ``sample``; the listing resumes at
-    offset i + offset_delta."""
+    """Entry ``i`` of ``rows`` (a position) is named keys[i][strip:] + ".npy", has inode
+    ``base_ino | numbers[i]`` and the attributes of ``sample``, but for its owner,
+    group and mode where ``readers`` holds them (``readers.at(i)``); the listing
+    resumes at offset i + offset_delta."""
 
     sample: Node
     rows: range
     keys: Sequence[str]
+    numbers: Sequence[int]
     base_ino: int
     strip: int = 0  # a mirror folder's keys start with its path and a "/"
     offset_delta: int = 1  # a mirror folder lists its subfolders first
+    readers: ArrayReaders | None = None  # access = "originals": each array's own
+
+
+class ArrayReaders(NamedTuple):
+    """Each original's owner, group and read bits (-1: never seen), by position."""
+
+    uids: Sequence[int]
+    gids: Sequence[int]
+    reads: Sequence[int]
+
+    def at(self, index: int) -> tuple[int, int, int]:
+        """(uid, gid, st_mode) of the array of the original at ``index``."""
+        bits = self.reads[index]
+        if bits < 0:
+            return 0, 0, _FILE_NOBODY
+        return self.uids[index], self.gids[index], stat.S_IFREG | bits
 
 
 @dataclass(frozen=True)
@@ -89,11 +118,11 @@ class Attributes:
     size: int
     mtime_ns: int
     nlink: int
+    uid: int
+    gid: int
 
 
-def version_order(config: Config) -> tuple[str, ...]:
-    """The versions by their index in inode numbers (store.json's ``version_order``)."""
-    return tuple(sorted(config.versions))
+_EMPTY: Final = SourceIndex(version="", root="/", keys=(), relpaths=(), scanned_at_ns=0)
 
 
 class Tree:
@@ -104,23 +133,37 @@ class Tree:
         config: Config,
         sources: Mapping[str, SourceIndex],
         status_files: Sequence[str] = STATUS_FILES,
+        numbers: MountNumbers | None = None,
     ) -> None:
         """``status_files``: what the status directory lists, in order (a file's inode
         number follows from its place); every serving process of a mount lists
-        protocol.STATUS_FILES, the default."""
+        protocol.STATUS_FILES, the default. ``numbers``: the mount's (default: the
+        sorted positions, as at a mount's first start)."""
         self._config = config
         self._throttle = metrics.LogThrottle(log)  # sizes out of bounds: said, not flooded
-        self._versions = version_order(config)
-        # By version index, as inode numbers name versions.
-        self._sources = tuple(sources[name] for name in self._versions)
-        self._version_index = {name.encode(): i for i, name in enumerate(self._versions)}
+        self.numbers = numbers or MountNumbers.positions(sources)
+        # By version id, as inode numbers name versions ("": an id no version has now).
+        self._versions = self.numbers.version_order()
+        self._sources = tuple(sources.get(name, _EMPTY) for name in self._versions)
+        self._version_index = {name.encode(): i for i, name in enumerate(self._versions) if name}
         self._status_files = [name.encode() for name in status_files]
         self._mirrors = tuple(source.mirror for source in self._sources)
         self._mounted_ns = time.time_ns()
-        # For ``entry``, per request: the index is a snapshot, so counts never change.
-        self._counts = tuple(len(source) for source in self._sources)
+        none = VersionNumbers(-1, array("q"), array("q"), array("q"), array("q"), [], {})
+        self._numbers = tuple(self.numbers.versions.get(name, none) for name in self._versions)
+        # For ``entry`` and ``entry_below``, per request: position <-> number.
+        self._key_numbers = tuple(n.key_numbers for n in self._numbers)
+        self._key_positions = tuple(n.key_positions for n in self._numbers)
         self._sizes = range(config.min_size, config.max_size + 1)
         self._finders = tuple(source.find for source in self._sources)
+        self._uid, self._gid = os.getuid(), os.getgid()
+        # access = "originals": each array's and directory's owner, group and mode are
+        # its original's, its source directory's (None: the daemon's, for everyone).
+        self.originals = config.access == "originals"
+        self._readers = tuple(
+            ArrayReaders(source.uids, source.gids, source.reads) if self.originals else None
+            for source in self._sources
+        )
 
     # -- names -> nodes -----------------------------------------------------
 
@@ -179,7 +222,7 @@ class Tree:
         version = (parent_ino >> VERSION_SHIFT) & VERSION_MASK
         size = (parent_ino >> SIZE_SHIFT) & SIZE_MASK
         if (
-            version >= len(self._counts)
+            version >= len(self._versions)
             or self._mirrors[version] is not None
             or size not in self._sizes
             or not name.endswith(ARRAY_SUFFIX_BYTES)  # key_of_bytes, inlined: the hot path
@@ -191,7 +234,8 @@ class Tree:
         index = self._finders[version](key)
         if index is None:
             return None
-        return (_ENTRY_KIND << KIND_SHIFT) | (parent_ino & _BELOW_KIND) | index
+        number = self._key_numbers[version][index]
+        return (_ENTRY_KIND << KIND_SHIFT) | (parent_ino & _BELOW_KIND) | number
 
     def entry(self, ino: int) -> tuple[str, int, int] | None:
         """(version, size, original index) of the array ``ino`` names, or None (not an
@@ -199,11 +243,19 @@ class Tree:
         if ino >> KIND_SHIFT != _ENTRY_KIND:  # inodes.py's layout, without a call per request
             return None
         version = (ino >> VERSION_SHIFT) & VERSION_MASK
-        size, index = (ino >> SIZE_SHIFT) & SIZE_MASK, ino & NUMBER_MASK
-        counts = self._counts
-        if version < len(counts) and index < counts[version] and size in self._sizes:
-            return self._versions[version], size, index
+        size, number = (ino >> SIZE_SHIFT) & SIZE_MASK, ino & NUMBER_MASK
+        if version < len(self._versions) and size in self._sizes:
+            positions = self._key_positions[version]
+            if number < len(positions):
+                index = positions[number]
+                if index >= 0:
+                    return self._versions[version], size, index
         return None
+
+    def position(self, entry: Node) -> int:
+        """The original's index (in its version's sorted keys) that an entry node names;
+        the caller has checked that it ``exists``."""
+        return self._key_positions[entry.version][entry.number]
 
     def parent(self, node: Node) -> Node:
         if node.kind == Kind.VERSION or node in (ROOT, STATUS_DIR_NODE):
@@ -227,13 +279,13 @@ class Tree:
         return None
 
     def exists(self, node: Node) -> bool:
-        """Whether an inode number the kernel hands back names something: exactly
-        the numbers ``lookup`` gives out (unused fields zero, a shard by its first entry)."""
+        """Whether an inode number the kernel hands back names something now: exactly
+        the numbers ``lookup`` gives out (unused fields zero)."""
         if node.kind == Kind.SPECIAL:
             return node.version == node.size == 0 and (
                 node in (ROOT, STATUS_DIR_NODE) or self.status_file_name(node) is not None
             )
-        if node.version >= len(self._versions):
+        if node.version >= len(self._versions) or not self._versions[node.version]:
             return False
         if node.kind == Kind.VERSION:
             return node.size == node.number == 0
@@ -241,14 +293,14 @@ class Tree:
             return False
         if node.kind == Kind.SIZE:
             return node.number == 0
-        mirror = self._mirrors[node.version]
+        numbers = self._numbers[node.version]
         if node.kind == Kind.FOLDER:
-            return mirror is not None and 0 < node.number < len(mirror)
-        if node.number >= self._counts[node.version]:
-            return False
+            return node.number > 0 and self._folder_position(node) is not None
         if node.kind == Kind.SHARD:
-            return mirror is None and self._shard_range(node).start == node.number
-        return True
+            names = numbers.shard_names
+            return node.number < len(names) and names[node.number] is not None
+        positions = numbers.key_positions
+        return node.number < len(positions) and positions[node.number] >= 0
 
     # -- listings -----------------------------------------------------------
 
@@ -260,7 +312,7 @@ class Tree:
         ``array_rows``, after these.
         """
         if node == ROOT:
-            names = [v.encode() for v in self._versions] + [_STATUS_DIR_NAME]
+            names = [v.encode() for v in sorted(filter(None, self._versions))] + [_STATUS_DIR_NAME]
             for i in range(start, len(names)):
                 child = self.lookup(ROOT, names[i])
                 assert child is not None
@@ -294,29 +346,63 @@ class Tree:
         thousands of arrays: the caller loops over ``rows`` with no object per entry."""
         sample = Node(Kind.ENTRY, node.version, node.size, 0)
         keys = self._sources[node.version].keys
+        numbers = self._key_numbers[node.version]
         folder = self._folder(node)
         if folder is not None:
             listed, files = len(folder.subfolders), folder.files  # offsets 1..listed: subfolders
             rows = range(files.start + max(0, start - listed), files.stop)
             strip = len(folder.path) + 1 if folder.path else 0
-            return ArrayRows(sample, rows, keys, sample.ino, strip, listed - files.start + 1)
+            delta = listed - files.start + 1
+            readers = self._readers[node.version]
+            return ArrayRows(sample, rows, keys, numbers, sample.ino, strip, delta, readers)
         if node.kind == Kind.SIZE:
-            rows = range(start, self._counts[node.version])
+            rows = range(start, len(keys))
         elif node.kind == Kind.SHARD:
             shard = self._shard_range(node)
             rows = range(max(start, shard.start), shard.stop)
         else:
             return None
-        return ArrayRows(sample, rows, keys, sample.ino)
+        return ArrayRows(
+            sample, rows, keys, numbers, sample.ino, readers=self._readers[node.version]
+        )
 
     # -- attributes ---------------------------------------------------------
 
     def attributes(self, node: Node, status_size: int = 0) -> Attributes:
+        uid, gid = self._uid, self._gid
         if self.is_dir(node):
-            return Attributes(stat.S_IFDIR | 0o555, 0, self._mtime(node), 2)
+            mode = stat.S_IFDIR | 0o555
+            readers = self._directory_readers(node)
+            if readers is not None:
+                uid, gid, mode = readers.uid, readers.gid, readers.directory_mode
+            return Attributes(mode, 0, self._mtime(node), 2, uid, gid)
         if node.kind == Kind.ENTRY:
-            return Attributes(stat.S_IFREG | 0o444, npy_file_size(node.size), self._mtime(node), 1)
-        return Attributes(stat.S_IFREG | 0o444, status_size, time.time_ns(), 1)
+            mode = stat.S_IFREG | 0o444
+            if self.originals:  # (a listing's sample may name no original: the daemon's)
+                uid, gid, mode = self.entry_readers(node.ino) or (0, 0, _FILE_NOBODY)
+            return Attributes(mode, npy_file_size(node.size), self._mtime(node), 1, uid, gid)
+        mode = stat.S_IFREG | 0o444
+        if self.originals and self.status_file_name(node) in _PRIVATE_STATUS_FILES:
+            mode = stat.S_IFREG | 0o400
+        return Attributes(mode, status_size, time.time_ns(), 1, uid, gid)
+
+    def entry_readers(self, ino: int) -> tuple[int, int, int] | None:
+        """(uid, gid, st_mode) of the array ``ino`` (an ``entry``) with access =
+        "originals"; None otherwise (lookup's hot path)."""
+        found = self.entry(ino)
+        if found is None:
+            return None
+        readers = self._readers[(ino >> VERSION_SHIFT) & VERSION_MASK]
+        return None if readers is None else readers.at(found[2])
+
+    def _directory_readers(self, node: Node) -> Readers | None:
+        """Who may list a version's directory (access = "originals"; None: everyone who
+        reaches the mount): its source directory's readers."""
+        if not self.originals or node.kind not in _DIRECTORY_KINDS:
+            return None
+        source = self._sources[node.version]
+        folder = self._folder(node)
+        return source.folder(folder.path if folder is not None else "")
 
     def _mtime(self, node: Node) -> int:
         if node.kind in (Kind.SIZE, Kind.SHARD, Kind.ENTRY, Kind.VERSION, Kind.FOLDER):
@@ -330,7 +416,7 @@ class Tree:
 
     def key(self, entry: Node) -> str:
         """The key (uuid, or a mirror's relative path) of the original an entry node names."""
-        return self._sources[entry.version].keys[entry.number]
+        return self._sources[entry.version].keys[self.position(entry)]
 
     def _parse_size(self, name: bytes) -> int | None:
         if not SIZE_NAME.fullmatch(name):
@@ -344,34 +430,49 @@ class Tree:
             return None
         key = os.fsdecode(stem)
         index = self._finders[parent.version](key)
-        return Node(Kind.ENTRY, parent.version, parent.size, index) if index is not None else None
+        if index is None:
+            return None
+        return Node(
+            Kind.ENTRY, parent.version, parent.size, self._key_numbers[parent.version][index]
+        )
+
+    def _folder_position(self, node: Node) -> int | None:
+        """The index in its mirror of the folder ``node`` is (a size directory: the
+        root folder, number 0), or None."""
+        if node.kind not in (Kind.SIZE, Kind.FOLDER) or self._mirrors[node.version] is None:
+            return None
+        positions = self._numbers[node.version].folder_positions
+        if node.number >= len(positions) or positions[node.number] < 0:
+            return None
+        return positions[node.number]
 
     def _folder(self, node: Node) -> Folder | None:
         """The mirror folder ``node`` is (a size directory: the root folder), or None."""
-        if node.kind not in (Kind.SIZE, Kind.FOLDER):
-            return None
+        position = self._folder_position(node)
         mirror = self._mirrors[node.version]
-        if mirror is None or node.number >= len(mirror):
+        if position is None or mirror is None:
             return None
-        return mirror.folders[node.number]
+        return mirror.folders[position]
 
-    @staticmethod
-    def _folder_node(version: int, size: int, index: int) -> Node:
-        if index == 0:
+    def _folder_node(self, version: int, size: int, index: int) -> Node:
+        """The node of the folder at ``index`` of its mirror."""
+        number = self._numbers[version].folder_numbers[index]
+        if number == 0:
             return Node(Kind.SIZE, version, size)
-        return Node(Kind.FOLDER, version, size, index)
+        return Node(Kind.FOLDER, version, size, number)
 
     def _lookup_in_folder(self, parent: Node, mirror: MirrorFolders, name: bytes) -> Node | None:
-        if parent.number >= len(mirror):
+        folder = self._folder(parent)
+        if folder is None:
             return None
-        folder = mirror.folders[parent.number]
         prefix = f"{folder.path}/" if folder.path else ""
         stem = key_of_bytes(name)
         if stem is not None:
             key = prefix + os.fsdecode(stem)
             index = self._finders[parent.version](key)
             if index is not None:
-                return Node(Kind.ENTRY, parent.version, parent.size, index)
+                number = self._key_numbers[parent.version][index]
+                return Node(Kind.ENTRY, parent.version, parent.size, number)
         child = mirror.find(prefix + os.fsdecode(name))
         return None if child is None else self._folder_node(parent.version, parent.size, child)
 
@@ -381,11 +482,15 @@ class Tree:
         shard = os.fsdecode(name)
         if len(shard) > 2:
             return None
-        rows = self._sources[parent.version].prefix_range(shard)
-        return Node(Kind.SHARD, parent.version, parent.size, rows.start) if rows else None
+        number = self._numbers[parent.version].shard_numbers.get(shard)
+        if number is None or not self._sources[parent.version].prefix_range(shard):
+            return None
+        return Node(Kind.SHARD, parent.version, parent.size, number)
 
     def _shard_name(self, shard: Node) -> str:
-        return self.key(Node(Kind.ENTRY, shard.version, shard.size, shard.number))[:2]
+        name = self._numbers[shard.version].shard_names[shard.number]
+        assert name is not None  # the caller has checked that the shard exists
+        return name
 
     def _shard_range(self, shard: Node) -> range:
         return self._sources[shard.version].prefix_range(self._shard_name(shard))

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from ..common.metrics import figures
 from ..common.source import SourceIndex
+from ..store import Discarded
 from .engine import Engine
 
 __all__ = ["snapshot"]
@@ -25,10 +26,14 @@ def snapshot(
     knows (``pid``, ``mountpoint``, ``version``, ``log``, ``started``)."""
     store, usage = engine.store, engine.store.usage()
     memory, decode_memory = engine.memory, engine.decode_memory
+    by_size: dict[str, dict[str, dict[str, int]]] = {}
+    for (version, size), held in sorted(store.usage_by_size().items()):
+        by_size.setdefault(version, {})[str(size)] = {"entries": held.entries, "bytes": held.bytes}
     return {
         **figures(engine.metrics),
         "store_bytes": usage.bytes,
         "store_entries": usage.entries,
+        "store_by_size": by_size,
         "store_usage_complete": usage.complete,
         "store_writable": store.writable,
         "store_max_bytes": engine.config.max_store_bytes,
@@ -41,6 +46,8 @@ def snapshot(
         "decode_memory_bytes": decode_memory.used,
         "decode_memory_limit_bytes": decode_memory.limit,
         "decode_memory_waits": decode_memory.waits,
+        "failed_originals": len(engine.failed),
+        "failed_not_listed": engine.failed.not_listed,
         **(engine.l2.stats() if engine.l2 is not None else {}),
         "uptime_seconds": round(time.time() - engine.metrics.started, 3),
         "versions": {
@@ -50,8 +57,24 @@ def snapshot(
                 "duplicates_left_out": len(source.duplicates),
                 "symlinks_outside_source": source.symlinks_outside,
                 "fingerprint": store.fingerprint_description(name),
+                **_discarded(store.discarded.get(name)),
             }
             for name, source in sources.items()
         },
         **daemon,
+    }
+
+
+def _discarded(discarded: Discarded | None) -> dict[str, object]:
+    """A version's ``discarded`` figure: its stored arrays thrown away at start because
+    another fingerprint made them (none if they were not)."""
+    if discarded is None:
+        return {}
+    return {
+        "discarded": {
+            "entries": discarded.entries,
+            "bytes": discarded.bytes,
+            "was": dict(discarded.was),
+            "now": dict(discarded.now),
+        }
     }

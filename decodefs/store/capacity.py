@@ -39,7 +39,7 @@ from typing import Final, TypeVar
 from ..common.entry import EntryKey
 from .catalog import Catalog
 
-__all__ = ["Capacity", "StoreUsage"]
+__all__ = ["Capacity", "SizeUsage", "StoreUsage"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,14 @@ class StoreUsage:
     bytes: int
     complete: bool  # False while a scan is still filling the catalog
     evictions: int = 0
+
+
+@dataclass(frozen=True)
+class SizeUsage:
+    """What the store holds of one version at one size."""
+
+    entries: int
+    bytes: int
 
 
 class Capacity:
@@ -77,6 +85,10 @@ class Capacity:
         self._catalog: Catalog | None = None
         self._entries = 0
         self._bytes = 0
+        # (version, size) -> its usage, changed with _entries and _bytes. Each value is
+        # replaced whole, never changed in place, so a reader's dict() copy is a
+        # consistent snapshot of each pair (CPython copies a dict under the GIL).
+        self._by_size: dict[tuple[str, int], SizeUsage] = {}
         self._reserved = 0
         self._reservations: dict[EntryKey, int] = {}
         self._filled = True
@@ -99,9 +111,11 @@ class Capacity:
     def attach(self, catalog: Catalog, *, filled: bool) -> None:
         """Count from ``catalog`` from now on (at open, and when the store is made again)."""
         entries, nbytes = catalog.totals()
+        by_size = _usage_by_size(catalog)
         with self._count_lock:
             self._catalog = catalog
             self._entries, self._bytes = entries, nbytes
+            self._by_size = by_size
             self._filled = filled
             self._removed_while_filling.clear()
         with self._access_lock:
@@ -112,18 +126,28 @@ class Capacity:
         with self._count_lock:
             catalog, self._catalog = self._catalog, None
             self._entries = self._bytes = 0
+            self._by_size = {}
             self._filled = True
         with self._access_lock:
             self._accesses.clear()
         return catalog
 
-    def discard_version(self, version: str) -> None:
-        """Drop every row of ``version`` (its arrays went to the trash); OSError on failure."""
+    def discard_version(self, version: str) -> SizeUsage | None:
+        """Drop every row of ``version`` (its arrays went to the trash); OSError on failure.
+        Returns what the rows counted, None if that is not known (a catalog still to be
+        filled by a scan)."""
         with self._count_lock:
             catalog = self._catalog
-            if catalog is not None:
-                _catalog_call(catalog.remove_version, version)
-                self._entries, self._bytes = _catalog_call(catalog.totals)
+            if catalog is None:
+                return None
+            held = [u for (v, _), u in self._by_size.items() if v == version]
+            known = self._filled
+            _catalog_call(catalog.remove_version, version)
+            self._entries, self._bytes = _catalog_call(catalog.totals)
+            self._by_size = {k: u for k, u in self._by_size.items() if k[0] != version}
+        if not known:
+            return None
+        return SizeUsage(sum(u.entries for u in held), sum(u.bytes for u in held))
 
     # -- the fill from disk -------------------------------------------------------------
 
@@ -204,6 +228,7 @@ class Capacity:
                 catalog.mark_filled()
             # Writes and evictions went on meanwhile; the catalog is the truth.
             self._entries, self._bytes = catalog.totals()
+            self._by_size = _usage_by_size(catalog)
             self._filled = True
 
     def stored_keys(self, version: str, size: int) -> set[str]:
@@ -215,6 +240,10 @@ class Capacity:
     def usage(self) -> StoreUsage:
         # No lock: plain int reads; a momentary mismatch is harmless in a status file.
         return StoreUsage(self._entries, self._bytes, self._filled, self.evictions)
+
+    def usage_by_size(self) -> dict[tuple[str, int], SizeUsage]:
+        """(version, size) -> what the store holds of it (no lock: see ``_by_size``)."""
+        return dict(self._by_size)
 
     def would_evict(self, incoming: int) -> bool:
         """Whether writing ``incoming`` more bytes would evict something first."""
@@ -320,6 +349,7 @@ class Capacity:
             if new:
                 self._entries += 1
                 self._bytes += nbytes
+                self._count_size(key, 1, nbytes)
             self._reserved -= self._reservations.pop(key, 0)  # with the count, at once
 
     def forget(self, key: EntryKey) -> None:
@@ -334,8 +364,57 @@ class Capacity:
             if nbytes is not None:
                 self._entries -= 1
                 self._bytes -= nbytes
+                self._count_size(key, -1, -nbytes)
+
+    def _count_size(self, key: EntryKey, entries: int, nbytes: int) -> None:
+        """Count an entry in or out of its (version, size); with ``_count_lock`` held."""
+        pair = (key.version, key.size)
+        old = self._by_size.get(pair, SizeUsage(0, 0))
+        new = SizeUsage(old.entries + entries, old.bytes + nbytes)
+        if new.entries > 0:
+            self._by_size[pair] = new
+        else:
+            self._by_size.pop(pair, None)
 
     # -- eviction --------------------------------------------------------------------
+
+    def over_limit(self) -> bool:
+        """Whether the store holds more than its limits allow now (a limit lowered since
+        the entries were written); False while a scan is still counting it."""
+        return self._filled and self.limited and self._trim_need() > 0
+
+    def trim(self) -> tuple[int, int]:
+        """Evict least-recently-used, unpinned entries until the store is within its
+        limits; returns the entries and bytes evicted. A batch at a time, the evict
+        lock let go between batches, so a writer waits for one batch at most, and a
+        reader never (pinned entries are skipped). Raises OSError if the catalog fails."""
+        evicted = freed = 0
+        skipped = 0  # pinned rows stay at the front of the LRU order
+        while True:
+            with self._evict_lock:
+                catalog = self._catalog
+                if catalog is None or self._trim_need() <= 0:
+                    return evicted, freed
+                self.flush_accesses()  # so that recent hits are not the oldest
+                rows = _catalog_call(catalog.oldest, _EVICT_BATCH, skipped)
+                if not rows:
+                    return evicted, freed  # every entry left is pinned
+                for row in rows:
+                    if self._trim_need() <= 0:
+                        break
+                    if self._evict(EntryKey(row.version, row.size, row.key)):
+                        evicted += 1
+                        freed += row.bytes
+                    else:
+                        skipped += 1
+
+    def _trim_need(self) -> int:
+        """Bytes to evict to be within the limits now; only ``max_bytes``'s share when
+        other data fills the filesystem (evicting every entry would not free enough)."""
+        need = self._shortfall(0)
+        if need > self._bytes:
+            need = 0 if self.max_bytes is None else self._bytes + self._reserved - self.max_bytes
+        return need
 
     def _shortfall(self, incoming: int) -> int:
         """Bytes to free before ``incoming`` more fit within the limits (<= 0: none).
@@ -388,6 +467,10 @@ class Capacity:
         self.forget(key)
         self.evictions += 1
         return True
+
+
+def _usage_by_size(catalog: Catalog) -> dict[tuple[str, int], SizeUsage]:
+    return {pair: SizeUsage(*figures) for pair, figures in catalog.totals_by_size().items()}
 
 
 def _catalog_call(fn: Callable[..., T], *args: object) -> T:

@@ -110,6 +110,14 @@ class Catalog:
             count, total = self._db.execute("SELECT count(*), total(bytes) FROM entries").fetchone()
         return int(count), int(total)
 
+    def totals_by_size(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(version, size) -> (entries, bytes), for every pair with an entry."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT version, size, count(*), total(bytes) FROM entries GROUP BY version, size"
+            ).fetchall()
+        return {(str(v), int(s)): (int(n), int(b)) for v, s, n, b in rows}
+
     def contains(self, version: str, size: int, uuid: str) -> bool:
         with self._lock:
             row = self._db.execute(

@@ -17,16 +17,21 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
 
 from ..common.fingerprint import Fingerprint
 from ..common.trusted import DIRECTORY_FLAGS
 from .root import read_small, set_file_mode, set_mode, write_json_at
 
+if TYPE_CHECKING:
+    from .capacity import SizeUsage
+
 __all__ = [
     "FINGERPRINT_FILE",
     "TRASH",
+    "Discarded",
     "check_fingerprint",
     "recorded_digest",
     "start_trash_cleanup",
@@ -36,6 +41,17 @@ log = logging.getLogger(__name__)
 
 FINGERPRINT_FILE: Final = ".fingerprint.json"
 TRASH: Final = ".trash"
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """A version's stored arrays sent to the trash at open: made by another fingerprint."""
+
+    version: str
+    entries: int | None  # how many (None: not known, the catalog was still to be filled)
+    bytes: int | None
+    was: Mapping[str, object]  # the fingerprint description they were made by
+    now: Mapping[str, object]  # the one the version's arrays are made by from now on
 
 
 def recorded_digest(root: int, version: str) -> bytes | None:
@@ -56,11 +72,12 @@ def check_fingerprint(
     where: str,
     dir_mode: int,
     file_mode: int,
-    discard_rows: Callable[[str], None],
-) -> None:
+    discard_rows: Callable[[str], SizeUsage | None],
+) -> Discarded | None:
     """Discard ``version``'s arrays (its directory to the trash, then its catalog rows
-    by ``discard_rows``, which raises OSError) if its marker names another
-    fingerprint; write the marker. ``where``: the store's path, for the log.
+    by ``discard_rows``, which raises OSError and returns what they counted) if its
+    marker names another fingerprint; write the marker. ``where``: the store's path,
+    for the log. Returns what was discarded, if anything.
 
     Only a readable marker naming another fingerprint discards anything. Never
     raises: a full disk must not stop the daemon (stale entries still fail
@@ -78,7 +95,8 @@ def check_fingerprint(
         recorded = None
     if recorded is not None and recorded.get("digest") == expected.hex:
         set_file_mode(root, marker, file_mode)  # the policy may have changed
-        return
+        return None
+    discarded = None
     try:
         if recorded is not None:
             log.warning(
@@ -89,7 +107,15 @@ def check_fingerprint(
                 json.dumps(expected.description, sort_keys=True),
             )
             _to_trash(root, version)
-            discard_rows(version)
+            was = recorded.get("description")
+            discarded = Discarded(
+                version, None, None, was if isinstance(was, dict) else {}, expected.description
+            )
+            usage = discard_rows(version)
+            if usage is not None:
+                discarded = Discarded(
+                    version, usage.entries, usage.bytes, discarded.was, discarded.now
+                )
         with contextlib.suppress(FileExistsError):
             os.mkdir(version, dir_mode, dir_fd=root)
         directory = os.open(version, DIRECTORY_FLAGS, dir_fd=root)
@@ -101,6 +127,7 @@ def check_fingerprint(
             os.close(directory)
     except OSError as exc:
         log.error("version %s: cannot record its fingerprint in %s: %s", version, where, exc)
+    return discarded
 
 
 def start_trash_cleanup(root: int) -> None:

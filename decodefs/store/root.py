@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Final
 
+from ..common import runtime
 from ..common.entry import EntryKey
 from ..common.protocol import STORE_FORMAT, STORE_MARKER
 from ..common.trusted import (
@@ -50,12 +51,17 @@ __all__ = [
     "read_small",
     "set_file_mode",
     "set_mode",
+    "temp_name",
     "write_json_at",
 ]
 
 log = logging.getLogger(__name__)
 
 TMP: Final = ".tmp"
+# Which temp files a store's new user removes: all (it took the lock afresh), or those
+# whose writer is gone (the lock was handed over by a process that may still write).
+CLEAN_ALL: Final = "all"
+CLEAN_GONE_WRITERS: Final = "gone writers"
 HIDDEN_DIRS: Final = (".index", TMP, ".trash")  # the daemon's alone (0700), whatever the policy
 
 
@@ -110,12 +116,20 @@ class StoreRoot:
         self._state_lock = threading.Lock()
         self.closing = threading.Event()
         self.writable = False
+        self.lock_taken = False  # by this process (not handed over by an earlier one)
         self._unusable: str | None = None  # why the store made again cannot be used (logged)
 
-    def open(self) -> bool:
+    def open(self, held_lock: int | None = None, owner: int | None = None) -> bool:
         """Open (or make) the store and take its lock; False if it cannot be created or
         opened at all (the daemon then serves from memory). Raises StoreError only
-        for what a user must fix."""
+        for what a user must fix.
+
+        ``held_lock``: the lock of an earlier serving process of the same mount, which
+        may still be finishing its writes: if it is this store's, it is shared (the
+        descriptor is the store's now) and only the temp files of writers that are
+        gone are removed; if not (the config names another store now), it is closed.
+        ``owner``: the pid the lock file names (default: this process's; a mount's
+        holder, which outlives its serving processes)."""
         try:
             fd = open_trusted_dir(self.path, create_mode=self.dir_mode)
         except UntrustedPath as exc:
@@ -124,12 +138,26 @@ class StoreRoot:
             log.error("store %s cannot be created (%s); serving from memory only", self.path, exc)
             return False
         try:
-            self._lock_fd = lock_store(fd, self._lock_dir)
-            self._adopt(fd)
+            handed_over = held_lock is not None and _is_lock_of(held_lock, fd, self._lock_dir)
+            if handed_over:
+                self._lock_fd, held_lock = held_lock, None
+                self.lock_taken = False
+            else:
+                self._lock_fd = lock_store(fd, self._lock_dir, owner)
+                self.lock_taken = True
+            self._adopt(fd, clean=CLEAN_GONE_WRITERS if handed_over else CLEAN_ALL)
         except BaseException:
             os.close(fd)
             raise
+        finally:
+            if held_lock is not None:
+                os.close(held_lock)
         return True
+
+    @property
+    def lock_fd(self) -> int | None:
+        """The descriptor of the store's lock (to hand to the next serving process)."""
+        return self._lock_fd
 
     def close(self) -> None:
         """Close every descriptor (after ``closing`` is set and the store's threads ended)."""
@@ -216,9 +244,9 @@ class StoreRoot:
 
     # -- internals --------------------------------------------------------------------
 
-    def _adopt(self, fd: int, *, clean: bool = True) -> None:
+    def _adopt(self, fd: int, *, clean: str | None = CLEAN_ALL) -> None:
         """Make the trusted directory ``fd`` the store: check it, then prepare it
-        (``clean``: remove leftover temp files), then attach what lives in it."""
+        (``clean``: which leftover temp files to remove), then attach what lives in it."""
         self._check_tree(fd)
         self._check_marker(fd)
         self.fd = fd
@@ -237,7 +265,7 @@ class StoreRoot:
         prepare it again. True if so."""
         if self.writable:
             return False
-        tmp = self._prepare_tmp(fd, clean=False)
+        tmp = self._prepare_tmp(fd, clean=None)
         if tmp is None:
             return False
         try:
@@ -246,7 +274,7 @@ class StoreRoot:
         finally:
             os.close(tmp)
         self._detach()
-        self._adopt(fd, clean=False)  # writes may be under way in .tmp
+        self._adopt(fd, clean=None)  # writes may be under way in .tmp
         log.warning("store %s can be written again; storing arrays again", self.path)
         return True
 
@@ -335,9 +363,10 @@ class StoreRoot:
             )
         set_file_mode(root, STORE_MARKER, self.file_mode)  # the policy may have changed
 
-    def _prepare_tmp(self, root: int, *, clean: bool) -> int | None:
+    def _prepare_tmp(self, root: int, *, clean: str | None) -> int | None:
         """.tmp's descriptor (None if it cannot be made or opened), emptied of
-        leftovers if ``clean``."""
+        leftovers: all of them (CLEAN_ALL), those of writers no longer running
+        (CLEAN_GONE_WRITERS: an earlier serving process may still be writing), or none."""
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(TMP, 0o700, dir_fd=root)
@@ -346,12 +375,14 @@ class StoreRoot:
             log.debug("store %s not writable: %s", self.path, exc)
             return None
         set_mode(fd, 0o700)
-        if not clean:
+        if clean is None:
             return fd
         removed = 0
         try:
             with os.scandir(fd) as it:
                 leftovers = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            if clean == CLEAN_GONE_WRITERS:
+                leftovers = [(n, d) for n, d in leftovers if not _writer_running(n)]
             for name, is_dir in leftovers:
                 try:
                     if is_dir:
@@ -391,7 +422,7 @@ class StoreRoot:
 # -- the one-daemon lock ------------------------------------------------------------------
 
 
-def lock_store(root: int, lock_dir: str | None = None) -> int:
+def lock_store(root: int, lock_dir: str | None = None, owner: int | None = None) -> int:
     """Take the one-daemon-per-store lock of the store open at ``root``; its descriptor.
 
     The lock file lives outside the store (in ``lock_dir``, by default
@@ -406,7 +437,7 @@ def lock_store(root: int, lock_dir: str | None = None) -> int:
     except UntrustedPath as exc:
         raise StoreError(f"lock directory: {exc}") from None
     try:
-        name = hashlib.sha256(os.fsencode(real)).hexdigest()[:32] + ".lock"
+        name = _lock_name(root)
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=dir_fd)  # fmt: skip
     finally:
@@ -422,8 +453,43 @@ def lock_store(root: int, lock_dir: str | None = None) -> int:
             holder,
         ) from None
     os.ftruncate(fd, 0)
-    os.write(fd, os.fsencode(f"{os.getpid()} {real}\n"))
+    os.write(fd, os.fsencode(f"{owner or os.getpid()} {real}\n"))
     return fd
+
+
+def temp_name(suffix: str) -> str:
+    """A temp file's name in .tmp: its writer's pid first, so that a serving process
+    that takes the store over from another removes only what dead writers left."""
+    return f"{os.getpid()}-{secrets.token_hex(8)}{suffix}"
+
+
+def _writer_running(name: str) -> bool:
+    pid, dash, _ = name.partition("-")
+    if not dash or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_lock_of(lock: int, root: int, lock_dir: str | None) -> bool:
+    """Whether the descriptor ``lock`` is the lock file of the store open at ``root``."""
+    directory = lock_dir or _default_lock_dir()
+    try:
+        named = os.stat(os.path.join(directory, _lock_name(root)), follow_symlinks=False)
+        held = os.fstat(lock)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_name(root: int) -> str:
+    real = os.readlink(f"/proc/self/fd/{root}")
+    return hashlib.sha256(os.fsencode(real)).hexdigest()[:32] + ".lock"
 
 
 def _lock_holder(fd: int) -> int | None:
@@ -436,10 +502,7 @@ def _lock_holder(fd: int) -> int | None:
 
 
 def _default_lock_dir() -> str:
-    if os.geteuid() == 0:
-        return "/run/decodefs/locks"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return os.path.join(runtime, "decodefs") if runtime else f"/tmp/decodefs-{os.geteuid()}"
+    return runtime.lock_dir()
 
 
 # -- small files in the store -------------------------------------------------------------

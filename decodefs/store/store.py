@@ -18,8 +18,11 @@ check and is rebuilt rather than served. The rooms behind this one: the
 directory's life and safety in root.py, fingerprint markers and the trash
 in fingerprints.py, usage, the catalog fill and eviction in capacity.py, the
 in-place move of ``adopt --move`` in movein.py, the file format and its one
-check in entry.py. Who may read entries is the mount's policy (``shared``:
-``allow_other``), and every file's and directory's mode says the same. This
+check in entry.py. Who may read entries is the mount's policy (``access``), and
+every file's and directory's mode says the same: "owner", the daemon's alone
+(0700/0600); "everyone", all (0755/0644); "originals", directories that anyone
+may pass but no one else list (0711), files of the daemon's alone (0600) but
+entries, each no more readable than its original (entry_modes.py). This
 module knows nothing of images, decoding or FUSE.
 """
 
@@ -27,12 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
-import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from ..common.entry import (
@@ -44,13 +47,16 @@ from ..common.entry import (
 )
 from ..common.fingerprint import Fingerprint
 from ..common.protocol import ACCESS_SOCKET, TRAILER_SIZE
+from ..common.readers import Readers
 from ..common.trusted import CREATE_FLAGS
 from ..common.trusted import DIRECTORY_FLAGS as _DIR
 from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
-from .capacity import Capacity, StoreUsage
+from .capacity import Capacity, SizeUsage, StoreUsage
 from .catalog import Catalog
-from .fingerprints import check_fingerprint, start_trash_cleanup
+from .entry_modes import EntryModes
+from .fingerprints import Discarded, check_fingerprint, recorded_digest, start_trash_cleanup
+from .flights import FlightClaims
 from .movein import CannotMove
 from .root import (
     StoreError,
@@ -58,8 +64,11 @@ from .root import (
     StoreRoot,
     lock_store,
     read_all,
+    read_small,
     set_file_mode,
     set_mode,
+    temp_name,
+    write_json_at,
 )
 from .walk import iter_entries
 
@@ -70,7 +79,9 @@ __all__ = [
     "CATALOG_FILE",
     "CannotMove",
     "CorruptEntry",
+    "Discarded",
     "Fingerprint",
+    "SizeUsage",
     "Store",
     "StoreError",
     "StoreInUse",
@@ -85,7 +96,11 @@ log = logging.getLogger(__name__)
 
 
 CATALOG_FILE: Final = ".catalog.sqlite3"
+# Present while the store's entries are given modes by access = "originals" (JSON).
+ACCESS_MARKER: Final = ".access.json"
+_DIR_MODES: Final = {"owner": 0o700, "everyone": 0o755, "originals": 0o711}
 _WHOLE: Final = 1 << 20  # entries up to this size are read whole, in one read
+_SHARE_BY_WALK: Final = 4096  # share_all walks the store for more keys than this
 
 
 class StoreWriteError(Exception):
@@ -144,14 +159,19 @@ class Store:
         *,
         max_bytes: int | None = None,
         min_free_fraction: float | None = None,
-        shared: bool = False,
+        access: str = "owner",
         lock_dir: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._fingerprints = dict(fingerprints)
-        # Who may read arrays is the mount's policy (allow_other): the modes follow it.
-        self.dir_mode = 0o755 if shared else 0o700
-        self.file_mode = 0o644 if shared else 0o600
+        # Who may read arrays is the mount's policy (config.Access): the modes follow it.
+        self.access = access
+        self.dir_mode = _DIR_MODES[access]
+        self.file_mode = 0o644 if access == "everyone" else 0o600
+        self._entry_modes = EntryModes(access)
+        # access = "originals": who may read the original of an entry (the daemon's
+        # sources, once scanned; None, or a key it does not know: the daemon alone).
+        self.readers: Callable[[EntryKey], Readers | None] | None = None
         self._root = StoreRoot(
             root,
             dir_mode=self.dir_mode,
@@ -164,6 +184,13 @@ class Store:
         # Bumped whenever every entry may be gone at once (the store was removed):
         # whoever remembers entries as verified must forget them.
         self.generation = 0
+        self._handed_over = False  # the lock came from an earlier serving process
+        self.unsettled: list[str] = []  # versions to discard once it serves no more
+        # Claims of keys being decoded, among the processes using this store (flights.py).
+        self.flights = FlightClaims(None)
+        # Versions whose stored arrays were made by another fingerprint, discarded at open
+        # (or, after a handover, once the serving process before is gone).
+        self.discarded: dict[str, Discarded] = {}
         self.root = self._root.path
         self.capacity = Capacity(
             max_bytes=max_bytes,
@@ -189,7 +216,7 @@ class Store:
             config.fingerprints(),
             max_bytes=config.max_store_bytes,
             min_free_fraction=config.min_free_fraction,
-            shared=config.allow_other,
+            access=config.access,
             lock_dir=lock_dir,
             clock=clock,
         )
@@ -204,15 +231,44 @@ class Store:
 
     # -- life cycle -------------------------------------------------------------------
 
-    def open(self) -> None:
+    def open(self, held_lock: int | None = None, owner: int | None = None) -> None:
         """Prepare the store. Raises StoreError only for what a user must fix.
 
         A store that cannot be created, written or even read is not an error:
         the daemon then serves from memory and says so in the log.
+
+        ``held_lock``: the store lock of the mount's earlier serving process (root.py),
+        which may still serve: a version whose decode settings changed is then not
+        discarded yet, but once this process serves alone (``settle_versions``).
+        ``owner``: the pid the lock names (a mount's holder; default: this process).
         """
-        if not self._root.open():
+        self._handed_over = held_lock is not None
+        if not self._root.open(held_lock, owner):
             catalog, _ = Catalog.open(":memory:")
             self.capacity.attach(catalog, filled=True)
+        self._handed_over = self._handed_over and not self._root.lock_taken
+        self.flights = FlightClaims.beside(self.lock_fd)
+
+    @property
+    def lock_fd(self) -> int | None:
+        """The store's lock, to hand to the mount's next serving process."""
+        return self._root.lock_fd
+
+    @property
+    def lock_taken(self) -> bool:
+        """Whether this process took the lock (not handed it by an earlier one)."""
+        return self._root.lock_taken
+
+    def settle_versions(self) -> list[str]:
+        """Discard the arrays of versions whose decode settings changed, held back while
+        an earlier serving process of the mount still served them; those versions."""
+        fd = self._root.fd
+        pending, self.unsettled = self.unsettled, []
+        if fd is None or not self.writable:
+            return []
+        for version in pending:
+            self._check_fingerprint(fd, version)
+        return pending
 
     def close(self) -> None:
         self._root.closing.set()
@@ -222,6 +278,7 @@ class Store:
         catalog = self.capacity.detach()
         if catalog is not None:
             catalog.close()
+        self.flights.close()
         self._root.close()
 
     def wait_for_usage(self, timeout: float = 60.0) -> StoreUsage:
@@ -278,6 +335,8 @@ class Store:
                 first, brought_in = pagecache.read_noting_residency(entry, 0, min(size, _WHOLE))
                 del first  # the check reads it again, from the page cache
                 checked = check_entry_file(entry, key, digest)
+            if checked.ok:  # before it is first served: a policy or an original changed
+                self._give_readers(entry, key)
         except OSError as exc:
             raise StoreReadError(key, exc) from exc
         finally:
@@ -286,6 +345,47 @@ class Store:
             self.remove(key)
             raise CorruptEntry(key, checked.reason, checked.verdict)
         return VerifiedEntry(checked.length, brought_in, payload, dropped)
+
+    def share(self, key: EntryKey) -> bool:
+        """Give ``key``'s entry, if there is one, the mode its original's readers call for
+        now (they changed); False if there is none or it cannot be changed."""
+        try:
+            entry = self.open_entry(key)
+        except OSError:
+            return False
+        try:
+            self._give_readers(entry, key)
+        finally:
+            os.close(entry)
+        return True
+
+    def share_all(self, version: str, sizes: Collection[int], keys: Collection[str]) -> int:
+        """``share`` the entries of ``keys`` of ``version`` at ``sizes`` that the store
+        has; how many. Many keys (a first start's every original) are matched against one
+        walk of the version's entries, not opened one by one at each size (370k originals
+        at 3 sizes: ~10 s of failed opens)."""
+        root = self._root.fd
+        if len(keys) * len(sizes) > _SHARE_BY_WALK and root is not None:
+            wanted = set(keys)
+            there = [
+                key
+                for key, _ in iter_entries(root, {version: None})
+                if key.size in sizes and key.key in wanted
+            ]
+        else:
+            there = [EntryKey(version, size, key) for key in keys for size in sizes]
+        return sum(self.share(key) for key in there)
+
+    def _give_readers(self, fd: int, key: EntryKey) -> None:
+        """The policy's mode for the entry open at ``fd`` (a read-only store keeps its own)."""
+        if not self.writable:
+            return
+        readers = self.readers(key) if self.readers is not None else None
+        try:
+            if self._entry_modes.apply(fd, readers):
+                log.debug("%s: mode set for its readers %s", key, readers)
+        except OSError as exc:
+            log.warning("cannot give %s its original's readers: %s", key, exc)
 
     def read_range(self, key: EntryKey, offset: int, length: int) -> bytes:
         """Bytes of an entry verified earlier; raises OSError if it is gone or unreadable.
@@ -337,7 +437,7 @@ class Store:
         if self._root.fd is None or tmp_dir is None:
             raise StoreWriteError(key, OSError(errno.EROFS, "the store is not writable"))
         trailer = encode_trailer(key, payload, self.digest(key.version))
-        name = secrets.token_hex(8) + ".npy"
+        name = temp_name(".npy")
         flags = os.O_RDWR | CREATE_FLAGS
         try:
             fd = os.open(name, flags, self.file_mode, dir_fd=tmp_dir)
@@ -385,7 +485,8 @@ class Store:
         try:
             with self.capacity.room(key, nbytes, may_evict=may_evict):
                 prepare()
-                set_mode(fd, self.file_mode)  # whatever the umask
+                readers = self.readers(key) if self.readers is not None else None
+                self._entry_modes.apply(fd, readers)  # whatever the umask
                 shard = self._root.entry_dir(root, key)
                 try:
                     self.capacity.commit(
@@ -446,6 +547,19 @@ class Store:
             raise StoreWriteError(key, OSError(errno.EROFS, "the store is not writable"))
         return os.fstat(root).st_dev
 
+    def remove_if_present(self, key: EntryKey) -> bool:
+        """Delete ``key``'s entry if there is one (its original changed); True if there was."""
+        try:
+            self._unlink_entry(key)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.warning("cannot remove stale entry %s: %s", key, exc)
+            return False
+        with contextlib.suppress(OSError):
+            self.capacity.forget(key)
+        return True
+
     def remove(self, key: EntryKey) -> None:
         """Delete an entry (a bad one); its catalog row goes after its file."""
         try:
@@ -499,6 +613,9 @@ class Store:
     def usage(self) -> StoreUsage:
         return self.capacity.usage()
 
+    def usage_by_size(self) -> dict[tuple[str, int], SizeUsage]:
+        return self.capacity.usage_by_size()
+
     def stored_keys(self, version: str, size: int) -> set[str]:
         return self.capacity.stored_keys(version, size)
 
@@ -510,17 +627,13 @@ class Store:
         empty = self._open_catalog(fd, writable)
         if writable:
             for version, fingerprint in self._fingerprints.items():
-                # Before a fill scan sees what it discards.
-                check_fingerprint(
-                    fd,
-                    version,
-                    fingerprint,
-                    where=self.root,
-                    dir_mode=self.dir_mode,
-                    file_mode=self.file_mode,
-                    discard_rows=self.capacity.discard_version,
-                )
+                recorded = recorded_digest(fd, version)
+                if self._handed_over and recorded not in (None, fingerprint.digest):
+                    self.unsettled.append(version)  # an earlier process still serves it
+                    continue
+                self._check_fingerprint(fd, version)  # before a fill scan sees what it discards
             start_trash_cleanup(fd)
+            self._follow_access(fd)
         if empty:
             # A new catalog on an existing store (or a read-only store): fill it
             # from the files, in the background, while the daemon already serves.
@@ -530,6 +643,62 @@ class Store:
                 durable=writable,
                 where=self.root,
             )
+
+    def _follow_access(self, root: int) -> None:
+        """Before anything is served with access = "originals": if the store's entries
+        were given modes by another policy (no marker says "originals"), make every
+        entry the daemon's alone (0600); each gets its original's readers when first
+        served. With another policy the marker goes."""
+        if self.access != "originals":
+            try:
+                os.unlink(ACCESS_MARKER, dir_fd=root)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", ACCESS_MARKER, exc)
+            return
+        try:
+            recorded = json.loads(read_small(root, ACCESS_MARKER)).get("access")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if recorded == self.access:
+            return
+        started = time.monotonic()
+        versions = dict.fromkeys(_version_dirs(root))
+        closed = EntryModes("owner")
+        count = 0
+        for key, _ in iter_entries(root, versions):
+            try:
+                entry = os.open(key.relpath, _READ | os.O_NONBLOCK, dir_fd=root)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                count += closed.apply(entry, None)
+            except OSError as exc:  # unmarked: tried again at the next start
+                log.warning("cannot make %s the daemon's alone: %s", key, exc)
+                return
+            finally:
+                os.close(entry)
+        log.info("store %s: %d entries made the daemon's alone (access was %s, is "
+                 "originals) in %.2f s", self.root, count, recorded or "not recorded",
+                 time.monotonic() - started)  # fmt: skip
+        try:
+            write_json_at(root, ACCESS_MARKER, {"access": self.access}, self.file_mode)
+        except OSError as exc:
+            log.warning("cannot record the store's access policy: %s", exc)
+
+    def _check_fingerprint(self, fd: int, version: str) -> None:
+        discarded = check_fingerprint(
+            fd,
+            version,
+            self._fingerprints[version],
+            where=self.root,
+            dir_mode=self.dir_mode,
+            file_mode=self.file_mode,
+            discard_rows=self.capacity.discard_version,
+        )
+        if discarded is not None:
+            self.discarded[version] = discarded
 
     def _gone(self) -> None:
         self.generation += 1
@@ -570,3 +739,11 @@ class Store:
             return
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(key.relpath, dir_fd=fd)
+
+
+def _version_dirs(root: int) -> list[str]:
+    """The names of the store's version directories (configured now or not)."""
+    with os.scandir(root) as it:
+        return [
+            e.name for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+        ]

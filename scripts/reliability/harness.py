@@ -267,13 +267,19 @@ class Daemon:
         self.store = store or directory / "store"
         self.config = directory / "config.toml"
         self.log = directory / "daemon.log"
-        self.settings = {"store": self.store, **settings}
+        # The parts read sizes their versions do not list and count what is stored, as
+        # they did before "memory" became the default: stored for the daemon's own user.
+        # No standby serving process: no part kills a serving process alone, and each
+        # would be one more process start per mount.
+        self.settings = {"store": self.store, "unlisted_sizes": "owner", "standby": False}
+        self.settings.update(settings)
         lines = [f"{k} = {toml(v)}" for k, v in self.settings.items()]
         for version, source in sources.items():
             lines += [f"[versions.{version}]", f"source = {toml(source)}"]
             lines += [f"{k} = {toml(v)}" for k, v in version_settings.items()]
         self.config.write_text("\n".join(lines) + "\n")
-        self.pid: int | None = None
+        self.pid: int | None = None  # the holder's
+        self._serving: int | None = None
 
     def mount(self) -> str:
         """`decodefs mount`; returns what it said on stderr (e.g. that it cleared a stale mount)."""
@@ -330,18 +336,25 @@ class Daemon:
         data: dict[str, Any] = json.loads((self.mountpoint / ".decodefs/stats.json").read_bytes())
         return data
 
+    def serving_pid(self) -> int:
+        """The serving process (``self.pid`` is the mount's holder, which reads no array):
+        whose memory and descriptors the parts measure; asked again once it is gone."""
+        if self._serving is None or gone(self._serving):
+            self._serving = int(self.stats()["pid"])
+        return self._serving
+
     def kib(self, name: str) -> int:
-        """A figure of /proc/<pid>/status in KiB (VmRSS, VmHWM)."""
-        text = Path(f"/proc/{self.pid}/status").read_text()
+        """A figure of the serving process's /proc/<pid>/status in KiB (VmRSS, VmHWM)."""
+        text = Path(f"/proc/{self.serving_pid()}/status").read_text()
         found = re.search(rf"^{name}:\s+(\d+) kB", text, re.MULTILINE)
         return int(found[1]) if found else 0
 
     def reset_peak(self) -> None:
         """Start VmHWM afresh (proc(5): clear_refs 5)."""
-        Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+        Path(f"/proc/{self.serving_pid()}/clear_refs").write_text("5")
 
     def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
+        return len(os.listdir(f"/proc/{self.serving_pid()}/fd"))
 
     def log_lines(self, pattern: str) -> list[str]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -20,14 +21,33 @@ __all__ = ["spawn"]
 _STOP_SECONDS: Final = 30.0
 
 
-def spawn(
+def holder_command(
+    mountpoint: str,
     config_path: Path,
+    initial_log_level: str,
+    access: str,
+    log_level: str | None = None,
+    ready_fd: int | None = None,
+) -> list[str]:
+    """The mount's holder, run from the installed package (-P: never a `decodefs` folder
+    where the user stood, a clone) and needing none of the command's imports."""
+    command = [sys.executable, "-P", "-m", "decodefs.holder", os.path.abspath(mountpoint)]
+    command += ["--config", str(config_path), "--initial-log-level", initial_log_level]
+    if log_level:
+        command += ["--log-level", log_level]
+    command += ["--access", access]
+    if ready_fd is not None:
+        command += ["--ready-fd", str(ready_fd)]
+    return command
+
+
+def spawn(
     mountpoint: str,
     log_file: Path,
-    log_level: str | None,
-    nonempty: bool = False,
+    holder: Callable[[int], list[str]],
 ) -> int:
-    """Start a detached daemon and return its pid once the mount is live.
+    """Start a detached holder (``holder(ready_fd)``: its command) and return its pid once
+    the mount is live; the command has checked the config and the mount point.
 
     The child reports readiness through a pipe; if it exits first, the tail of
     its log explains why and MountError carries it.
@@ -39,17 +59,9 @@ def spawn(
     except OSError as exc:
         raise MountError(f"log file {log_file} cannot be written: {exc.strerror}") from None
     read_end, write_end = os.pipe()
-    # -P and the root directory: the daemon imports the installed package, never a
-    # `decodefs` folder where the user stood (a clone), and holds none of the user's
-    # directories (which a umount of them would find busy).
-    command = [
-        sys.executable, "-P", "-m", "decodefs", "mount", os.path.abspath(mountpoint),
-        "--config", str(config_path), "--foreground", "--ready-fd", str(write_end),
-    ]  # fmt: skip
-    if log_level:
-        command += ["--log-level", log_level]
-    if nonempty:
-        command.append("--nonempty")
+    # The root directory: the holder holds none of the user's directories (which a
+    # umount of them would find busy).
+    command = holder(write_end)
     with log_stream:
         child = subprocess.Popen(
             command,
