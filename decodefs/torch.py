@@ -538,6 +538,7 @@ class BatchLoader:
             )
         self.sampler = sampler
         self._batches = BatchSampler(sampler, batch_size, drop_last)
+        self._keys: list[str] | None = None  # the dataset's keys as str, once they are targets
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -574,9 +575,19 @@ class BatchLoader:
             images = torch.empty((len(indices), size, size, 3), dtype=torch.uint8, pin_memory=True)
         else:
             images = self._memory.tensor(len(indices))
-        return _Batch(
-            self.dataset, indices, images, reads.submit(self.dataset, indices, images.numpy())
-        )
+        reading = reads.submit(self.dataset, indices, images.numpy())
+        return _Batch(self.dataset, indices, images, self._targets(indices), reading)
+
+    def _targets(self, indices: list[int]) -> Any:
+        """The batch's targets as ``default_collate`` makes them. A dataset without
+        targets has its keys as targets: decoded once per loader, not once per batch."""
+        dataset = self.dataset
+        if dataset.targets is not None:
+            return default_collate([dataset.target(i) for i in indices])
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = [os.fsdecode(key) for key in dataset._keys.tolist()]
+        return [keys[i] for i in indices]  # default_collate leaves a list of str as it is
 
 
 class _Reads:
@@ -667,11 +678,12 @@ class _Batch:
         dataset: MountDataset,
         indices: list[int],
         images: torch.Tensor,
+        targets: Any,
         reads: Future[list[tuple[int, Future[None]]]],
     ) -> None:
         self.dataset = dataset
         self.indices = indices
-        self.targets = default_collate([dataset.target(i) for i in indices])
+        self.targets = targets
         self.images = images
         self.reads = reads
 

@@ -17,7 +17,7 @@ from decodefs.common.config import parse_config
 from decodefs.common.decode import DecodeSettings, decoder_fingerprint
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_bytes
-from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.common.protocol import CHANGES_FILE, TRAILER_SIZE
 from decodefs.common.readers import Readers
 from decodefs.common.source import scan_source
 from decodefs.store.store import CorruptEntry, Store, StoreError, StoreReadError, StoreWriteError
@@ -187,7 +187,7 @@ def test_a_store_that_cannot_be_created_serves_nothing_and_raises_nothing(tmp_pa
 
 @needs_root
 def test_full_and_read_only_stores_raise_store_write_error(tmpfs: Tmpfs) -> None:
-    root = tmpfs("256k")
+    root = tmpfs("320k")  # (with 256k, the catalog fills up before an entry does)
     s = Store(root / "store", {"v1": V1})
     s.open()
     big = payload(size=96)  # ~27 KiB each
@@ -719,3 +719,34 @@ def test_share_all_gives_the_entries_there_their_readers_mode(tmp_path: Path, ab
     modes = {key.key: stat.S_IMODE((tmp_path / "store" / key.relpath).stat().st_mode)
              for key in stored}  # fmt: skip
     assert modes == {"k-open": 0o644, "k-shut": 0o600}
+
+
+def test_the_change_token_is_new_whenever_an_entry_a_reader_may_hold_changes(
+    store: Store,
+) -> None:
+    token_file = Path(store.root) / CHANGES_FILE
+
+    def token() -> bytes:
+        data = token_file.read_bytes()
+        assert len(data) == 8
+        return data
+
+    st = token_file.lstat()
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600  # access = "owner"
+    assert st.st_uid == os.geteuid()
+    seen = [token()]
+    store.write(KEY, payload(1))
+    assert token() == seen[-1]  # a new entry: no reader holds it
+    for change in (
+        lambda: store.write(KEY, payload(2)),  # replaced
+        lambda: store.share(KEY),  # given its original's readers
+        lambda: store.remove(KEY),  # unlinked (evicted, or removed)
+    ):
+        change()
+        assert token() not in seen
+        seen.append(token())
+    store.close()
+    again = Store(store.root, {"v1": V1})
+    again.open()  # a new serving process: it knows nothing of what changed before it
+    assert token() not in seen
+    again.close()

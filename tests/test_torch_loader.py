@@ -28,6 +28,7 @@ from decodefs.client import batch
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_header
 from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.store.changes import ChangeToken
 from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8
 from tests.conftest import MountFactory
 from tests.helpers import Mount, decodefs, wait_until
@@ -63,6 +64,18 @@ def store_of(mount: Mount) -> Path:
 
 def entry_file(mount: Mount, key: str) -> Path:
     return store_of(mount) / EntryKey("v1", SIZE, key).relpath
+
+
+def evict(mount: Mount, key: str) -> None:
+    """``key``'s entry unlinked as the daemon evicts one: then a new change token."""
+    entry_file(mount, key).unlink()
+    root = os.open(store_of(mount), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        token = ChangeToken()
+        token.open(root)
+        token.close()
+    finally:
+        os.close(root)
 
 
 def restart(mount: Mount) -> None:
@@ -213,7 +226,7 @@ def test_an_entry_evicted_or_damaged_mid_epoch_is_read_through_the_mount(
     loader = BatchLoader(dataset, batch_size=4, prefetch=0, threads=2)  # reads a batch when due
     epoch = iter(loader)
     got = [next(epoch)]
-    entry_file(mount, keys[5]).unlink()  # evicted while the epoch runs: batch 2 misses it
+    evict(mount, keys[5])  # while the epoch runs: batch 2 misses it
     damaged = entry_file(mount, keys[9])  # and batch 3's entry fails its checksum
     data = bytearray(damaged.read_bytes())
     data[200] ^= 0x01
@@ -278,7 +291,7 @@ def test_kept_files_stay_within_the_bound_and_close_with_the_mount(
     kept_keys = [k for k in keys if str(entry_file(mount, k)) in open_files()]
     assert len(kept_keys) == 3
     for key in kept_keys:
-        entry_file(mount, key).unlink()
+        evict(mount, key)
 
     def evicted_open() -> int:
         return sum(1 for link in open_files() if link.startswith(store) and "(deleted)" in link)

@@ -57,6 +57,7 @@ from ..common.inodes import Kind, Node
 from ..common.names import array_name
 from ..common.npy import npy_header
 from ..common.protocol import (
+    CHANGES_FILE,
     STORE_FORMAT,
     TRAILER,
     TRAILER_MAGIC,
@@ -80,6 +81,10 @@ MISSING: Final = 1  # no entry file (or none to open): read through the mount
 NOT_CACHED: Final = 2  # not in the page cache; with nowait, its reading ahead started
 BAD: Final = 3  # failed a check, or an error: reader.py finds out why, then the mount
 GONE: Final = 4  # a kept descriptor's file was unlinked: closed, to be opened again
+# read_rows' nowait: 0 reads whatever it takes, NOWAIT only what is in the page cache, and
+# TRUSTED copies mapped entries without asking the kernel (mincore) whether they are.
+NOWAIT: Final = 1
+TRUSTED: Final = 2
 
 _EXPECT_SIZE: Final = TRAILER_SIZE - 8  # the trailer but its checksum
 _OPEN_ENTRIES_MAX: Final = 65_536
@@ -102,7 +107,10 @@ class ReadRows(Protocol):
         owner: int,
         keep: int,
         map: bool,
-        nowait: bool,
+        nowait: int,
+        token: int,
+        checked: npt.NDArray[np.uint64],
+        ctimes: npt.NDArray[np.int64],
         status: npt.NDArray[np.int32],
     ) -> int: ...
 
@@ -121,12 +129,16 @@ def read_entries_py(
     owner: int,
     keep: int,
     map: bool,
-    nowait: bool,
+    nowait: int,
+    token: int,
+    checked: npt.NDArray[np.uint64],
+    ctimes: npt.NDArray[np.int64],
     status: npt.NDArray[np.int32],
 ) -> int:
     """``_batchread.read_rows`` in Python: the same rows, statuses and kept descriptors
     (see its docstring), where the extension did not build. It maps nothing: ``map``
-    and ``maps`` (all 0) are taken for the same signature."""
+    and ``maps`` (all 0) are taken for the same signature, TRUSTED is NOWAIT, and every
+    kept descriptor is looked at, whatever ``checked`` says."""
     memory = memoryview(rows).cast("B")
     kept = 0
     for i in range(len(positions)):
@@ -147,7 +159,9 @@ def read_entries_py(
             opened = True
         start = int(positions[i]) * row_bytes
         row = memory[start : start + row_bytes]
-        got = _read_row_py(fd, opened, row, int(seeds[i]), header, expect, owner, nowait)
+        got = _read_row_py(fd, opened, row, int(seeds[i]), header, expect, owner, nowait, ctimes, i)
+        if got != GONE:
+            checked[i] = token
         status[i] = got
         if opened:
             if got in (OK, NOT_CACHED) and kept < keep:
@@ -166,7 +180,9 @@ def _read_row_py(
     header: bytes,
     expect: bytes,
     owner: int,
-    nowait: bool,
+    nowait: int,
+    ctimes: npt.NDArray[np.int64],
+    i: int,
 ) -> int:
     length = len(header) + len(row) + TRAILER_SIZE
     try:
@@ -175,6 +191,10 @@ def _read_row_py(
             return MISSING if opened else GONE
         if opened and not (stat.S_ISREG(st.st_mode) and owned_alone(st, owner)):
             return BAD
+        if opened:
+            ctimes[i] = st.st_ctime_ns
+        elif st.st_ctime_ns != ctimes[i]:
+            return GONE  # other readers since it was opened: opened again, or refused
         if st.st_size != length:
             return BAD
         head, trailer = bytearray(len(header)), bytearray(TRAILER_SIZE)
@@ -199,13 +219,27 @@ def _read_row_py(
     return OK if hasher.intdigest() == recorded else BAD
 
 
-def gone_py(fds: npt.NDArray[np.int32], out: npt.NDArray[np.uint8]) -> None:
-    """``_batchread.gone`` in Python: out[i] = 1 where fds[i]'s file is unlinked or closed."""
+def gone_py(
+    fds: npt.NDArray[np.int32],
+    out: npt.NDArray[np.uint8],
+    checked: npt.NDArray[np.uint64],
+    ctimes: npt.NDArray[np.int64],
+    token: int,
+) -> None:
+    """``_batchread.gone`` in Python: out[i] = 1 where fds[i]'s file is unlinked, changed
+    since ctimes[i] or closed; a file whose checked[i] is token (not 0) is not looked at."""
     for i, fd in enumerate(fds.tolist()):
+        out[i] = 0
+        if fd < 0 or (token and int(checked[i]) == token):
+            continue
         try:
-            out[i] = fd >= 0 and os.fstat(fd).st_nlink == 0
+            st = os.fstat(fd)
         except OSError:
             out[i] = 1
+            continue
+        out[i] = st.st_nlink == 0 or st.st_ctime_ns != ctimes[i]
+        if not out[i]:
+            checked[i] = token
 
 
 _nowait_works = True  # until a file system says it cannot
@@ -226,7 +260,7 @@ try:
     from . import _batchread  # type: ignore[attr-defined]
 
     _compiled: ReadRows | None = _batchread.read_rows
-    _compiled_gone: Callable[[Any, Any], None] | None = _batchread.gone
+    _compiled_gone: Callable[..., None] | None = _batchread.gone
     _unmap: Callable[[Any, int], None] | None = _batchread.unmap
     EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
 except ImportError:  # not built here: a compiler or Python's headers were missing
@@ -234,6 +268,11 @@ except ImportError:  # not built here: a compiler or Python's headers were missi
     _compiled_gone = None
     _unmap = None
     EXTENSION = None  # type: ignore[misc]
+
+
+def _major_faults() -> int:
+    """This thread's major page faults so far: reads from disk of pages it touched."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
 
 def _default_open_entries() -> int:
@@ -262,6 +301,7 @@ class _Serving:
     expect: bytes
     generation: int
     report_prefix: bytes  # a hit's report line before its key (protocol.encode_access)
+    changes: int = -1  # the store's change token file (protocol.CHANGES_FILE), or none
     users: int = 0  # calls reading with dirfd or kept descriptors of this mount now
     retired: bool = False
     # Kept descriptors and their mappings (0: none) to close once no call uses them: a
@@ -288,7 +328,7 @@ class BatchReader:
         self.size = size
         self.open_entries = _default_open_entries() if open_entries is None else open_entries
         self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
-        self._gone: Callable[[Any, Any], None] = gone_py
+        self._gone: Callable[..., None] = gone_py
         if self._read_rows is _compiled and _compiled_gone is not None:
             self._gone = _compiled_gone
         self._keys = keys
@@ -303,10 +343,17 @@ class BatchReader:
         self._length = len(self._header) + self._row_bytes + TRAILER_SIZE
         self._verified = np.zeros(count, np.uint32)  # the generation a key was looked up in
         self._seeds = np.zeros(count, np.uint64)
+        # A kept file's ctime when opened, and the store's change token when it was last
+        # looked at: while the token stays, nothing in the store changed, and it is not.
+        self._ctimes = np.zeros(count, np.int64)
+        self._checked = np.zeros(count, np.uint64)
         self._lock = threading.Lock()  # the fields below, and _fds' changes
         self._serving: _Serving | None = None
         self._kept = 0
         self._sweep_from = 0  # where the next sweep of kept files starts (_sweep)
+        # Whether the last batch found all its entries in the page cache: the next one then
+        # copies mapped entries without asking (TRUSTED), until a batch takes a major fault.
+        self._cached = False
         _readers.add(self)
 
     @property
@@ -353,6 +400,7 @@ class BatchReader:
         on_miss: Callable[[int], None] | None,
     ) -> list[int]:
         count = len(index)
+        token = _token(serving)
         for p in np.flatnonzero(self._verified[index] != serving.generation).tolist():
             self._verify(serving, int(index[p]))
         known = self._verified[index] == serving.generation
@@ -365,7 +413,14 @@ class BatchReader:
         ]
         positions = np.arange(count, dtype=np.int32)
         status = np.empty(count, np.int32)
-        self._call(serving, rows, index, positions, fds, maps, names, nowait=True, status=status)
+        trusted = self._cached and self._map
+        faults = _major_faults() if trusted else 0
+        nowait = TRUSTED if trusted else NOWAIT
+        self._call(serving, rows, index, positions, fds, maps, names, nowait, token, status=status)
+        if trusted:
+            self._cached = _major_faults() == faults
+        else:
+            self._cached = not (status == NOT_CACHED).any()
         misses = np.flatnonzero(status == MISSING).tolist()
         if on_miss is not None:
             for p in misses:
@@ -387,11 +442,12 @@ class BatchReader:
                 fds_again,
                 maps_again,
                 names_again,
-                nowait=False,
+                0,
+                token,
                 status=status_again,
             )
             status[again] = status_again
-        self._sweep(serving, count)
+        self._sweep(serving, count, token)
         hits = np.flatnonzero(status == OK).tolist()
         given_back = []
         for p in np.flatnonzero((status != OK) & (status != MISSING)).tolist():
@@ -413,8 +469,9 @@ class BatchReader:
         fds: npt.NDArray[np.int32],
         maps: npt.NDArray[np.uint64],
         names: list[bytes | None],
+        nowait: int,
+        token: int,
         *,
-        nowait: bool,
         status: npt.NDArray[np.int32],
     ) -> None:
         opening = sum(1 for p in range(len(positions)) if fds[p] < 0 and names[p] is not None)
@@ -422,6 +479,7 @@ class BatchReader:
             room = max(0, min(opening, self.open_entries - self._kept))
             self._kept += room
         kept = 0
+        checked, ctimes = self._checked[index], self._ctimes[index]
         try:
             kept = self._read_rows(
                 serving.dirfd,
@@ -438,10 +496,13 @@ class BatchReader:
                 room,
                 self._map,
                 nowait,
+                token,
+                checked,
+                ctimes,
                 status,
             )
         finally:
-            self._keep(serving, index, fds, maps, status, room, kept)
+            self._keep(serving, index, fds, maps, checked, ctimes, status, room, kept)
 
     def _keep(
         self,
@@ -449,6 +510,8 @@ class BatchReader:
         index: npt.NDArray[np.int64],
         fds: npt.NDArray[np.int32],
         maps: npt.NDArray[np.uint64],
+        checked: npt.NDArray[np.uint64],
+        ctimes: npt.NDArray[np.int64],
         status: npt.NDArray[np.int32],
         room: int,
         kept: int,
@@ -471,15 +534,19 @@ class BatchReader:
                         self._kept -= 1
                     else:
                         self._fds[i], self._maps[i] = fd, maps[p]
+            # What the call learnt of the files kept now (a file looked at, or opened).
+            ours = (fds >= 0) & (self._fds[index] == fds)
+            self._checked[index[ours]] = checked[ours]
+            self._ctimes[index[ours]] = ctimes[ours]
 
     def _release(self, serving: _Serving, i: int) -> None:
         """Under _lock: key ``i``'s kept file is no longer read; closed (and unmapped)
         once no call of ``serving`` is in flight."""
         serving.closing.append((int(self._fds[i]), int(self._maps[i])))
-        self._fds[i], self._maps[i] = -1, 0
+        self._fds[i], self._maps[i], self._checked[i] = -1, 0, 0
         self._kept -= 1
 
-    def _sweep(self, serving: _Serving, count: int) -> None:
+    def _sweep(self, serving: _Serving, count: int, token: int) -> None:
         """Let go of the kept files of the next ``count`` keys whose entry is gone (evicted,
         or rebuilt): a batch of N arrays looks at the next N keys' in turn, so a kept file
         holds an evicted entry's disk space for about an epoch at most, even if its key
@@ -490,8 +557,9 @@ class BatchReader:
             self._sweep_from = 0 if start + count >= len(self._fds) else start + count
             if serving.retired or not (window >= 0).any():
                 return
+            end = start + len(window)
             gone = np.zeros(len(window), np.uint8)
-            self._gone(window, gone)
+            self._gone(window, gone, self._checked[start:end], self._ctimes[start:end], token)
             for offset in np.flatnonzero(gone).tolist():
                 self._release(serving, start + offset)
 
@@ -581,7 +649,9 @@ class BatchReader:
         global _generation
         _generation += 1
         prefix = encode_access(version, self.size, "")[:-1]
-        return _Serving(mount, st.st_ino, version, dirfd, expect, _generation, prefix)
+        serving = _Serving(mount, st.st_ino, version, dirfd, expect, _generation, prefix)
+        serving.changes = _open_token(dirfd, mount.owner)
+        return serving
 
     def _retire(self, serving: _Serving) -> None:
         """Under _lock: ``serving`` is no longer the directory's; its descriptors close
@@ -609,11 +679,42 @@ class BatchReader:
         if serving.retired and serving.dirfd >= 0:
             os.close(serving.dirfd)
             serving.dirfd = -1
+            if serving.changes >= 0:
+                os.close(serving.changes)
+                serving.changes = -1
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # another thread may have held it at the fork
         if self._serving is not None:
             self._serving.users = 0  # the calls of the parent's threads are not here
+
+
+def _open_token(dirfd: int, owner: int) -> int:
+    """The store's change token file (store/changes.py), if it is the daemon's alone;
+    else -1: every kept file is then looked at before each read."""
+    try:
+        fd = os.open(CHANGES_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dirfd)
+    except OSError:
+        return -1
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not (stat.S_ISREG(st.st_mode) and owned_alone(st, owner)):
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _token(serving: _Serving) -> int:
+    """The store's change token now (0: none known)."""
+    if serving.changes < 0:
+        return 0
+    try:
+        data = os.pread(serving.changes, 8, 0)
+    except OSError:
+        return 0
+    return int.from_bytes(data, "little") if len(data) == 8 else 0
 
 
 _generation = 0  # of _Serving: each mount found anew gets the next; 0 is none

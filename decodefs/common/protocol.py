@@ -13,12 +13,14 @@ import json
 import os
 import re
 import struct
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Final, NamedTuple
 
 __all__ = [
     "ACCESS_REPORT_MAX",
     "ACCESS_SOCKET",
+    "CHANGES_FILE",
     "CONFIG_FILE",
     "FAILED_FILE",
     "FS_NAME",
@@ -42,6 +44,7 @@ __all__ = [
     "OpenRequest",
     "StoreStatus",
     "encode_access",
+    "parse_access_groups",
     "parse_access_report",
 ]
 
@@ -205,6 +208,8 @@ TRAILER_SIZE: Final = TRAILER.size
 # -- the access report: read_array tells the daemon about hits it read directly -------------
 
 ACCESS_SOCKET: Final = ".access.sock"  # in the store; a unix datagram socket
+# In the store: 8 bytes rewritten at random after any entry file changed (store/changes.py)
+CHANGES_FILE: Final = ".changes"
 ACCESS_REPORT_MAX: Final = 65536  # bytes per datagram the daemon reads
 
 
@@ -215,7 +220,32 @@ def encode_access(version: str, size: int, key: str) -> bytes:
 
 def parse_access_report(report: bytes) -> Iterator[tuple[str, int, str]]:
     """The well-formed lines of a datagram; anything else is skipped (anyone may send)."""
+    for (version, size), keys in parse_access_groups(report).items():
+        for key in keys:
+            yield version, size, key
+
+
+def parse_access_groups(report: bytes) -> dict[tuple[str, int], list[str]]:
+    """``parse_access_report``'s lines by version and size, in order within each: a
+    reader's datagram names one directory's keys, decoded here once."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    heads: dict[tuple[bytes, bytes], list[str] | None] = {}
+    encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
     for line in report.splitlines():
         fields = line.split(b"\t")
-        if len(fields) == 3 and SIZE_NAME.fullmatch(fields[1]) is not None:
-            yield os.fsdecode(fields[0]), int(fields[1]), os.fsdecode(fields[2])
+        if len(fields) != 3:
+            continue
+        head = (fields[0], fields[1])
+        keys = heads.get(head, _UNSEEN)
+        if keys is _UNSEEN:
+            keys = None
+            if SIZE_NAME.fullmatch(fields[1]) is not None:
+                group = (fields[0].decode(encoding, errors), int(fields[1]))
+                keys = groups.setdefault(group, [])
+            heads[head] = keys
+        if keys is not None:
+            keys.append(fields[2].decode(encoding, errors))
+    return groups
+
+
+_UNSEEN: Final[list[str]] = []  # parse_access_groups: a head not seen yet

@@ -22,7 +22,7 @@ import trio
 from ..common.config import Config
 from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
-from ..common.protocol import ACCESS_REPORT_MAX, parse_access_report
+from ..common.protocol import ACCESS_REPORT_MAX, parse_access_groups
 from ..common.source import SourceIndex
 from ..store import Store
 
@@ -45,17 +45,20 @@ class DirectHits:
         self._metrics = metrics
 
     def note(self, report: bytes) -> None:
-        """Record the accesses of one report (protocol.parse_access_report)."""
+        """Record the accesses of one report (protocol.parse_access_groups)."""
         store = self._store
         # Only stored arrays are read directly, so no honest reports name more keys.
         limit = min(_MAX_PENDING_ACCESSES, max(1024, store.usage().entries))
-        for version, size, key in parse_access_report(report):
+        for (version, size), names in parse_access_groups(report).items():
             source = self._sources.get(version)
-            if source is None or size not in self._sizes or source.find(key) is None:
+            if source is None or size not in self._sizes:
                 continue
-            if not store.capacity.record_access(EntryKey(version, size, key), limit):
+            find = source.find
+            keys = [EntryKey(version, size, key) for key in names if find(key) is not None]
+            noted = store.capacity.record_accesses(keys, limit)
+            self._metrics.direct_hits += noted
+            if noted < len(keys):
                 return  # until the next flush: the LRU order of the rest can wait
-            self._metrics.direct_hits += 1
 
     async def receive(self, path: str) -> None:
         """Listen at ``path`` and note every report until cancelled (a daemon task)."""

@@ -32,7 +32,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
@@ -286,6 +286,22 @@ class Capacity:
                 return False
             self._accesses[key] = now
         return True
+
+    def record_accesses(self, keys: Sequence[EntryKey], limit: int | None = None) -> int:
+        """``record_access`` of each of ``keys`` in turn, at one time and under one lock
+        (a report of direct hits); returns how many were noted before the first that
+        was not."""
+        now = self._clock()
+        with self._access_lock:
+            accesses = self._accesses
+            if limit is None or len(accesses) + len(keys) <= limit:
+                accesses.update(dict.fromkeys(keys, now))
+                return len(keys)
+            for noted, key in enumerate(keys):
+                if len(accesses) >= limit and key not in accesses:
+                    return noted
+                accesses[key] = now
+            return len(keys)
 
     def flush_accesses(self) -> None:
         with self._access_lock:

@@ -130,8 +130,9 @@ def check_fingerprint(
     return discarded
 
 
-def start_trash_cleanup(root: int) -> None:
-    """Delete what the trash holds, in a background thread (nothing if there is none)."""
+def start_trash_cleanup(root: int, done: Callable[[], None] = lambda: None) -> None:
+    """Delete what the trash holds, in a background thread (nothing if there is none),
+    then call ``done``."""
     try:
         os.stat(TRASH, dir_fd=root, follow_symlinks=False)
     except OSError:
@@ -141,6 +142,7 @@ def start_trash_cleanup(root: int) -> None:
         started = time.monotonic()
         shutil.rmtree(TRASH, dir_fd=root, ignore_errors=True)
         log.info("deleted discarded arrays in %.1f s", time.monotonic() - started)
+        done()
 
     threading.Thread(target=cleanup, name="store-trash", daemon=True).start()
 

@@ -54,6 +54,7 @@ from ..common.trusted import READ_FLAGS as _READ
 from . import movein, pagecache
 from .capacity import Capacity, SizeUsage, StoreUsage
 from .catalog import Catalog
+from .changes import ChangeToken
 from .entry_modes import EntryModes
 from .fingerprints import Discarded, check_fingerprint, recorded_digest, start_trash_cleanup
 from .flights import FlightClaims
@@ -188,6 +189,8 @@ class Store:
         self.unsettled: list[str] = []  # versions to discard once it serves no more
         # Claims of keys being decoded, among the processes using this store (flights.py).
         self.flights = FlightClaims(None)
+        # Rewritten after any entry file is unlinked, replaced or given other readers.
+        self.changes = ChangeToken()
         # Versions whose stored arrays were made by another fingerprint, discarded at open
         # (or, after a handover, once the serving process before is gone).
         self.discarded: dict[str, Discarded] = {}
@@ -279,6 +282,7 @@ class Store:
         if catalog is not None:
             catalog.close()
         self.flights.close()
+        self.changes.close()
         self._root.close()
 
     def wait_for_usage(self, timeout: float = 60.0) -> StoreUsage:
@@ -357,6 +361,7 @@ class Store:
             self._give_readers(entry, key)
         finally:
             os.close(entry)
+            self.changes.note()
         return True
 
     def share_all(self, version: str, sizes: Collection[int], keys: Collection[str]) -> int:
@@ -488,6 +493,7 @@ class Store:
                 readers = self.readers(key) if self.readers is not None else None
                 self._entry_modes.apply(fd, readers)  # whatever the umask
                 shard = self._root.entry_dir(root, key)
+                replacing = self._root.exists(key.relpath)  # one write per key at a time
                 try:
                     self.capacity.commit(
                         key,
@@ -498,6 +504,8 @@ class Store:
                     )
                 finally:
                     os.close(shard)
+                    if replacing:
+                        self.changes.note()
         except OSError as exc:
             raise self._write_error(key, exc) from exc
 
@@ -626,13 +634,15 @@ class Store:
         discard versions decoded another way, and fill a new catalog from the files."""
         empty = self._open_catalog(fd, writable)
         if writable:
+            # Read by whoever reads entries directly: with "originals", others than the owner.
+            self.changes.open(fd, 0o600 if self.access == "owner" else 0o644)
             for version, fingerprint in self._fingerprints.items():
                 recorded = recorded_digest(fd, version)
                 if self._handed_over and recorded not in (None, fingerprint.digest):
                     self.unsettled.append(version)  # an earlier process still serves it
                     continue
                 self._check_fingerprint(fd, version)  # before a fill scan sees what it discards
-            start_trash_cleanup(fd)
+            start_trash_cleanup(fd, done=self.changes.note)
             self._follow_access(fd)
         if empty:
             # A new catalog on an existing store (or a read-only store): fill it
@@ -682,6 +692,7 @@ class Store:
         log.info("store %s: %d entries made the daemon's alone (access was %s, is "
                  "originals) in %.2f s", self.root, count, recorded or "not recorded",
                  time.monotonic() - started)  # fmt: skip
+        self.changes.note()
         try:
             write_json_at(root, ACCESS_MARKER, {"access": self.access}, self.file_mode)
         except OSError as exc:
@@ -699,6 +710,7 @@ class Store:
         )
         if discarded is not None:
             self.discarded[version] = discarded
+            self.changes.note()
 
     def _gone(self) -> None:
         self.generation += 1
@@ -710,6 +722,7 @@ class Store:
 
     def _detach(self) -> None:
         """The store's contents are gone, or about to be attached again."""
+        self.changes.close()
         catalog = self.capacity.detach()
         if catalog is not None:
             with contextlib.suppress(sqlite3.Error):
@@ -739,6 +752,7 @@ class Store:
             return
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(key.relpath, dir_fd=fd)
+        self.changes.note()
 
 
 def _version_dirs(root: int) -> list[str]:

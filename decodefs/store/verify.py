@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..common.entry import STALE, EntryKey, check_entry_file
 from ..common.trusted import READ_FLAGS, opened_directory
 from .catalog import Catalog
+from .changes import ChangeToken
 from .fingerprints import recorded_digest
 from .store import CATALOG_FILE, StoreInUse, lock_store
 from .walk import iter_entries
@@ -86,6 +87,10 @@ def verify_store(
                 report.removed += 1
         if catalog is not None:
             catalog.close()
+        if report.removed:  # for readers still holding entry files of an earlier mount
+            token = ChangeToken()
+            token.open(fd)
+            token.close()
     return report
 
 

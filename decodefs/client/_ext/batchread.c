@@ -77,6 +77,7 @@ static int guard_sigbus(void) {
 
 static ssize_t (*read_rows_impl)(struct batch *) = read_rows_base;
 static uint64_t (*checksum_impl)(const void *, size_t, uint64_t) = checksum_base;
+static uint64_t (*copy_checksum_impl)(void *, const void *, size_t, size_t, uint64_t) = copy_checksum_base;
 static const char *vector = "base";
 
 static int get(PyObject *obj, Py_buffer *view, int flags, Py_ssize_t want, const char *what) {
@@ -92,29 +93,39 @@ static int get(PyObject *obj, Py_buffer *view, int flags, Py_ssize_t want, const
 
 PyDoc_STRVAR(read_rows_doc,
 "read_rows(dirfd, rows, row_bytes, positions, fds, maps, names, seeds, header, expect,\n"
-"          owner, keep, map, nowait, status) -> how many descriptors it opened and left in fds\n\n"
+"          owner, keep, map, nowait, token, checked, ctimes, status)\n"
+"    -> how many descriptors it opened and left in fds\n\n"
 "Item i (of len(positions), int32) is read into row positions[i] of rows (row_bytes\n"
 "each): the entry open at fds[i] (int32), or where fds[i] is -1 the entry at names[i]\n"
 "(bytes, below dirfd; None: not stored), checked against header (the .npy header),\n"
 "copied out of the mapping maps[i] (uint64, 0: none) with nowait if it is in the page\n"
-"cache; with map, the descriptors left open are mapped too (their maps[i] set).\n"
+"cache (nowait 2: without asking the kernel whether it is); with map, the descriptors\n"
+"left open are mapped too (their maps[i] set).\n"
 "expect (the trailer but its checksum) and seeds[i] (uint64). status[i] (int32) says how\n"
 "it went: OK, MISSING, NOT_CACHED (not in the page cache; with nowait, its reading ahead\n"
 "started), BAD (failed a check), GONE (a kept descriptor's file was unlinked since;\n"
-"left open: the caller closes it). Up to keep descriptors opened here are left open in fds.");
+"left open: the caller closes it). Up to keep descriptors opened here are left open in fds.\n"
+"A kept descriptor is looked at (fstat) unless checked[i] (uint64) is token, the store's\n"
+"change token now (0: none): if its file is unlinked or its inode changed since ctimes[i]\n"
+"(int64, ns) it is GONE, else checked[i] becomes token. A descriptor opened here has\n"
+"its ctime in ctimes[i] and token in checked[i].");
 
 static PyObject *read_rows(PyObject *self, PyObject *args) {
     int dirfd, map, nowait;
     Py_ssize_t row_bytes, keep;
     unsigned long owner;
+    unsigned long long token;
     PyObject *rows_obj, *positions_obj, *fds_obj, *maps_obj, *names_obj, *seeds_obj, *status_obj;
+    PyObject *checked_obj, *ctimes_obj;
     Py_buffer header, expect;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOnOOOOOy*y*knppO", &dirfd, &rows_obj, &row_bytes,
+    if (!PyArg_ParseTuple(args, "iOnOOOOOy*y*knpiKOOO", &dirfd, &rows_obj, &row_bytes,
                           &positions_obj, &fds_obj, &maps_obj, &names_obj, &seeds_obj, &header,
-                          &expect, &owner, &keep, &map, &nowait, &status_obj))
+                          &expect, &owner, &keep, &map, &nowait, &token, &checked_obj,
+                          &ctimes_obj, &status_obj))
         return NULL;
     Py_buffer rows = {0}, positions = {0}, fds = {0}, maps = {0}, seeds = {0}, status = {0};
+    Py_buffer checked = {0}, ctimes = {0};
     PyObject *names = NULL, *result = NULL;
     const char **name_of = NULL;
     Py_ssize_t n = 0;
@@ -125,6 +136,8 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
         !get(fds_obj, &fds, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "fds") ||
         !get(maps_obj, &maps, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(uint64_t), "maps") ||
         !get(seeds_obj, &seeds, PyBUF_SIMPLE, n * (Py_ssize_t)sizeof(uint64_t), "seeds") ||
+        !get(checked_obj, &checked, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(uint64_t), "checked") ||
+        !get(ctimes_obj, &ctimes, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int64_t), "ctimes") ||
         !get(status_obj, &status, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "status"))
         goto done;
     if (map && !guard_sigbus()) {
@@ -181,6 +194,9 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
         .owner = (uid_t)owner,
         .keep = keep,
         .nowait = nowait,
+        .token = token,
+        .checked = checked.buf,
+        .ctimes = ctimes.buf,
         .status = status.buf,
     };
     ssize_t kept;
@@ -194,7 +210,7 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(name_of);
     Py_XDECREF(names);
-    Py_buffer *views[] = {&rows, &positions, &fds, &maps, &seeds, &status};
+    Py_buffer *views[] = {&rows, &positions, &fds, &maps, &seeds, &checked, &ctimes, &status};
     for (size_t k = 0; k < sizeof views / sizeof *views; k++)
         if (views[k]->obj)
             PyBuffer_Release(views[k]);
@@ -203,36 +219,48 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(gone_doc, "gone(fds, out): out[i] (uint8) = 1 where the file open at fds[i] (int32,\n"
-"-1: none) is unlinked (evicted, replaced) or no longer open, else 0; without the GIL.");
+PyDoc_STRVAR(gone_doc, "gone(fds, out, checked, ctimes, token): out[i] (uint8) = 1 where the file\n"
+"open at fds[i] (int32, -1: none) is unlinked (evicted, replaced), changed since ctimes[i]\n"
+"(its inode's ctime, ns: other readers) or no longer open, else 0 and checked[i] = token;\n"
+"a file whose checked[i] is token (not 0) is not looked at. Without the GIL.");
 
 static PyObject *gone(PyObject *self, PyObject *args) {
-    PyObject *fds_obj, *out_obj;
+    PyObject *fds_obj, *out_obj, *checked_obj, *ctimes_obj;
+    unsigned long long token;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO", &fds_obj, &out_obj))
+    if (!PyArg_ParseTuple(args, "OOOOK", &fds_obj, &out_obj, &checked_obj, &ctimes_obj, &token))
         return NULL;
-    Py_buffer fds = {0}, out = {0};
+    Py_buffer fds = {0}, out = {0}, checked = {0}, ctimes = {0};
     PyObject *result = NULL;
     if (!get(fds_obj, &fds, PyBUF_SIMPLE, -1, "fds"))
         goto done;
     Py_ssize_t n = fds.len / (Py_ssize_t)sizeof(int32_t);
-    if (!get(out_obj, &out, PyBUF_WRITABLE, n, "out"))
+    if (!get(out_obj, &out, PyBUF_WRITABLE, n, "out") ||
+        !get(checked_obj, &checked, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(uint64_t), "checked") ||
+        !get(ctimes_obj, &ctimes, PyBUF_SIMPLE, n * (Py_ssize_t)sizeof(int64_t), "ctimes"))
         goto done;
     const int32_t *fd_of = fds.buf;
     unsigned char *gone_of = out.buf;
+    uint64_t *checked_of = checked.buf;
+    const int64_t *ctime_of = ctimes.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         struct stat st;
-        gone_of[i] = fd_of[i] >= 0 && (fstat(fd_of[i], &st) != 0 || st.st_nlink == 0);
+        gone_of[i] = 0;
+        if (fd_of[i] < 0 || (token != 0 && checked_of[i] == token))
+            continue;
+        gone_of[i] = fstat(fd_of[i], &st) != 0 || st.st_nlink == 0 || ctime_ns(&st) != ctime_of[i];
+        if (!gone_of[i])
+            checked_of[i] = token;
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
-    if (fds.obj)
-        PyBuffer_Release(&fds);
-    if (out.obj)
-        PyBuffer_Release(&out);
+    Py_buffer *views[] = {&fds, &out, &checked, &ctimes};
+    for (size_t k = 0; k < sizeof views / sizeof *views; k++)
+        if (views[k]->obj)
+            PyBuffer_Release(views[k]);
     return result;
 }
 
@@ -300,12 +328,39 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(digest);
 }
 
+PyDoc_STRVAR(copy_checksum_doc,
+"copy_checksum(data, skip, seed) -> (xxh3-64 of data with seed, data[skip:]), both made in\n"
+"the one pass read_rows makes over a mapped entry (skip: its header's length)");
+
+static PyObject *copy_checksum(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t skip;
+    unsigned long long seed;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nK", &data, &skip, &seed))
+        return NULL;
+    PyObject *copy = NULL;
+    if (skip < 0 || skip > data.len)
+        PyErr_SetString(PyExc_ValueError, "copy_checksum: skip outside data");
+    else
+        copy = PyBytes_FromStringAndSize(NULL, data.len - skip);
+    uint64_t digest = 0;
+    if (copy != NULL)
+        digest = copy_checksum_impl(PyBytes_AS_STRING(copy), data.buf, (size_t)data.len,
+                                    (size_t)skip, seed);
+    PyBuffer_Release(&data);
+    if (copy == NULL)
+        return NULL;
+    return Py_BuildValue("(KN)", (unsigned long long)digest, copy);
+}
+
 static PyMethodDef methods[] = {
     {"read_rows", read_rows, METH_VARARGS, read_rows_doc},
     {"gone", gone, METH_VARARGS, gone_doc},
     {"unmap", unmap, METH_VARARGS, unmap_doc},
     {"probe", probe, METH_VARARGS, probe_doc},
     {"checksum", checksum, METH_VARARGS, checksum_doc},
+    {"copy_checksum", copy_checksum, METH_VARARGS, copy_checksum_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -327,6 +382,7 @@ PyMODINIT_FUNC PyInit__batchread(void) {
     if (__builtin_cpu_supports("avx2")) {
         read_rows_impl = read_rows_avx2;
         checksum_impl = checksum_avx2;
+        copy_checksum_impl = copy_checksum_avx2;
         vector = "avx2";
     }
 #endif

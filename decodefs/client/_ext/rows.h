@@ -10,12 +10,14 @@
 #include <setjmp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define DECODEFS_AVX2 1 /* rows_avx2.c holds a second build of rows.inc, for AVX2 */
 #endif
 
+enum { NOWAIT_TRUSTED = 2 };
 enum { ROW_OK = 0, ROW_MISSING = 1, ROW_NOT_CACHED = 2, ROW_BAD = 3, ROW_GONE = 4 };
 
 #define TRAILER_SIZE 40 /* protocol.TRAILER ("<4sI16sQQ").size */
@@ -38,9 +40,18 @@ struct batch {
     const unsigned char *expect; /* EXPECT_SIZE bytes */
     uid_t owner;
     ssize_t keep;           /* how many descriptors opened here may stay open in fds */
-    int nowait;             /* a row not in the page cache: start reading it ahead, ROW_NOT_CACHED */
+    int nowait;             /* a row not in the page cache: start reading it ahead, ROW_NOT_CACHED;
+                             * NOWAIT_TRUSTED: a mapped row is copied without asking (mincore) */
+    uint64_t token;         /* the store's change token now (0: none) */
+    uint64_t *checked;      /* item i's kept descriptor was looked at when the token was this */
+    int64_t *ctimes;        /* item i's kept descriptor's file's ctime (ns) when opened */
     int32_t *status;        /* item i's ROW_ status */
 };
+
+/* A file's inode change time in ns: chmod, chown, an ACL, a link or unlink change it. */
+static inline int64_t ctime_ns(const struct stat *st) {
+    return (int64_t)st->st_ctim.tv_sec * 1000000000 + st->st_ctim.tv_nsec;
+}
 
 extern int decodefs_nowait_works; /* until a file system says EOPNOTSUPP */
 
@@ -50,9 +61,11 @@ extern __thread sigjmp_buf *decodefs_guard;
 
 ssize_t read_rows_base(struct batch *b);
 uint64_t checksum_base(const void *data, size_t len, uint64_t seed);
+uint64_t copy_checksum_base(void *dst, const void *src, size_t len, size_t skip, uint64_t seed);
 #ifdef DECODEFS_AVX2
 ssize_t read_rows_avx2(struct batch *b);
 uint64_t checksum_avx2(const void *data, size_t len, uint64_t seed);
+uint64_t copy_checksum_avx2(void *dst, const void *src, size_t len, size_t skip, uint64_t seed);
 #endif
 
 #endif

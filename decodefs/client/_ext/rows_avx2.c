@@ -4,6 +4,7 @@
 #pragma GCC target("avx2")
 #define READ_ROWS read_rows_avx2
 #define CHECKSUM checksum_avx2
+#define COPY_CHECKSUM copy_checksum_avx2
 #include "rows.inc"
 #else
 typedef int decodefs_no_avx2; /* an empty file is not ISO C */

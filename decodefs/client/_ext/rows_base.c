@@ -2,4 +2,5 @@
 #include "rows.h" /* first: it says which system interfaces */
 #define READ_ROWS read_rows_base
 #define CHECKSUM checksum_base
+#define COPY_CHECKSUM copy_checksum_base
 #include "rows.inc"
