@@ -401,16 +401,18 @@ class BatchReader:
     ) -> list[int]:
         count = len(index)
         token = _token(serving)
-        for p in np.flatnonzero(self._verified[index] != serving.generation).tolist():
-            self._verify(serving, int(index[p]))
         known = self._verified[index] == serving.generation
+        if not known.all():
+            for p in np.flatnonzero(~known).tolist():
+                self._verify(serving, int(index[p]))
+            known = self._verified[index] == serving.generation
         fds = np.where(known, self._fds[index], -1).astype(np.int32)
         maps = np.where(known, self._maps[index], 0).astype(np.uint64)
-        opening = (known & (fds < 0)).tolist()
         keys = index.tolist()
-        names = [
-            self._relpath(serving, i) if o else None for i, o in zip(keys, opening, strict=True)
-        ]
+        opening = known & (fds < 0)
+        names: list[bytes | None] = [None] * count
+        for p in np.flatnonzero(opening).tolist():
+            names[p] = self._relpath(serving, keys[p])
         positions = np.arange(count, dtype=np.int32)
         status = np.empty(count, np.int32)
         trusted = self._cached and self._map
@@ -421,6 +423,10 @@ class BatchReader:
             self._cached = _major_faults() == faults
         else:
             self._cached = not (status == NOT_CACHED).any()
+        if (status == OK).all():  # every array a hit, read and checked (warm epochs)
+            self._sweep(serving, count, token)
+            self._report(serving, self._keys[index].tolist())
+            return []
         misses = np.flatnonzero(status == MISSING).tolist()
         if on_miss is not None:
             for p in misses:
@@ -454,11 +460,15 @@ class BatchReader:
             # BAD: reader.py reads it again and says why (reporting it if fine after all)
             if status[p] != BAD or not self._recheck(serving, keys[p], rows[p]):
                 given_back.append(p)
-        prefix = serving.report_prefix  # the daemon's LRU order sees the hits
-        hit_keys = self._keys[index[hits]].tolist()
-        lines = b"".join([prefix + key + b"\n" for key in hit_keys])
-        report_hits(serving.mount.access_socket, lines, len(hits))
+        self._report(serving, self._keys[index[hits]].tolist())
         return sorted(misses + self._give_back(given_back, on_miss))
+
+    def _report(self, serving: _Serving, keys: list[bytes]) -> None:
+        """The daemon's LRU order sees these hits (one report line per key)."""
+        if keys:
+            prefix = serving.report_prefix
+            lines = prefix + (b"\n" + prefix).join(keys) + b"\n"
+            report_hits(serving.mount.access_socket, lines, len(keys))
 
     def _call(
         self,
@@ -474,7 +484,7 @@ class BatchReader:
         *,
         status: npt.NDArray[np.int32],
     ) -> None:
-        opening = sum(1 for p in range(len(positions)) if fds[p] < 0 and names[p] is not None)
+        opening = len(names) - names.count(None)
         with self._lock:  # room for descriptors, reserved before the call
             room = max(0, min(opening, self.open_entries - self._kept))
             self._kept += room
