@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import subprocess
 import sys
@@ -311,6 +312,12 @@ def test_kept_files_stay_within_the_bound_and_close_with_the_mount(
     assert none.batch_reader().kept == 0 and open_entries() == 3
     dataset.batch_reader().close()
     assert open_entries() == 0
+    dropped = MountDataset(mount.mountpoint, "v1", SIZE, keys, open_entries=3)
+    assert_same_batches(batches(BatchLoader(dropped, batch_size=4)), want)
+    assert open_entries() == 3
+    del dropped
+    gc.collect()
+    assert open_entries() == 0  # a reader let go of closes its files
     with pytest.raises(ValueError, match="open_entries is a number"):
         MountDataset(mount.mountpoint, "v1", SIZE, keys, open_entries=-1)
 
