@@ -61,7 +61,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from benchlib import DECODEFS, VERSION, WORK, BenchMount
+from benchlib import (
+    CGROUP_ROOT,
+    DECODEFS,
+    VERSION,
+    WORK,
+    BenchMount,
+    cgroup,
+    drop_caches,
+    page_cache_bytes,
+)
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from decodefs import decode_image, list_keys, read_array
@@ -71,7 +80,6 @@ from decodefs.sample import make_sample_corpus
 from decodefs.torch import BatchLoader, MountDataset, collate_uint8
 
 Epoch = Callable[[], int]  # reads one epoch, returns the number of arrays
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
 
 class Constant(Dataset[tuple[npt.NDArray[np.uint8], str]]):
@@ -349,7 +357,7 @@ def small_memory(
         "disk": Disk(sorted(store.rglob("*.npy")), args.batch),
     }
     rates: dict[str, list[float]] = {}
-    with _cgroup() as group:
+    with cgroup(None) as group:
         usage = int((group / "memory.usage_in_bytes").read_text())
         # This process's own memory was charged elsewhere (cgroup v1 charges what is
         # allocated after the move): the limit is the page cache's room and the batch
@@ -357,14 +365,14 @@ def small_memory(
         batches = (args.batch * args.size * args.size * 3) * 5
         (group / "memory.limit_in_bytes").write_text(str(usage + room + batches))
         for name, loader in made.items():
-            _drop_caches()
+            drop_caches()
             epoch = _epoch_of(loader)
             rates[name] = []
             for _ in range(args.epochs):
                 started = time.perf_counter()
                 arrays = epoch()
                 rates[name].append(arrays / (time.perf_counter() - started))
-        cache = _page_cache(group)
+        cache = page_cache_bytes(group)
     print(
         f"\nstore {entry_bytes / 2**20:,.0f} MiB, page cache room {room / 2**20:,.0f} MiB "
         f"({args.memory}x; the group's page cache at the end: {cache / 2**20:,.0f} MiB), "
@@ -374,33 +382,6 @@ def small_memory(
     print(f"| {'-' * 12} | --- |")
     for name, each in rates.items():
         print(f"| {name:<12} | {' '.join(f'{r:,.0f}' for r in each)} |")
-
-
-@contextlib.contextmanager
-def _cgroup() -> Iterator[Path]:
-    group = CGROUP_ROOT / f"decodefs-bench-loader-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-        try:
-            yield group
-        finally:
-            (CGROUP_ROOT / "cgroup.procs").write_text(str(os.getpid()))
-    finally:
-        group.rmdir()
-
-
-def _page_cache(group: Path) -> int:
-    for line in (group / "memory.stat").read_text().splitlines():
-        name, value = line.split()
-        if name == "total_cache":
-            return int(value)
-    return 0
-
-
-def _drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
 def _cpu_seconds() -> float:

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import DECODEFS, VERSION, WORK, BenchMount
+from benchlib import DECODEFS, VERSION, WORK, BenchMount, cgroup, drop_caches, page_cache_bytes
 
 from decodefs import read_array
 from decodefs.common.entry import EntryKey
@@ -62,7 +62,6 @@ from decodefs.common.npy import npy_file_size
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
 
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 CONTENDERS = ("direct", "read_array", "minimal", "mount")
 
 
@@ -166,41 +165,6 @@ def minimal_mount(
 
 
 # -- a memory cgroup for the daemon and the readers ------------------------------------
-
-
-@contextlib.contextmanager
-def cgroup(limit_bytes: int | None) -> Iterator[Path]:
-    """This process (and so every process it starts) in a fresh memory cgroup."""
-    group = CGROUP_ROOT / f"decodefs-bench-{os.getpid()}"
-    group.mkdir()
-    try:
-        if limit_bytes is not None:
-            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-        try:
-            yield group
-        finally:
-            (CGROUP_ROOT / "cgroup.procs").write_text(str(os.getpid()))
-    finally:
-        for _ in range(100):  # its daemon may take a moment to leave it
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-
-
-def page_cache_bytes(group: Path) -> int:
-    for line in (group / "memory.stat").read_text().splitlines():
-        name, value = line.split()
-        if name == "total_cache":
-            return int(value)
-    raise RuntimeError(f"no total_cache in {group}/memory.stat")
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
 # -- epochs -------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -117,3 +118,43 @@ def _toml(value: object) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     return json.dumps(str(value))  # a basic TOML string: JSON escapes are TOML escapes
+
+
+# -- memory cgroups (cgroup v1), for stores bigger than memory ---------------------------
+
+CGROUP_ROOT: Final = Path("/sys/fs/cgroup/memory")
+
+
+@contextmanager
+def cgroup(limit_bytes: int | None) -> Iterator[Path]:
+    """This process (and so every process it starts) in a fresh memory cgroup."""
+    group = CGROUP_ROOT / f"decodefs-bench-{os.getpid()}"
+    group.mkdir()
+    try:
+        if limit_bytes is not None:
+            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield group
+        finally:
+            (CGROUP_ROOT / "cgroup.procs").write_text(str(os.getpid()))
+    finally:
+        for _ in range(100):  # its daemon may take a moment to leave it
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def page_cache_bytes(group: Path) -> int:
+    for line in (group / "memory.stat").read_text().splitlines():
+        name, value = line.split()
+        if name == "total_cache":
+            return int(value)
+    raise RuntimeError(f"no total_cache in {group}/memory.stat")
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -296,6 +297,27 @@ def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int) -> None:
     from decodefs.client import _batchread  # type: ignore[attr-defined]
 
     assert _batchread.checksum(data, seed) == xxhash.xxh3_64_intdigest(data, seed=seed)
+
+
+@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+@given(
+    st.integers(0, 6000),
+    st.integers(0, 8),
+    st.one_of(st.just(0), st.integers(0, 2**64 - 1)),
+    st.randoms(use_true_random=False),
+)
+def test_the_copy_that_checks_in_one_pass_is_xxh3_and_a_copy(
+    length: int, stripes: int, seed: int, random: Any
+) -> None:
+    """The pass over a mapped entry: xxh3-64 of it all and a copy of all but its header
+    (a whole number of 64-byte stripes; other lengths take the two-pass way)."""
+    from decodefs.client import _batchread  # type: ignore[attr-defined]
+
+    data = random.randbytes(length)
+    skip = min(64 * stripes, length)
+    digest, copy = _batchread.copy_checksum(data, skip, seed)
+    assert digest == xxhash.xxh3_64_intdigest(data, seed=seed)
+    assert copy == data[skip:]
 
 
 @pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")

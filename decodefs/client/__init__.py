@@ -4,8 +4,8 @@ the keys of a mounted version, and ``decodefs warm`` through the mount.
 Imports only the shared vocabulary (decodefs.common), never Pillow, trio or
 pyfuse3. Other folders import what this file exports, never its rooms: reader
 (read_array), discovery (which mount, which store, trusted or not), hits (direct
-hits reported to the daemon), batch (a batch of a directory's arrays at the
-memory-copy bound, with its optional compiled twin _batchread), keys (listing a
+hits reported to the daemon), batch (a batch of a directory's arrays, each checked
+as it is copied, with its optional compiled twin _batchread), keys (listing a
 version's keys), failed (the originals that failed to decode), warm.
 """
 
