@@ -187,7 +187,7 @@ def test_a_store_that_cannot_be_created_serves_nothing_and_raises_nothing(tmp_pa
 
 @needs_root
 def test_full_and_read_only_stores_raise_store_write_error(tmpfs: Tmpfs) -> None:
-    root = tmpfs("320k")  # (with 256k, the catalog fills up before an entry does)
+    root = tmpfs("320k")  # (the catalog or an entry meets the full filesystem first: ENOSPC)
     s = Store(root / "store", {"v1": V1})
     s.open()
     big = payload(size=96)  # ~27 KiB each

@@ -490,8 +490,10 @@ def _usage_by_size(catalog: Catalog) -> dict[tuple[str, int], SizeUsage]:
 
 
 def _catalog_call(fn: Callable[..., T], *args: object) -> T:
-    """A catalog call whose failure is an OSError, like any other storage failure."""
+    """A catalog call whose failure is an OSError, like any other storage failure (a
+    full filesystem is ENOSPC, as when an entry's own write meets it)."""
     try:
         return fn(*args)
     except sqlite3.Error as exc:
-        raise OSError(errno.EIO, f"catalog: {exc}") from exc
+        full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+        raise OSError(errno.ENOSPC if full else errno.EIO, f"catalog: {exc}") from exc
