@@ -38,7 +38,6 @@ from disk.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import resource
@@ -687,17 +686,7 @@ class BatchReader:
     def _close(self, serving: _Serving) -> None:
         """Under _lock, no call of ``serving`` in flight: close what it let go of (and,
         retired, its store directory)."""
-        for fd, address in serving.closing:
-            os.close(fd)
-            if address and _unmap is not None:
-                _unmap(np.array([address], np.uint64), self._length)
-        serving.closing.clear()
-        if serving.retired and serving.dirfd >= 0:
-            os.close(serving.dirfd)
-            serving.dirfd = -1
-            if serving.changes >= 0:
-                os.close(serving.changes)
-                serving.changes = -1
+        _close_serving(serving, self._length)
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # another thread may have held it at the fork
@@ -716,16 +705,26 @@ def _let_go(
     serving = box[0]
     if serving is None:
         return  # never read, or closed: nothing is kept
-    pending = [(int(fd), int(address)) for fd, address in zip(fds, maps, strict=True) if fd >= 0]
-    for fd, address in [*pending, *serving.closing]:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    kept = [(int(fd), int(address)) for fd, address in zip(fds, maps, strict=True) if fd >= 0]
+    serving.closing.extend(kept)
+    serving.retired = True
+    _close_serving(serving, length)
+
+
+def _close_serving(serving: _Serving, length: int) -> None:
+    """Close (and unmap) the kept files ``serving`` let go of, and, retired, its store
+    directory and change token: no call of it may be in flight."""
+    for fd, address in serving.closing:
+        os.close(fd)
         if address and _unmap is not None:
             _unmap(np.array([address], np.uint64), length)
-    for fd in (serving.dirfd, serving.changes):
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    serving.closing.clear()
+    if serving.retired and serving.dirfd >= 0:
+        os.close(serving.dirfd)
+        serving.dirfd = -1
+        if serving.changes >= 0:
+            os.close(serving.changes)
+            serving.changes = -1
 
 
 def _open_token(dirfd: int, owner: int) -> int:
