@@ -309,20 +309,29 @@ def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int) -> None:
     st.integers(0, 6000),
     st.integers(0, 8),
     st.one_of(st.just(0), st.integers(0, 2**64 - 1)),
+    st.integers(0, 63),
+    st.booleans(),
     st.randoms(use_true_random=False),
 )
 def test_the_copy_that_checks_in_one_pass_is_xxh3_and_a_copy(
-    length: int, stripes: int, seed: int, random: Any
+    length: int, stripes: int, seed: int, shift: int, base: bool, random: Any
 ) -> None:
     """The pass over a mapped entry: xxh3-64 of it all and a copy of all but its header
-    (a whole number of 64-byte stripes; other lengths take the two-pass way)."""
+    (a whole number of 64-byte stripes; other lengths take the two-pass way), into a
+    row at any alignment (an aligned one takes the stores past the cache), by either
+    build (for any CPU, or for this one's vector instructions)."""
     from decodefs.client import _batchread  # type: ignore[attr-defined]
 
     data = random.randbytes(length)
     skip = min(64 * stripes, length)
-    digest, copy = _batchread.copy_checksum(data, skip, seed)
-    assert digest == xxhash.xxh3_64_intdigest(data, seed=seed)
-    assert copy == data[skip:]
+    memory = np.zeros(length - skip + 128, np.uint8)
+    start = -memory.ctypes.data % 64 + shift  # 64-aligned, then shifted
+    into = memory[start : start + length - skip]
+    assert _batchread.copy_checksum(data, skip, seed, into, base) == xxhash.xxh3_64_intdigest(
+        data, seed=seed
+    )
+    assert into.tobytes() == data[skip:]
+    assert not memory[:start].any() and not memory[start + len(into) :].any()
 
 
 @pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")

@@ -493,6 +493,7 @@ def test_batch_memory_is_used_again_only_once_nothing_refers_to_it(
     pointers = set()
     for images, _ in loader:
         pointers.add(images.data_ptr())
+        assert images.data_ptr() % 64 == 0  # rows on cache lines, copied into past the cache
         del images
     assert len(pointers) <= 1 + 1 + 1  # one batch used, one read ahead, one being filled
     assert len({images.data_ptr() for images, _, _ in kept}) == len(kept)

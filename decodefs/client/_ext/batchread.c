@@ -329,29 +329,31 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_checksum_doc,
-"copy_checksum(data, skip, seed) -> (xxh3-64 of data with seed, data[skip:]), both made in\n"
-"the one pass read_rows makes over a mapped entry (skip: its header's length)");
+"copy_checksum(data, skip, seed, into, base=False) -> xxh3-64 of data with seed,\n"
+"data[skip:] copied into the writable buffer into (as long), both in the one pass\n"
+"read_rows makes over a mapped entry (skip: its header's length; into: a row, at any\n"
+"alignment); base: by the build for any CPU, not the one chosen for this CPU");
 
 static PyObject *copy_checksum(PyObject *self, PyObject *args) {
-    Py_buffer data;
+    Py_buffer data, into;
     Py_ssize_t skip;
     unsigned long long seed;
+    int base = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nK", &data, &skip, &seed))
+    if (!PyArg_ParseTuple(args, "y*nKw*|p", &data, &skip, &seed, &into, &base))
         return NULL;
-    PyObject *copy = NULL;
+    PyObject *digest = NULL;
     if (skip < 0 || skip > data.len)
         PyErr_SetString(PyExc_ValueError, "copy_checksum: skip outside data");
+    else if (into.len != data.len - skip)
+        PyErr_SetString(PyExc_ValueError, "copy_checksum: into is not data[skip:]'s length");
     else
-        copy = PyBytes_FromStringAndSize(NULL, data.len - skip);
-    uint64_t digest = 0;
-    if (copy != NULL)
-        digest = copy_checksum_impl(PyBytes_AS_STRING(copy), data.buf, (size_t)data.len,
-                                    (size_t)skip, seed);
+        digest = PyLong_FromUnsignedLongLong(
+            (base ? copy_checksum_base : copy_checksum_impl)(into.buf, data.buf, (size_t)data.len,
+                                                             (size_t)skip, seed));
     PyBuffer_Release(&data);
-    if (copy == NULL)
-        return NULL;
-    return Py_BuildValue("(KN)", (unsigned long long)digest, copy);
+    PyBuffer_Release(&into);
+    return digest;
 }
 
 static PyMethodDef methods[] = {

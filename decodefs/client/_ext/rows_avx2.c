@@ -5,6 +5,7 @@
 #define READ_ROWS read_rows_avx2
 #define CHECKSUM checksum_avx2
 #define COPY_CHECKSUM copy_checksum_avx2
+#define STREAM_BYTES 32
 #include "rows.inc"
 #else
 typedef int decodefs_no_avx2; /* an empty file is not ISO C */
