@@ -202,6 +202,7 @@ def test_garbage_on_the_report_socket_changes_nothing(
         b"v1\t0064\t" + uuid.encode(),  # not the canonical name of a size
         b"v1\t4097\t" + uuid.encode(),  # above max_size
         b"v1\t64\tno-such-uuid\nnope\t64\t" + uuid.encode(),
+        b"v1\t0064\tno-such-uuid\t" + uuid.encode(),  # many keys, a size not canonical
         b"\xff\xfe\t\x00\t\x80\n" * 100,
         os.urandom(60000),
         b"",
@@ -209,7 +210,8 @@ def test_garbage_on_the_report_socket_changes_nothing(
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         for datagram in garbage:
             sock.sendto(datagram, address)
-        sock.sendto(f"v1\t64\t{uuid}\n".encode(), address)  # the one real report
+        # The one real report, in a line of several keys as a batch's hits are reported
+        sock.sendto(f"v1\t64\tno-such-uuid\t{uuid}\n".encode(), address)
     wait_until(lambda: mount.stats()["direct_hits"] >= 1, 10, "the one real report")
     assert mount.stats()["direct_hits"] == 1
     assert np.array_equal(
@@ -379,16 +381,19 @@ def test_a_new_mount_on_a_reused_device_number_is_noticed(
 def test_reports_go_in_datagrams_the_daemon_reads_whole(tmp_path: Path) -> None:
     # In process: a real datagram socket stands where the daemon listens.
     from decodefs.common.entry import EntryKey
-    from decodefs.common.protocol import ACCESS_REPORT_MAX, parse_access_report
+    from decodefs.common.protocol import ACCESS_REPORT_MAX, encode_accesses, parse_access_report
 
     address = str(tmp_path / "access.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
         listener.bind(address)
-        keys = [EntryKey("v1", 224, f"{i:032x}") for i in range(300)]
-        keys.append(EntryKey("v1", 224, "deep/" * 700 + "x"))  # one line longer than a datagram
+        keys = [EntryKey("v1", 224, f"{i:032x}") for i in range(3000)]
+        keys.append(EntryKey("v1", 224, "deep/" * 700 + "x"))  # a long key
         reporter = hits.HitReporter()
         for key in keys:
-            reporter.report(address, key)  # the 256th sends what came so far
+            reporter.report(address, key)  # the 1024th sends what came so far
+        batch = [EntryKey("v1", 96, f"{i:032x}") for i in range(64)]  # a batch's hits, one line
+        head = b"v1\t96\t"
+        reporter.report_lines(address, encode_accesses(head, [k.key.encode() for k in batch]), 64)
         reporter.flush()
         listener.setblocking(False)
         datagrams = []
@@ -397,7 +402,30 @@ def test_reports_go_in_datagrams_the_daemon_reads_whole(tmp_path: Path) -> None:
                 datagrams.append(listener.recv(ACCESS_REPORT_MAX + 1))
             except BlockingIOError:
                 break
-    assert all(0 < len(d) <= max(8192, len(b"deep/" * 700) + 20) for d in datagrams)
-    assert len(datagrams) >= 300 * 42 // 8192
+    assert all(0 < len(d) <= ACCESS_REPORT_MAX for d in datagrams)
+    assert len(datagrams) >= 3000 * 42 // ACCESS_REPORT_MAX
     got = [EntryKey(*line) for d in datagrams for line in parse_access_report(d)]
-    assert got == keys
+    assert got == keys + batch
+
+
+def test_a_report_line_of_many_keys_leaves_out_keys_no_line_can_hold() -> None:
+    from decodefs.common.protocol import (
+        ACCESS_LINE_MAX,
+        encode_accesses,
+        parse_access_groups,
+    )
+
+    head = b"v1\t224\t"
+    keys = [b"a", b"b/c d", b"tab\there", b"line\nbreak", b"cr\rhere", "\u00e9".encode(), b"\xff"]
+    report = encode_accesses(head, keys)
+    assert report.count(b"\n") == 1  # one line for the batch
+    want = ["a", "b/c d", "\u00e9", os.fsdecode(b"\xff")]  # the tab, \n and \r keys left out
+    assert parse_access_groups(report) == {("v1", 224): want}
+    assert encode_accesses(head, [b"x\ty", b"\n"]) == b""  # nothing left: no line
+    long = [b"k" * 1000 for _ in range(2 * ACCESS_LINE_MAX // 1000)]  # past a line: one each
+    report = encode_accesses(head, long)
+    assert report.count(b"\n") == len(long)
+    assert parse_access_groups(report) == {("v1", 224): [k.decode() for k in long]}
+    # One key per line, as read_array reports, and lines of many keys mix in a datagram.
+    mixed = b"v1\t224\ta\nv1\t96\tb\tc\nv1\t224\td\te\n"
+    assert parse_access_groups(mixed) == {("v1", 224): ["a", "d", "e"], ("v1", 96): ["b", "c"]}

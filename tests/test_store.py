@@ -387,6 +387,31 @@ def test_pending_accesses_stay_bounded(store: Store) -> None:
     assert store.capacity.record_access(keys[2], limit=2)  # room again after a flush
 
 
+def test_a_report_of_many_hits_stays_bounded_and_reaches_the_catalog(store: Store) -> None:
+    capacity = store.capacity
+    keys = [EntryKey("v1", 16, f"k{i}") for i in range(6)]
+    for i, key in enumerate(keys):
+        store.write(key, payload(i, size=16))
+    capacity.flush_accesses()
+    times = iter(range(int(time.time()) + 1000, int(time.time()) + 2000))  # after the writes
+    capacity._clock = lambda: float(next(times))
+    capacity.pin_hit(keys[5])  # an open's hit: pending, and counted against the limit
+    capacity.unpin(keys[5])
+    # A report names keys as plain (version, size, key) tuples, one of them twice.
+    plain = [(key.version, key.size, key.key) for key in keys]
+    report = [plain[0], plain[1], plain[0], plain[2], plain[3]]
+    assert capacity.record_accesses(report, limit=3) == 3  # k2 and k3 new past the limit
+    assert capacity.record_accesses([plain[3]], limit=3) == 0  # still full: not noted
+    assert capacity.record_accesses([plain[1]], limit=3) == 1  # a pending one refreshed
+    assert set(capacity._accesses) == {keys[5], keys[0], keys[1]}
+    capacity.flush_accesses()
+    assert capacity._catalog is not None
+    # Least recently used first: k2, k3 and k4 never reported, then k5, k0, k1.
+    order = [EntryKey(row.version, row.size, row.key) for row in capacity._catalog.oldest(6)]
+    assert order[3:] == [keys[5], keys[0], keys[1]]
+    assert set(order[:3]) == {keys[2], keys[3], keys[4]}
+
+
 def test_derived_caches_are_the_daemons_alone(store: Store) -> None:
     path = store.cache_dir("index")
     assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o700

@@ -63,6 +63,7 @@ from ..common.protocol import (
     TRAILER_MAGIC,
     TRAILER_SIZE,
     encode_access,
+    encode_accesses,
 )
 from ..common.trusted import owned_alone
 from .discovery import Mount, readable_mount
@@ -300,7 +301,7 @@ class _Serving:
     dirfd: int
     expect: bytes
     generation: int
-    report_prefix: bytes  # a hit's report line before its key (protocol.encode_access)
+    report_prefix: bytes  # a report line before its keys (protocol.encode_accesses)
     changes: int = -1  # the store's change token file (protocol.CHANGES_FILE), or none
     users: int = 0  # calls reading with dirfd or kept descriptors of this mount now
     retired: bool = False
@@ -469,10 +470,9 @@ class BatchReader:
         return sorted(misses + self._give_back(given_back, on_miss))
 
     def _report(self, serving: _Serving, keys: list[bytes]) -> None:
-        """The daemon's LRU order sees these hits (one report line per key)."""
+        """The daemon's LRU order sees these hits (a report line for them all)."""
         if keys:
-            prefix = serving.report_prefix
-            lines = prefix + (b"\n" + prefix).join(keys) + b"\n"
+            lines = encode_accesses(serving.report_prefix, keys)
             report_hits(serving.mount.access_socket, lines, len(keys))
 
     def _call(

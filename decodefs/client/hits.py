@@ -14,12 +14,13 @@ import time
 from typing import Final
 
 from ..common.entry import EntryKey
-from ..common.protocol import encode_access
+from ..common.protocol import ACCESS_REPORT_MAX, encode_access
 
 __all__ = ["HitReporter", "flush_reports", "report_hit", "report_hits"]
 
-_REPORT_BYTES: Final = 8192  # at most one datagram of access reports
-_REPORT_LINES: Final = 256  # hits that make the reporter send at once
+# A datagram as long as the daemon reads (each one it takes in costs it a wakeup)
+_REPORT_BYTES: Final = ACCESS_REPORT_MAX
+_REPORT_HITS: Final = 1024  # hits that make the reporter send at once
 _REPORT_SECONDS: Final = 1.0
 
 
@@ -27,15 +28,15 @@ class HitReporter:
     """Batches access report lines (protocol.encode_access) into datagrams to the daemon.
 
     A hit costs one tuple appended; the lines are made when they are sent. A
-    batch's hits come as their lines, made by the caller in one join.
+    batch's hits come as their lines, made by the caller (protocol.encode_accesses).
     Fire and forget: a full or absent socket only makes LRU order approximate.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (socket address, a key or whole report lines) to send, and how many lines
+        # (socket address, a key or whole report lines) to send, and how many hits
         self._pending: list[tuple[str, EntryKey | bytes]] = []
-        self._lines = 0
+        self._hits = 0
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
 
@@ -54,15 +55,15 @@ class HitReporter:
     def _add(self, address: str, hits: EntryKey | bytes, count: int) -> None:
         with self._lock:
             self._pending.append((address, hits))
-            self._lines += count
-            full = self._lines >= _REPORT_LINES
+            self._hits += count
+            full = self._hits >= _REPORT_HITS
         if full or time.monotonic() - self._last_flush >= _REPORT_SECONDS:
             self.flush()
 
     def flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-            self._lines = 0
+            self._hits = 0
             self._last_flush = time.monotonic()
         if not pending:
             return
@@ -88,7 +89,7 @@ class HitReporter:
         """In a forked child (a DataLoader worker): start afresh, sharing nothing."""
         self._lock = threading.Lock()  # another thread may have held it at the fork
         self._pending = []
-        self._lines = 0
+        self._hits = 0
         self._last_flush = time.monotonic()
         self._socket = None
 

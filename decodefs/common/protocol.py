@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import Final, NamedTuple
 
 __all__ = [
+    "ACCESS_LINE_MAX",
     "ACCESS_REPORT_MAX",
     "ACCESS_SOCKET",
     "CHANGES_FILE",
@@ -44,6 +45,7 @@ __all__ = [
     "OpenRequest",
     "StoreStatus",
     "encode_access",
+    "encode_accesses",
     "parse_access_groups",
     "parse_access_report",
 ]
@@ -211,11 +213,30 @@ ACCESS_SOCKET: Final = ".access.sock"  # in the store; a unix datagram socket
 # In the store: 8 bytes rewritten at random after any entry file changed (store/changes.py)
 CHANGES_FILE: Final = ".changes"
 ACCESS_REPORT_MAX: Final = 65536  # bytes per datagram the daemon reads
+ACCESS_LINE_MAX: Final = 8192  # bytes of keys a reader puts in one line (encode_accesses)
+_BREAKS: Final = re.compile(rb"[\n\r]")  # what bytes.splitlines() splits at
 
 
 def encode_access(version: str, size: int, key: str) -> bytes:
     """One report line: ``version<TAB>size<TAB>uuid<LF>`` (names as file-system bytes)."""
     return b"%s\t%d\t%s\n" % (os.fsencode(version), size, os.fsencode(key))
+
+
+def encode_accesses(head: bytes, keys: list[bytes]) -> bytes:
+    """The report lines of several hits in one directory: ``head`` (``encode_access``'s
+    line up to its key) then the keys, one line for all of them
+    (``version<TAB>size<TAB>key<TAB>key...<LF>``, the daemon parses it once), or one
+    line each where a line of them all would be longer than ``ACCESS_LINE_MAX``. A key
+    holding a tab or a line break names no array in a report: it is left out."""
+    line = b"\t".join(keys)
+    if len(line) > ACCESS_LINE_MAX or line.count(b"\t") != len(keys) - 1 or _BREAKS.search(line):
+        keys = [key for key in keys if not _BREAKS.search(key) and b"\t" not in key]
+        if not keys:
+            return b""
+        if sum(map(len, keys)) + len(keys) > ACCESS_LINE_MAX:
+            return head + (b"\n" + head).join(keys) + b"\n"
+        line = b"\t".join(keys)
+    return head + line + b"\n"
 
 
 def parse_access_report(report: bytes) -> Iterator[tuple[str, int, str]]:
@@ -226,13 +247,13 @@ def parse_access_report(report: bytes) -> Iterator[tuple[str, int, str]]:
 
 
 def parse_access_groups(report: bytes) -> dict[tuple[str, int], list[str]]:
-    """``parse_access_report``'s lines by version and size, in order within each: a
-    reader's datagram names one directory's keys, decoded here once."""
+    """``parse_access_report``'s keys by version and size, in order within each: a
+    reader's datagram names one directory's keys, decoded here once a line."""
     groups: dict[tuple[str, int], list[str]] = {}
     heads: dict[tuple[bytes, bytes], list[str] | None] = {}
     encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
     for line in report.splitlines():
-        fields = line.split(b"\t")
+        fields = line.split(b"\t", 2)
         if len(fields) != 3:
             continue
         head = (fields[0], fields[1])
@@ -244,7 +265,7 @@ def parse_access_groups(report: bytes) -> dict[tuple[str, int], list[str]]:
                 keys = groups.setdefault(group, [])
             heads[head] = keys
         if keys is not None:
-            keys.append(fields[2].decode(encoding, errors))
+            keys.extend(fields[2].decode(encoding, errors).split("\t"))
     return groups
 
 

@@ -227,6 +227,11 @@ class SourceIndex:
     def find(self, key: str) -> int | None:
         return self._positions.get(key)
 
+    def known(self, keys: list[str]) -> list[str]:
+        """Those of ``keys`` this version has, in order."""
+        positions = self._positions
+        return [key for key in keys if key in positions]
+
     def readers(self, index: int) -> Readers:
         """Who may read the original at ``index`` (the daemon alone while never seen)."""
         bits = self.reads[index]

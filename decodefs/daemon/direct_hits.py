@@ -15,12 +15,12 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Final
 
 import trio
 
 from ..common.config import Config
-from ..common.entry import EntryKey
 from ..common.metrics import LogThrottle, Metrics
 from ..common.protocol import ACCESS_REPORT_MAX, parse_access_groups
 from ..common.source import SourceIndex
@@ -53,8 +53,8 @@ class DirectHits:
             source = self._sources.get(version)
             if source is None or size not in self._sizes:
                 continue
-            find = source.find
-            keys = [EntryKey(version, size, key) for key in names if find(key) is not None]
+            # (version, size, key) tuples, as EntryKeys are: made at C speed
+            keys = list(zip(repeat(version), repeat(size), source.known(names), strict=False))
             noted = store.capacity.record_accesses(keys, limit)
             self._metrics.direct_hits += noted
             if noted < len(keys):

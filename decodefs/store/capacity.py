@@ -98,7 +98,8 @@ class Capacity:
         self._fill_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._pins: dict[EntryKey, int] = {}
-        self._accesses: dict[EntryKey, float] = {}
+        # (version, size, key), an EntryKey or a plain tuple (a report's), to its last hit
+        self._accesses: dict[tuple[str, int, str], float] = {}
         self.evicted: deque[EntryKey] = deque()  # for the engine to forget; thread-safe appends
         self.evictions = 0
 
@@ -287,21 +288,22 @@ class Capacity:
             self._accesses[key] = now
         return True
 
-    def record_accesses(self, keys: Sequence[EntryKey], limit: int | None = None) -> int:
-        """``record_access`` of each of ``keys`` in turn, at one time and under one lock
-        (a report of direct hits); returns how many were noted before the first that
-        was not."""
+    def record_accesses(
+        self, keys: Sequence[tuple[str, int, str]], limit: int | None = None
+    ) -> int:
+        """``record_access`` of each of ``keys`` (``(version, size, key)``, an EntryKey or a
+        plain tuple) at one time and under one lock (a report of direct hits); with
+        ``limit``, new keys past it are not noted. Returns how many were noted."""
         now = self._clock()
         with self._access_lock:
             accesses = self._accesses
-            if limit is None or len(accesses) + len(keys) <= limit:
-                accesses.update(dict.fromkeys(keys, now))
-                return len(keys)
-            for noted, key in enumerate(keys):
-                if len(accesses) >= limit and key not in accesses:
-                    return noted
-                accesses[key] = now
-            return len(keys)
+            before = len(accesses)
+            accesses.update(dict.fromkeys(keys, now))
+            added = len(accesses) - before  # the keys not pending before, last in the dict
+            over = 0 if limit is None else max(0, min(added, len(accesses) - limit))
+            for _ in range(over):  # dropped until the next flush
+                accesses.popitem()
+            return len(keys) - over
 
     def flush_accesses(self) -> None:
         with self._access_lock:
@@ -309,7 +311,7 @@ class Capacity:
         catalog = self._catalog
         if accesses and catalog is not None:
             try:
-                catalog.touch((k.version, k.size, k.key, t) for k, t in accesses.items())
+                catalog.touch((v, s, k, t) for (v, s, k), t in accesses.items())
             except sqlite3.Error as exc:
                 log.warning("cannot record %d accesses in the catalog: %s", len(accesses), exc)
 
