@@ -661,20 +661,20 @@ class _BatchMemory:
         self._shape = shape
         self._bytes = math.prod(shape)
         self._keep = keep
-        self._blocks: list[Array] = []  # each owns its memory: every view refers to it
+        # Each block owns its memory (every view of it refers to it), beside its rows
+        # starting on a cache line (a view: one more reference to the block).
+        self._blocks: list[tuple[Array, Array]] = []
 
     def tensor(self, rows: int) -> torch.Tensor:
-        for block in self._blocks:
-            if sys.getrefcount(block) == 3:  # the list's, the loop's and the argument's
-                return torch.from_numpy(self._rows(block, rows))
+        for block, aligned in self._blocks:
+            if sys.getrefcount(block) == 4:  # the tuple's, the view's, the loop's, the argument's
+                return torch.from_numpy(aligned[:rows])
         block = np.empty(self._bytes + _CACHE_LINE, np.uint8)
-        if len(self._blocks) < self._keep:
-            self._blocks.append(block)
-        return torch.from_numpy(self._rows(block, rows))
-
-    def _rows(self, block: Array, rows: int) -> Array:
         start = -block.ctypes.data % _CACHE_LINE
-        return block[start : start + self._bytes].reshape(self._shape)[:rows]
+        aligned = block[start : start + self._bytes].reshape(self._shape)
+        if len(self._blocks) < self._keep:
+            self._blocks.append((block, aligned))
+        return torch.from_numpy(aligned[:rows])
 
 
 _CACHE_LINE: Final = 64

@@ -82,6 +82,7 @@ MISSING: Final = 1  # no entry file (or none to open): read through the mount
 NOT_CACHED: Final = 2  # not in the page cache; with nowait, its reading ahead started
 BAD: Final = 3  # failed a check, or an error: reader.py finds out why, then the mount
 GONE: Final = 4  # a kept descriptor's file was unlinked: closed, to be opened again
+UNREAD: Final = 5  # read_kept: no kept file (or a key not looked up on this mount): opened
 # read_rows' nowait: 0 reads whatever it takes, NOWAIT only what is in the page cache, and
 # TRUSTED copies mapped entries without asking the kernel (mincore) whether they are.
 NOWAIT: Final = 1
@@ -114,6 +115,28 @@ class ReadRows(Protocol):
         ctimes: npt.NDArray[np.int64],
         status: npt.NDArray[np.int32],
     ) -> int: ...
+
+
+class ReadKept(Protocol):
+    def __call__(
+        self,
+        rows: Any,
+        row_bytes: int,
+        index: npt.NDArray[np.int64],
+        verified: npt.NDArray[np.uint32],
+        generation: int,
+        fds: npt.NDArray[np.int32],
+        maps: npt.NDArray[np.uint64],
+        seeds: npt.NDArray[np.uint64],
+        header: bytes,
+        expect: bytes,
+        nowait: int,
+        token: int,
+        checked: npt.NDArray[np.uint64],
+        ctimes: npt.NDArray[np.int64],
+        status: npt.NDArray[np.int32],
+        used: npt.NDArray[np.int32],
+    ) -> None: ...
 
 
 def read_entries_py(
@@ -220,6 +243,40 @@ def _read_row_py(
     return OK if hasher.intdigest() == recorded else BAD
 
 
+def read_kept_py(
+    rows: Any,
+    row_bytes: int,
+    index: npt.NDArray[np.int64],
+    verified: npt.NDArray[np.uint32],
+    generation: int,
+    fds: npt.NDArray[np.int32],
+    maps: npt.NDArray[np.uint64],
+    seeds: npt.NDArray[np.uint64],
+    header: bytes,
+    expect: bytes,
+    nowait: int,
+    token: int,
+    checked: npt.NDArray[np.uint64],
+    ctimes: npt.NDArray[np.int64],
+    status: npt.NDArray[np.int32],
+    used: npt.NDArray[np.int32],
+) -> None:
+    """``_batchread.read_kept`` in Python (see its docstring): the keys' kept files read
+    into rows 0, 1, ..., a key without one UNREAD. Maps nothing (``maps`` is taken for
+    the same signature)."""
+    memory = memoryview(rows).cast("B")
+    for p, i in enumerate(index.tolist()):
+        fd = used[p] = int(fds[i])
+        if fd < 0 or verified[i] != generation:
+            status[p] = UNREAD
+            continue
+        row = memory[p * row_bytes : (p + 1) * row_bytes]
+        got = _read_row_py(fd, False, row, int(seeds[i]), header, expect, 0, nowait, ctimes, i)
+        if got != GONE:
+            checked[i] = token
+        status[p] = got
+
+
 def gone_py(
     fds: npt.NDArray[np.int32],
     out: npt.NDArray[np.uint8],
@@ -261,11 +318,13 @@ try:
     from . import _batchread  # type: ignore[attr-defined]
 
     _compiled: ReadRows | None = _batchread.read_rows
+    _compiled_kept: ReadKept | None = _batchread.read_kept
     _compiled_gone: Callable[..., None] | None = _batchread.gone
     _unmap: Callable[[Any, int], None] | None = _batchread.unmap
     EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
 except ImportError:  # not built here: a compiler or Python's headers were missing
     _compiled = None
+    _compiled_kept = None
     _compiled_gone = None
     _unmap = None
     EXTENSION = None  # type: ignore[misc]
@@ -329,9 +388,12 @@ class BatchReader:
         self.size = size
         self.open_entries = _default_open_entries() if open_entries is None else open_entries
         self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
+        self._read_kept: ReadKept = read_kept_py
         self._gone: Callable[..., None] = gone_py
         if self._read_rows is _compiled and _compiled_gone is not None:
             self._gone = _compiled_gone
+        if self._read_rows is _compiled and _compiled_kept is not None:
+            self._read_kept = _compiled_kept
         self._keys = keys
         self._header = npy_header(size)
         self._row_bytes = size * size * 3
@@ -407,32 +469,44 @@ class BatchReader:
     ) -> list[int]:
         count = len(index)
         token = _token(serving)
-        known = self._verified[index] == serving.generation
-        if not known.all():
-            for p in np.flatnonzero(~known).tolist():
-                self._verify(serving, int(index[p]))
-            known = self._verified[index] == serving.generation
-        fds = np.where(known, self._fds[index], -1).astype(np.int32)
-        maps = np.where(known, self._maps[index], 0).astype(np.uint64)
-        keys = index.tolist()
-        opening = known & (fds < 0)
-        names: list[bytes | None] = [None] * count
-        for p in np.flatnonzero(opening).tolist():
-            names[p] = self._relpath(serving, keys[p])
-        positions = np.arange(count, dtype=np.int32)
-        status = np.empty(count, np.int32)
         trusted = self._cached and self._map
         faults = _major_faults() if trusted else 0
         nowait = TRUSTED if trusted else NOWAIT
-        self._call(serving, rows, index, positions, fds, maps, names, nowait, token, status=status)
+        # The keys with a kept file first, in one call that touches nothing else.
+        status = np.empty(count, np.int32)
+        used = np.empty(count, np.int32)
+        self._read_kept(
+            rows,
+            self._row_bytes,
+            index,
+            self._verified,
+            serving.generation,
+            self._fds,
+            self._maps,
+            self._seeds,
+            self._header,
+            serving.expect,
+            nowait,
+            token,
+            self._checked,
+            self._ctimes,
+            status,
+            used,
+        )
+        if not status.any():  # every array a hit (OK is 0), read and checked (warm epochs)
+            self._cached = _major_faults() == faults if trusted else True
+            self._sweep(serving, count, token)
+            self._report(serving, self._keys[index].tolist())
+            return []
+        self._let_go_of_gone(serving, index, status, used)
+        opening = np.flatnonzero((status == UNREAD) | (status == GONE)).astype(np.int32)
+        if len(opening):  # the rest: looked up on the mount, if need be, and opened
+            status[opening] = self._open(serving, index[opening], opening, rows, nowait, token)
         if trusted:
             self._cached = _major_faults() == faults
         else:
             self._cached = not (status == NOT_CACHED).any()
-        if (status == OK).all():  # every array a hit, read and checked (warm epochs)
-            self._sweep(serving, count, token)
-            self._report(serving, self._keys[index].tolist())
-            return []
+        keys = index.tolist()
         misses = np.flatnonzero(status == MISSING).tolist()
         if on_miss is not None:
             for p in misses:
@@ -468,6 +542,48 @@ class BatchReader:
                 given_back.append(p)
         self._report(serving, self._keys[index[hits]].tolist())
         return sorted(misses + self._give_back(given_back, on_miss))
+
+    def _open(
+        self,
+        serving: _Serving,
+        index: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int32],
+        rows: npt.NDArray[np.uint8],
+        nowait: int,
+        token: int,
+    ) -> npt.NDArray[np.int32]:
+        """The statuses of reading keys ``index`` into rows ``positions``: keys not
+        looked up on this mount yet are (the others MISSING), then read by their kept
+        file if another call kept one meanwhile, else opened by name."""
+        known = self._verified[index] == serving.generation
+        if not known.all():
+            for p in np.flatnonzero(~known).tolist():
+                self._verify(serving, int(index[p]))
+            known = self._verified[index] == serving.generation
+        fds = np.where(known, self._fds[index], -1).astype(np.int32)
+        maps = np.where(known, self._maps[index], 0).astype(np.uint64)
+        names: list[bytes | None] = [None] * len(index)
+        for p in np.flatnonzero(known & (fds < 0)).tolist():
+            names[p] = self._relpath(serving, int(index[p]))
+        status = np.empty(len(index), np.int32)
+        self._call(serving, rows, index, positions, fds, maps, names, nowait, token, status=status)
+        return status
+
+    def _let_go_of_gone(
+        self,
+        serving: _Serving,
+        index: npt.NDArray[np.int64],
+        status: npt.NDArray[np.int32],
+        used: npt.NDArray[np.int32],
+    ) -> None:
+        """Let go of the kept files read_kept found GONE (unless let go of already)."""
+        gone = np.flatnonzero(status == GONE).tolist()
+        if gone:
+            with self._lock:
+                for p in gone:
+                    i = int(index[p])
+                    if self._fds[i] == used[p] and not serving.retired:
+                        self._release(serving, i)
 
     def _report(self, serving: _Serving, keys: list[bytes]) -> None:
         """The daemon's LRU order sees these hits (a report line for them all)."""

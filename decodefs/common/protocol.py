@@ -214,7 +214,6 @@ ACCESS_SOCKET: Final = ".access.sock"  # in the store; a unix datagram socket
 CHANGES_FILE: Final = ".changes"
 ACCESS_REPORT_MAX: Final = 65536  # bytes per datagram the daemon reads
 ACCESS_LINE_MAX: Final = 8192  # bytes of keys a reader puts in one line (encode_accesses)
-_BREAKS: Final = re.compile(rb"[\n\r]")  # what bytes.splitlines() splits at
 
 
 def encode_access(version: str, size: int, key: str) -> bytes:
@@ -229,14 +228,19 @@ def encode_accesses(head: bytes, keys: list[bytes]) -> bytes:
     line each where a line of them all would be longer than ``ACCESS_LINE_MAX``. A key
     holding a tab or a line break names no array in a report: it is left out."""
     line = b"\t".join(keys)
-    if len(line) > ACCESS_LINE_MAX or line.count(b"\t") != len(keys) - 1 or _BREAKS.search(line):
-        keys = [key for key in keys if not _BREAKS.search(key) and b"\t" not in key]
+    if len(line) > ACCESS_LINE_MAX or line.count(b"\t") != len(keys) - 1 or _breaks(line):
+        keys = [key for key in keys if not _breaks(key) and b"\t" not in key]
         if not keys:
             return b""
         if sum(map(len, keys)) + len(keys) > ACCESS_LINE_MAX:
             return head + (b"\n" + head).join(keys) + b"\n"
         line = b"\t".join(keys)
     return head + line + b"\n"
+
+
+def _breaks(data: bytes) -> bool:
+    """Whether bytes.splitlines() splits ``data``."""
+    return b"\n" in data or b"\r" in data
 
 
 def parse_access_report(report: bytes) -> Iterator[tuple[str, int, str]]:

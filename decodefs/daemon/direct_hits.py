@@ -26,11 +26,16 @@ from ..common.protocol import ACCESS_REPORT_MAX, parse_access_groups
 from ..common.source import SourceIndex
 from ..store import Store
 
-__all__ = ["DirectHits"]
+__all__ = ["REPORT_PAUSE", "DirectHits"]
 
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_ACCESSES: Final = 1_000_000  # ~200 MB at most between two flushes
+# Reports are taken in at most this often (seconds). A unix datagram socket queues at
+# most net.unix.max_dgram_qlen (10 by default) datagrams, a reader's of up to ~1,000
+# hits: more than a DataLoader's readers send in this time.
+REPORT_PAUSE: Final = 0.02
+_REPORTS_AT_ONCE: Final = 64  # datagrams noted before the event loop serves others
 
 
 class DirectHits:
@@ -61,15 +66,19 @@ class DirectHits:
                 return  # until the next flush: the LRU order of the rest can wait
 
     async def receive(self, path: str) -> None:
-        """Listen at ``path`` and note every report until cancelled (a daemon task)."""
-        with trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        """Listen at ``path`` and note every report until cancelled (a daemon task).
+
+        Reports are taken in at most every ``REPORT_PAUSE`` seconds, all that came
+        meanwhile at once: a reader's send wakes the daemon only when it waits idle,
+        and the woken daemon would run on the reader's CPU, ahead of it."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK) as sock:
             # Bound beside and renamed into place: an earlier serving process of the
             # mount may still listen there, and stops hearing reports at once.
             ours = f"{path}.{os.getpid()}"
             try:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(ours)
-                await sock.bind(ours)
+                sock.bind(ours)
                 os.chmod(ours, 0o666)  # any reader may report; reports only order the LRU
                 bound = os.stat(ours).st_ino
                 os.replace(ours, path)
@@ -79,12 +88,22 @@ class DirectHits:
             throttle = LogThrottle(log)
             try:
                 while True:
+                    await trio.lowlevel.wait_readable(sock)
                     try:
-                        self.note(await sock.recv(ACCESS_REPORT_MAX))
+                        self._take_in(sock)
                     except Exception as exc:  # a report orders the LRU: never worth the daemon
                         throttle.log(logging.ERROR, "direct-hits", "direct-hit report: %r", exc)
-                        await trio.sleep(0.1)  # a socket that keeps failing must not spin
+                    await trio.sleep(REPORT_PAUSE)
             finally:
                 with contextlib.suppress(OSError):
                     if os.stat(path).st_ino == bound:  # not a later serving process's
                         os.unlink(path)
+
+    def _take_in(self, sock: socket.socket) -> None:
+        """Note the reports waiting at ``sock``: as many as its queue holds, at most."""
+        for _ in range(_REPORTS_AT_ONCE):
+            try:
+                report = sock.recv(ACCESS_REPORT_MAX)
+            except BlockingIOError:
+                return
+            self.note(report)

@@ -219,6 +219,113 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(read_kept_doc,
+"read_kept(rows, row_bytes, index, verified, generation, fds, maps, seeds, header, expect,\n"
+"          nowait, token, checked, ctimes, status, used)\n\n"
+"read_rows for the items whose key has a kept file, without opening any: item i (of\n"
+"len(index), int64) is key index[i], read into row i of rows. verified (uint32), fds,\n"
+"maps, seeds, checked and ctimes are per key (a reader's own arrays, of one length),\n"
+"read as read_rows reads its per-item ones. A key with no kept descriptor (fds -1),\n"
+"or not looked up on this mount (verified[key] != generation), is UNREAD; used[i]\n"
+"(int32) is the descriptor item i read (-1: none), for the caller to let go of one\n"
+"found GONE.");
+
+static PyObject *read_kept(PyObject *self, PyObject *args) {
+    int nowait;
+    Py_ssize_t row_bytes;
+    unsigned long generation;
+    unsigned long long token;
+    PyObject *rows_obj, *index_obj, *verified_obj, *fds_obj, *maps_obj, *seeds_obj;
+    PyObject *checked_obj, *ctimes_obj, *status_obj, *used_obj;
+    Py_buffer header, expect;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OnOOkOOOy*y*iKOOOO", &rows_obj, &row_bytes, &index_obj,
+                          &verified_obj, &generation, &fds_obj, &maps_obj, &seeds_obj, &header,
+                          &expect, &nowait, &token, &checked_obj, &ctimes_obj, &status_obj,
+                          &used_obj))
+        return NULL;
+    Py_buffer rows = {0}, index = {0}, verified = {0}, fds = {0}, maps = {0}, seeds = {0};
+    Py_buffer checked = {0}, ctimes = {0}, status = {0}, used = {0};
+    PyObject *result = NULL;
+    Py_ssize_t n = 0, keys = 0;
+    if (!get(index_obj, &index, PyBUF_SIMPLE, -1, "index") ||
+        !get(fds_obj, &fds, PyBUF_WRITABLE, -1, "fds"))
+        goto done;
+    n = index.len / (Py_ssize_t)sizeof(int64_t);
+    keys = fds.len / (Py_ssize_t)sizeof(int32_t);
+    if (!get(rows_obj, &rows, PyBUF_WRITABLE, -1, "rows") ||
+        !get(verified_obj, &verified, PyBUF_SIMPLE, keys * (Py_ssize_t)sizeof(uint32_t), "verified") ||
+        !get(maps_obj, &maps, PyBUF_SIMPLE, keys * (Py_ssize_t)sizeof(uint64_t), "maps") ||
+        !get(seeds_obj, &seeds, PyBUF_SIMPLE, keys * (Py_ssize_t)sizeof(uint64_t), "seeds") ||
+        !get(checked_obj, &checked, PyBUF_WRITABLE, keys * (Py_ssize_t)sizeof(uint64_t), "checked") ||
+        !get(ctimes_obj, &ctimes, PyBUF_WRITABLE, keys * (Py_ssize_t)sizeof(int64_t), "ctimes") ||
+        !get(status_obj, &status, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "status") ||
+        !get(used_obj, &used, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "used"))
+        goto done;
+    if (row_bytes <= 0 || header.len > HEADER_MAX || expect.len != EXPECT_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "read_kept: a bad row size, header or trailer");
+        goto done;
+    }
+    if (n * row_bytes > rows.len) {
+        PyErr_SetString(PyExc_IndexError, "read_kept: more items than rows");
+        goto done;
+    }
+    const int64_t *key_of = index.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (key_of[i] < 0 || key_of[i] >= keys) {
+            PyErr_SetString(PyExc_IndexError, "read_kept: a key outside the arrays");
+            goto done;
+        }
+    }
+    if (!guard_sigbus()) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    struct batch b = {
+        .dirfd = -1,
+        .rows = rows.buf,
+        .row_bytes = (size_t)row_bytes,
+        .n = n,
+        .positions = NULL,
+        .index = key_of,
+        .verified = verified.buf,
+        .generation = (uint32_t)generation,
+        .used = used.buf,
+        .fds = fds.buf,
+        .maps = maps.buf,
+        .map = 0,
+        .names = NULL,
+        .seeds = seeds.buf,
+        .header = header.buf,
+        .head_len = (size_t)header.len,
+        .expect = expect.buf,
+        .owner = 0,
+        .keep = 0,
+        .nowait = nowait,
+        .token = token,
+        .checked = checked.buf,
+        .ctimes = ctimes.buf,
+        .status = status.buf,
+    };
+    ssize_t done_;
+    Py_BEGIN_ALLOW_THREADS
+    done_ = read_rows_impl(&b);
+    Py_END_ALLOW_THREADS
+    if (done_ < 0)
+        PyErr_NoMemory();
+    else
+        result = Py_NewRef(Py_None);
+done:;
+    Py_buffer *views[] = {&rows, &index, &verified, &fds, &maps, &seeds, &checked, &ctimes,
+                          &status, &used};
+    for (size_t k = 0; k < sizeof views / sizeof *views; k++)
+        if (views[k]->obj)
+            PyBuffer_Release(views[k]);
+    PyBuffer_Release(&header);
+    PyBuffer_Release(&expect);
+    return result;
+}
+
 PyDoc_STRVAR(gone_doc, "gone(fds, out, checked, ctimes, token): out[i] (uint8) = 1 where the file\n"
 "open at fds[i] (int32, -1: none) is unlinked (evicted, replaced), changed since ctimes[i]\n"
 "(its inode's ctime, ns: other readers) or no longer open, else 0 and checked[i] = token;\n"
@@ -358,6 +465,7 @@ static PyObject *copy_checksum(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"read_rows", read_rows, METH_VARARGS, read_rows_doc},
+    {"read_kept", read_kept, METH_VARARGS, read_kept_doc},
     {"gone", gone, METH_VARARGS, gone_doc},
     {"unmap", unmap, METH_VARARGS, unmap_doc},
     {"probe", probe, METH_VARARGS, probe_doc},
@@ -396,7 +504,8 @@ PyMODINIT_FUNC PyInit__batchread(void) {
         PyModule_AddIntConstant(m, "MISSING", ROW_MISSING) ||
         PyModule_AddIntConstant(m, "NOT_CACHED", ROW_NOT_CACHED) ||
         PyModule_AddIntConstant(m, "BAD", ROW_BAD) ||
-        PyModule_AddIntConstant(m, "GONE", ROW_GONE)) {
+        PyModule_AddIntConstant(m, "GONE", ROW_GONE) ||
+        PyModule_AddIntConstant(m, "UNREAD", ROW_UNREAD)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -18,7 +18,7 @@
 #endif
 
 enum { NOWAIT_TRUSTED = 2 };
-enum { ROW_OK = 0, ROW_MISSING = 1, ROW_NOT_CACHED = 2, ROW_BAD = 3, ROW_GONE = 4 };
+enum { ROW_OK = 0, ROW_MISSING = 1, ROW_NOT_CACHED = 2, ROW_BAD = 3, ROW_GONE = 4, ROW_UNREAD = 5 };
 
 #define TRAILER_SIZE 40 /* protocol.TRAILER ("<4sI16sQQ").size */
 #define EXPECT_SIZE 32  /* the trailer but its checksum: magic, format, fingerprint, length */
@@ -29,7 +29,16 @@ struct batch {
     unsigned char *rows;    /* row p at rows + p * row_bytes */
     size_t row_bytes;
     ssize_t n;              /* items */
-    const int32_t *positions; /* item i's row */
+    const int32_t *positions; /* item i's row (NULL: row i) */
+    /* Kept files alone (read_kept), or NULL: item i is key index[i], and fds, maps, seeds,
+     * checked and ctimes hold every key's (a reader's own arrays, which other threads
+     * change under its lock: read here atomically). An item whose key has no kept file,
+     * or was not looked up on this mount (verified[key] != generation), is ROW_UNREAD;
+     * nothing is opened, and used[i] is the kept descriptor read (-1: none). */
+    const int64_t *index;
+    const uint32_t *verified;
+    uint32_t generation;
+    int32_t *used;
     int32_t *fds;           /* item i's kept descriptor, or -1: open names[i] */
     uint64_t *maps;         /* item i's kept descriptor's mapping (its address), or 0 */
     int map;                /* map the descriptors kept here */
@@ -58,6 +67,10 @@ extern int decodefs_nowait_works; /* until a file system says EOPNOTSUPP */
 /* Where a SIGBUS in this thread's copy out of a mapping jumps (a file truncated in place
  * under the copy), or NULL: batchread.c's handler (guard.c) */
 extern __thread sigjmp_buf *decodefs_guard;
+
+/* A key's slot in a kept-files batch's arrays (read by other threads' calls meanwhile). */
+#define LOAD(slot) __atomic_load_n(&(slot), __ATOMIC_RELAXED)
+#define STORE(slot, value) __atomic_store_n(&(slot), (value), __ATOMIC_RELAXED)
 
 ssize_t read_rows_base(struct batch *b);
 uint64_t checksum_base(const void *data, size_t len, uint64_t seed);
