@@ -36,6 +36,10 @@ if batch._compiled is not None:
 
 
 GONE_CHECKS = [batch.gone_py] + ([batch._compiled_gone] if batch._compiled_gone else [])
+# read_kept beside the read_rows that kept (and, compiled, mapped) the files it reads
+KEPT_READERS = {"python": batch.read_kept_py}
+if batch._compiled_kept is not None:
+    KEPT_READERS["compiled"] = batch._compiled_kept
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -179,6 +183,56 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
         assert np.array_equal(rows[3], store.arrays[3]) and np.array_equal(rows[5], store.arrays[5])
     finally:
         for fd in fds[:4]:
+            os.close(int(fd))
+        if batch._unmap is not None:
+            batch._unmap(maps, LENGTH + TRAILER_SIZE)
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_READERS))
+def test_kept_files_are_read_by_key_and_the_rest_left_unread(store: Store, name: str) -> None:
+    read_kept = KEPT_READERS[name]
+    _, status, fds, kept = store.read(IMPLEMENTATIONS[name], keep=5, token=3)
+    maps, ctimes, checked = store.maps, store.ctimes.copy(), store.checked.copy()
+    assert kept == 5 and (status == batch.OK).all()
+    verified = np.array([1, 1, 1, 1, 2, 1], np.uint32)  # key 4: looked up on another mount
+    seeds = np.array([k.seed for k in store.keys], np.uint64)
+
+    def read(index: list[int], token: int, nowait: int = batch.NOWAIT) -> tuple[Any, ...]:
+        keys = np.array(index, np.int64)
+        rows = np.zeros((len(keys), SIZE, SIZE, 3), np.uint8)
+        status = np.full(len(keys), -7, np.int32)
+        used = np.full(len(keys), -7, np.int32)
+        read_kept(
+            rows, ROW, keys, verified, 1, fds, maps, seeds, HEADER, EXPECT, nowait, token,
+            checked, ctimes, status, used,
+        )  # fmt: skip
+        return rows, status.tolist(), used.tolist()
+
+    try:
+        rows, status, used = read([3, 0, 5, 4, 3], token=3)  # key 5: no kept file
+        ok, unread = batch.OK, batch.UNREAD
+        assert status == [ok, ok, unread, unread, ok]
+        assert used == [fds[3], fds[0], -1, fds[4], fds[3]]
+        for p, key in ((0, 3), (1, 0), (4, 3)):
+            assert np.array_equal(rows[p], store.arrays[key])
+        assert not rows[2].any() and not rows[3].any()  # left for the caller
+        flip(store.paths[1], len(HEADER) + 7)  # a pixel, in place
+        store.paths[2].unlink()  # evicted behind the token's back
+        _, status, _ = read([1, 2], token=3, nowait=batch.TRUSTED)
+        # The token says nothing changed: the compiled reader copies out of the mappings,
+        # the changed bytes failing their check, the unlinked file's still the entry it
+        # checked; the pure-Python one looks at every file (the flip changed its ctime).
+        if name == "compiled":
+            assert status == [batch.BAD, batch.OK]
+        else:
+            assert status == [batch.GONE, batch.GONE]
+        _, status, _ = read([2], token=4)  # a new token: every kept file is looked at
+        assert status == [batch.GONE]
+        assert checked[2] == 3  # a gone file is not marked looked at
+        with pytest.raises(IndexError):
+            read([6], token=4)  # no such key
+    finally:
+        for fd in fds[:5]:
             os.close(int(fd))
         if batch._unmap is not None:
             batch._unmap(maps, LENGTH + TRAILER_SIZE)
