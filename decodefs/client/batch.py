@@ -414,6 +414,8 @@ class BatchReader:
         self._serving: _Serving | None = None
         self._kept = 0
         self._sweep_from = 0  # where the next sweep of kept files starts (_sweep)
+        self._round = 0  # the change token the sweep's round began under
+        self._quiet = 0  # a token under which a whole round was looked at (0: none yet)
         # Whether the last batch found all its entries in the page cache: the next one then
         # copies mapped entries without asking (TRUSTED), until a batch takes a major fault.
         self._cached = False
@@ -681,11 +683,18 @@ class BatchReader:
         """Let go of the kept files of the next ``count`` keys whose entry is gone (evicted,
         or rebuilt): a batch of N arrays looks at the next N keys' in turn, so a kept file
         holds an evicted entry's disk space for about an epoch at most, even if its key
-        is not read again."""
+        is not read again. Once a whole round of them was looked at under one change
+        token, none is again while the token stays: nothing in the store changed."""
         with self._lock:
+            if token and token == self._quiet:
+                return
             start = self._sweep_from
+            if start == 0:
+                self._round = token  # the token this round began under
             window = self._fds[start : start + count]
             self._sweep_from = 0 if start + count >= len(self._fds) else start + count
+            if self._sweep_from == 0 and token and self._round == token:
+                self._quiet = token
             if serving.retired or not (window >= 0).any():
                 return
             end = start + len(window)
@@ -788,6 +797,7 @@ class BatchReader:
         """Under _lock: ``serving`` is no longer the directory's; its descriptors close
         once no call uses them."""
         serving.retired = True
+        self._quiet = self._round = 0  # another store's tokens from now on
         for i in np.flatnonzero(self._fds >= 0).tolist():
             self._release(serving, i)
         if serving.users == 0:
