@@ -20,6 +20,11 @@ epochs of every array in batches of --batch:
   threads-N       BatchLoader over the same MountDataset with N threads (--threads;
                   its compiled reader, when it built)
   threads-N-py    BatchLoader with N threads and the pure-Python reader
+  reader-N        the dataset's BatchReader alone, no loader: N threads each read
+                  every Nth shuffled batch into a batch of its own, by
+                  BatchReader.read (what BatchLoader's threads call): the loader's
+                  own cost is the difference (its batches, reused, are not
+                  checked below: BatchLoader's come from the same reader)
   read_array      read_array of every array in one thread, nothing else
 
 Reported: arrays/s of epochs 2+ (the median over rounds), each as a ratio to the
@@ -126,6 +131,37 @@ class Packed:
                 yield out, [self.keys[i] for i in index.tolist()]
         finally:
             torch.set_num_threads(1)
+
+
+class Readers:
+    """The batch reader without a loader: ``threads`` threads each reading every
+    ``threads``-th batch of a shuffled epoch into one batch of its own (reused)."""
+
+    def __init__(self, dataset: MountDataset, batch: int, threads: int, seed: int) -> None:
+        self.reader = dataset.batch_reader()
+        self.count = len(dataset)
+        self.batch = batch
+        self.threads = threads
+        self.rng = np.random.default_rng(seed)
+        shape = (batch, dataset.size, dataset.size, 3)
+        self.rows = [torch.empty(shape, dtype=torch.uint8) for _ in range(threads)]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        order = self.rng.permutation(self.count)
+        starts = list(range(0, self.count, self.batch))
+
+        def read(k: int) -> int:
+            rows = self.rows[k].numpy()
+            for start in starts[k :: self.threads]:
+                index = order[start : start + self.batch]
+                misses = self.reader.read(index, rows[: len(index)])
+                assert not misses, "reader-N reads a store holding every array"
+            return len(starts[k :: self.threads])
+
+        with ThreadPoolExecutor(self.threads) as threads:
+            list(threads.map(read, range(self.threads)))
+        for start in starts:  # the epoch's batches, counted (their rows were reused)
+            yield self.rows[0][: len(order[start : start + self.batch])], []
 
 
 class Disk:
@@ -274,6 +310,7 @@ def loaders(
         made[f"threads-{n}"] = BatchLoader(
             dataset, batch_size=args.batch, shuffle=True, threads=n, generator=generator
         )
+        made[f"reader-{n}"] = Readers(dataset, args.batch, n, seed=n)
     py = MountDataset(dataset.directory.rsplit("/", 2)[0], VERSION, args.size, keys)
     py._reader = None
     reader = py.batch_reader()
@@ -293,7 +330,7 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
     want = {key: read_array(path) for key, path in zip(keys, paths, strict=True)}  # page-cached
     made = loaders(dataset, keys, packed, args)
     for name, loader in made.items():  # right bytes, and the workers started
-        if name != "constant":
+        if name != "constant" and not name.startswith("reader-"):
             for images, batch_keys in loader:
                 for image, key in zip(images.numpy(), batch_keys, strict=True):
                     assert np.array_equal(image, want[key]), (name, key)
@@ -327,7 +364,9 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
     base = statistics.median(rates["mount-uint8"]) if "mount-uint8" in rates else None
     for name in epochs:
         rate = statistics.median(rates[name])
-        threads = name.split("-")[1] if name.startswith(("threads-", "packed-")) else None
+        threads = (
+            name.split("-")[1] if name.startswith(("threads-", "packed-", "reader-")) else None
+        )
         bound = rates.get(f"packed-{threads}")
         x_packed = f"{rate / statistics.median(bound):.2f}x" if bound else "-"
         x_mount = f"{rate / base:.2f}x" if base else "-"
