@@ -5,12 +5,14 @@ format and reader.py's checks, not torch, samplers or the daemon.
 A ``BatchReader`` serves one ``<mount>/<version>/<size>/`` directory and a fixed
 array of keys (a dataset's), in one process. Per batch: one ``stat`` of the
 directory (which mount, which version and size, as reader.py learns them from
-inodes) and one call that reads every stored entry of the batch into its row
-with the GIL released, checking each as ``read_array`` does (regular file of
-the daemon's alone, length, .npy header, trailer: magic, store format, decoder
-fingerprint, length; the key-seeded xxh3-64 of the bytes read, computed piece
-by piece as they are copied, each piece while it is in the CPU's cache). The
-rows it could not serve are given back: the caller reads those through the
+inodes), one ``pread`` of the store's change token, and calls that read every
+stored entry of the batch into its row with the GIL released, checking each as
+``read_array`` does (regular file of the daemon's alone, length, .npy header,
+trailer: magic, store format, decoder fingerprint, length; the key-seeded
+xxh3-64 of the bytes read, computed as they are copied, each piece while it is
+in the CPU's cache): ``read_kept`` for the keys whose file is kept open, by the
+reader's own arrays, then ``read_rows`` for the others, which it opens. The
+rows they could not serve are given back: the caller reads those through the
 mount (``read_array_into``), where the daemon decodes a miss and rebuilds an
 entry that failed its check.
 
@@ -20,15 +22,16 @@ What is done once, not per array:
   daemon restarted or another store.json makes a new one), not every time;
 - up to ``open_entries`` entry files stay open (default: a quarter of the
   process's soft limit on open files and of ``vm.max_map_count``, at most
-  65,536), and, read by the
-  compiled reader, mapped: a hit in the page cache is then one ``fstat``, one
-  ``mincore`` and a copy out of the mapping, with no ``open``, ``close`` or
-  kernel copy. A kept file is checked to be still linked before every read: an
-  entry evicted, or replaced by a rebuild, is never read through it, but opened
-  again by its path, or read through the mount. Each batch also looks at as many
-  other keys' kept files as it has arrays (``_sweep``), so an evicted entry's
-  disk space is held for about an epoch at most. Entries past the bound are
-  opened and closed by the same call, and read by ``preadv2``.
+  65,536), and, read by the compiled reader, mapped: a hit in the page cache is
+  then a copy out of the mapping, with no system call while the store's change
+  token stays (a kept file is looked at, ``fstat``, once the token moved: an
+  entry evicted, replaced by a rebuild or given other readers is never read
+  through it, but opened again by its path, or read through the mount). Each
+  batch also looks at as many other keys' kept files as it has arrays
+  (``_sweep``, until a whole round was looked at under the current token), so
+  an evicted entry's disk space is held for about an epoch at most. Entries
+  past the bound are opened and closed by the same call, and read by
+  ``preadv2``.
 Entries not in the page cache are read in two passes: the first reads what is
 cached and starts reading ahead every other entry of the batch at once
 (``posix_fadvise(WILLNEED)``) and names the misses (``on_miss``) so their
@@ -554,9 +557,10 @@ class BatchReader:
         nowait: int,
         token: int,
     ) -> npt.NDArray[np.int32]:
-        """The statuses of reading keys ``index`` into rows ``positions``: keys not
-        looked up on this mount yet are (the others MISSING), then read by their kept
-        file if another call kept one meanwhile, else opened by name."""
+        """The statuses of reading keys ``index`` into rows ``positions``: a key not yet
+        looked up on this mount is looked up first (one the mount does not serve is
+        MISSING); each is then read by the file another call kept meanwhile, if any,
+        else opened by its name."""
         known = self._verified[index] == serving.generation
         if not known.all():
             for p in np.flatnonzero(~known).tolist():
