@@ -91,6 +91,29 @@ static int get(PyObject *obj, Py_buffer *view, int flags, Py_ssize_t want, const
     return 1;
 }
 
+/* Release the buffer views a call got (a view it never got is empty). */
+static void release(Py_buffer *const *views, size_t count) {
+    for (size_t k = 0; k < count; k++)
+        if (views[k]->obj)
+            PyBuffer_Release(views[k]);
+}
+#define RELEASE(...)                                                                      \
+    do {                                                                                  \
+        Py_buffer *const views_[] = {__VA_ARGS__};                                        \
+        release(views_, sizeof views_ / sizeof *views_);                                  \
+    } while (0)
+
+/* read_rows_impl(b) with the GIL released; -1 with MemoryError set if it had no memory. */
+static ssize_t read_released(struct batch *b) {
+    ssize_t got;
+    Py_BEGIN_ALLOW_THREADS
+    got = read_rows_impl(b);
+    Py_END_ALLOW_THREADS
+    if (got < 0)
+        PyErr_NoMemory();
+    return got;
+}
+
 PyDoc_STRVAR(read_rows_doc,
 "read_rows(dirfd, rows, row_bytes, positions, fds, maps, names, seeds, header, expect,\n"
 "          owner, keep, map, nowait, token, checked, ctimes, status)\n"
@@ -199,23 +222,13 @@ static PyObject *read_rows(PyObject *self, PyObject *args) {
         .ctimes = ctimes.buf,
         .status = status.buf,
     };
-    ssize_t kept;
-    Py_BEGIN_ALLOW_THREADS
-    kept = read_rows_impl(&b);
-    Py_END_ALLOW_THREADS
-    if (kept < 0)
-        PyErr_NoMemory();
-    else
+    ssize_t kept = read_released(&b);
+    if (kept >= 0)
         result = PyLong_FromSsize_t(kept);
 done:
     PyMem_Free(name_of);
     Py_XDECREF(names);
-    Py_buffer *views[] = {&rows, &positions, &fds, &maps, &seeds, &checked, &ctimes, &status};
-    for (size_t k = 0; k < sizeof views / sizeof *views; k++)
-        if (views[k]->obj)
-            PyBuffer_Release(views[k]);
-    PyBuffer_Release(&header);
-    PyBuffer_Release(&expect);
+    RELEASE(&rows, &positions, &fds, &maps, &seeds, &checked, &ctimes, &status, &header, &expect);
     return result;
 }
 
@@ -281,48 +294,32 @@ static PyObject *read_kept(PyObject *self, PyObject *args) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    struct batch b = {
+    struct batch b = { /* no positions (row i), names, owner or room to keep: nothing opened */
         .dirfd = -1,
         .rows = rows.buf,
         .row_bytes = (size_t)row_bytes,
         .n = n,
-        .positions = NULL,
         .index = key_of,
         .verified = verified.buf,
         .generation = (uint32_t)generation,
         .used = used.buf,
         .fds = fds.buf,
         .maps = maps.buf,
-        .map = 0,
-        .names = NULL,
         .seeds = seeds.buf,
         .header = header.buf,
         .head_len = (size_t)header.len,
         .expect = expect.buf,
-        .owner = 0,
-        .keep = 0,
         .nowait = nowait,
         .token = token,
         .checked = checked.buf,
         .ctimes = ctimes.buf,
         .status = status.buf,
     };
-    ssize_t done_;
-    Py_BEGIN_ALLOW_THREADS
-    done_ = read_rows_impl(&b);
-    Py_END_ALLOW_THREADS
-    if (done_ < 0)
-        PyErr_NoMemory();
-    else
+    if (read_released(&b) >= 0)
         result = Py_NewRef(Py_None);
-done:;
-    Py_buffer *views[] = {&rows, &index, &verified, &fds, &maps, &seeds, &checked, &ctimes,
-                          &status, &used};
-    for (size_t k = 0; k < sizeof views / sizeof *views; k++)
-        if (views[k]->obj)
-            PyBuffer_Release(views[k]);
-    PyBuffer_Release(&header);
-    PyBuffer_Release(&expect);
+done:
+    RELEASE(&rows, &index, &verified, &fds, &maps, &seeds, &checked, &ctimes, &status, &used,
+            &header, &expect);
     return result;
 }
 
@@ -364,10 +361,7 @@ static PyObject *gone(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    Py_buffer *views[] = {&fds, &out, &checked, &ctimes};
-    for (size_t k = 0; k < sizeof views / sizeof *views; k++)
-        if (views[k]->obj)
-            PyBuffer_Release(views[k]);
+    RELEASE(&fds, &out, &checked, &ctimes);
     return result;
 }
 
