@@ -120,28 +120,6 @@ class ReadRows(Protocol):
     ) -> int: ...
 
 
-class ReadKept(Protocol):
-    def __call__(
-        self,
-        rows: Any,
-        row_bytes: int,
-        index: npt.NDArray[np.int64],
-        verified: npt.NDArray[np.uint32],
-        generation: int,
-        fds: npt.NDArray[np.int32],
-        maps: npt.NDArray[np.uint64],
-        seeds: npt.NDArray[np.uint64],
-        header: bytes,
-        expect: bytes,
-        nowait: int,
-        token: int,
-        checked: npt.NDArray[np.uint64],
-        ctimes: npt.NDArray[np.int64],
-        status: npt.NDArray[np.int32],
-        used: npt.NDArray[np.int32],
-    ) -> None: ...
-
-
 def read_entries_py(
     dirfd: int,
     rows: Any,
@@ -321,7 +299,7 @@ try:
     from . import _batchread  # type: ignore[attr-defined]
 
     _compiled: ReadRows | None = _batchread.read_rows
-    _compiled_kept: ReadKept | None = _batchread.read_kept
+    _compiled_kept: Callable[..., None] | None = _batchread.read_kept
     _compiled_gone: Callable[..., None] | None = _batchread.gone
     _unmap: Callable[[Any, int], None] | None = _batchread.unmap
     EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
@@ -391,7 +369,7 @@ class BatchReader:
         self.size = size
         self.open_entries = _default_open_entries() if open_entries is None else open_entries
         self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
-        self._read_kept: ReadKept = read_kept_py
+        self._read_kept: Callable[..., None] = read_kept_py
         self._gone: Callable[..., None] = gone_py
         if self._read_rows is _compiled and _compiled_gone is not None:
             self._gone = _compiled_gone
@@ -518,26 +496,7 @@ class BatchReader:
                 on_miss(p)
         again = np.flatnonzero((status == NOT_CACHED) | (status == GONE)).astype(np.int32)
         if len(again):  # not in the page cache (on its way now), or to open again
-            fds_again = self._fds[index[again]].copy()
-            maps_again = self._maps[index[again]].copy()
-            names_again = [
-                self._relpath(serving, keys[p]) if fd < 0 else None
-                for p, fd in zip(again.tolist(), fds_again.tolist(), strict=True)
-            ]
-            status_again = np.empty(len(again), np.int32)
-            self._call(
-                serving,
-                rows,
-                index[again],
-                again,
-                fds_again,
-                maps_again,
-                names_again,
-                0,
-                token,
-                status=status_again,
-            )
-            status[again] = status_again
+            status[again] = self._open(serving, index[again], again, rows, 0, token)
         self._sweep(serving, count, token)
         hits = np.flatnonzero(status == OK).tolist()
         given_back = []
@@ -559,8 +518,8 @@ class BatchReader:
     ) -> npt.NDArray[np.int32]:
         """The statuses of reading keys ``index`` into rows ``positions``: a key not yet
         looked up on this mount is looked up first (one the mount does not serve is
-        MISSING); each is then read by the file another call kept meanwhile, if any,
-        else opened by its name."""
+        MISSING); each is then read by its kept file, if one is kept now (another
+        call's, or this one's first pass), else opened by its name."""
         known = self._verified[index] == serving.generation
         if not known.all():
             for p in np.flatnonzero(~known).tolist():
