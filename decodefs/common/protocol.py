@@ -228,13 +228,13 @@ def encode_accesses(head: bytes, keys: list[bytes]) -> bytes:
     line each where a line of them all would be longer than ``ACCESS_LINE_MAX``. A key
     holding a tab or a line break names no array in a report: it is left out."""
     line = b"\t".join(keys)
-    if len(line) > ACCESS_LINE_MAX or line.count(b"\t") != len(keys) - 1 or _breaks(line):
+    if line.count(b"\t") != len(keys) - 1 or _breaks(line):
         keys = [key for key in keys if not _breaks(key) and b"\t" not in key]
         if not keys:
             return b""
-        if sum(map(len, keys)) + len(keys) > ACCESS_LINE_MAX:
-            return head + (b"\n" + head).join(keys) + b"\n"
         line = b"\t".join(keys)
+    if len(line) > ACCESS_LINE_MAX:
+        return head + (b"\n" + head).join(keys) + b"\n"
     return head + line + b"\n"
 
 
