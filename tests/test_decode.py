@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import PIL
 import pytest
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, _imaging
 
 from decodefs import DecodeError, DecodeSettings, decode_image, npy_bytes, npy_file_size, npy_header
 from decodefs.common.decode import decoder_fingerprint
@@ -186,15 +186,15 @@ def test_kept_image_memory_is_bounded_after_a_large_decode(tmp_path: Path) -> No
     """A large original's image is many blocks of at most IMAGE_BLOCK_BYTES, of which
     IMAGE_BLOCKS_KEPT stay: its memory goes back to the system."""
     [path] = make_sample_corpus(tmp_path, 1, 3000, 2000, seed=4)
-    size, kept = Image.core.get_block_size(), Image.core.get_blocks_max()
+    size, kept = _imaging.get_block_size(), _imaging.get_blocks_max()
     try:
         reuse_image_memory()
-        Image.core.reset_stats()
+        _imaging.reset_stats()
         decode_image(path, 224)
-        stats = Image.core.get_stats()
-        assert Image.core.get_block_size() == IMAGE_BLOCK_BYTES
+        stats = _imaging.get_stats()
+        assert _imaging.get_block_size() == IMAGE_BLOCK_BYTES
         assert stats["allocated_blocks"] > IMAGE_BLOCKS_KEPT  # it did take many blocks
         assert stats["blocks_cached"] <= IMAGE_BLOCKS_KEPT
     finally:
-        Image.core.set_block_size(size)
-        Image.core.set_blocks_max(kept)
+        _imaging.set_block_size(size)
+        _imaging.set_blocks_max(kept)

@@ -14,7 +14,7 @@ import resource
 import stat
 from typing import Final
 
-from PIL import Image
+from PIL import _imaging  # Pillow's C core (Image.core)
 
 from ..common.mounts import mounts
 from ..common.protocol import FS_TYPE
@@ -89,8 +89,8 @@ def reuse_image_memory() -> None:
     from the kept blocks instead; a large image is many blocks, of which
     IMAGE_BLOCKS_KEPT stay, so its memory still goes back.
     """
-    Image.core.set_block_size(IMAGE_BLOCK_BYTES)
-    Image.core.set_blocks_max(IMAGE_BLOCKS_KEPT)
+    _imaging.set_block_size(IMAGE_BLOCK_BYTES)
+    _imaging.set_blocks_max(IMAGE_BLOCKS_KEPT)
 
 
 def raise_readahead(mountpoint: str) -> None:
