@@ -26,6 +26,11 @@ epochs of every array in batches of --batch:
                   own cost is the difference (its batches, reused, are not
                   checked below: BatchLoader's come from the same reader)
   read_array      read_array of every array in one thread, nothing else
+  litdata         LitData where it imports (``pip install -e '.[peers]' torch==2.13.0``):
+                  the same arrays written once by litdata.optimize into chunks (kept
+                  under the bench directory), StreamingDataset(shuffle=True) in a
+                  StreamingDataLoader with --workers persistent workers, as its docs
+                  show it; litdata-bd0 the same with batch_decode=0 (its fastest here)
 
 Reported: arrays/s of epochs 2+ (the median over rounds), each as a ratio to the
 packed copy with as many threads (BatchLoader) or to ``mount-uint8``, and the CPU
@@ -52,7 +57,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import importlib
+import importlib.util
 import os
 import shutil
 import statistics
@@ -162,6 +170,37 @@ class Readers:
             list(threads.map(read, range(self.threads)))
         for start in starts:  # the epoch's batches, counted (their rows were reused)
             yield self.rows[0][: len(order[start : start + self.batch])], []
+
+
+def litdata_item(packed: Path, keys: Sequence[str], index: int) -> dict[str, Any]:
+    return {"image": np.load(packed, mmap_mode="r")[index].copy(), "key": keys[index]}
+
+
+class LitData:
+    """LitData's loader over the same arrays, in chunks written once by its optimize."""
+
+    def __init__(
+        self, module: Any, packed: Path, keys: Sequence[str], args: argparse.Namespace, **tuning: int
+    ) -> None:
+        directory = WORK / f"loader-litdata-{len(keys)}-{args.size}"
+        if not (directory / "index.json").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            module.optimize(
+                fn=functools.partial(litdata_item, packed, keys),
+                inputs=list(range(len(keys))),
+                output_dir=str(directory),
+                chunk_bytes="64MB",
+                num_workers=args.workers,
+                verbose=False,
+            )
+        dataset = module.StreamingDataset(str(directory), shuffle=True, **tuning)
+        self.loader = module.StreamingDataLoader(
+            dataset, batch_size=args.batch, num_workers=args.workers, persistent_workers=True
+        )
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        for batch in self.loader:
+            yield batch["image"], batch["key"]
 
 
 class Disk:
@@ -319,6 +358,11 @@ def loaders(
     made[f"threads-{two}-py"] = BatchLoader(
         py, batch_size=args.batch, shuffle=True, threads=two, generator=generator
     )
+    litdata = importlib.util.find_spec("litdata")  # the peers extra
+    if litdata is not None and (not args.only or {"litdata", "litdata-bd0"} & set(args.only)):
+        module = importlib.import_module("litdata")
+        made["litdata"] = LitData(module, packed, keys, args)
+        made["litdata-bd0"] = LitData(module, packed, keys, args, batch_decode=0)
     if args.only:
         made = {name: loader for name, loader in made.items() if name in args.only}
     return made
