@@ -110,3 +110,35 @@ def test_a_reload_forgets_what_went_away_and_the_pages_of_what_changed(tmp_path:
         "version v3: decode settings changed; its stored arrays are discarded and decoded again",
         "version v1: 1 originals added, 1 removed, 1 changed in place",
     ]
+
+
+def test_a_mounts_first_serving_process_forgets_pages_but_no_directory_attributes(
+    tmp_path: Path,
+) -> None:
+    """A new mount's first serving process gave every attribute the kernel holds: it
+    forgets the pages of arrays changed in place (after a crash) but no directory's
+    attributes, whose forgetting races the kernel's first look-ups (reload.py)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    sources = {"v1": index_of("v1", {"ax0", "ax1"})}
+    numbers, _ = MountNumbers.load(str(state), sources, {"v1": "d"}, first=True)
+    numbers.save_applied()
+    numbers.save_size("v1", 64)
+    inodes: list[tuple[int, bool]] = []
+
+    def forget_inode(inode: int, *, attributes_only: bool = False) -> bool:
+        inodes.append((inode, attributes_only))
+        return True
+
+    for first in (True, False):
+        numbers, changes = MountNumbers.load(str(state), sources, {"v1": "d"}, first=first)
+        changed = {"v1": [sources["v1"].find("ax1") or 0]}
+        reload = Reload(numbers, changes, sources, changed=changed, directories_seen=not first)
+        inodes.clear()
+        reload.invalidate((lambda parent, name: True, forget_inode))
+        v1 = numbers.ids["v1"]
+        ax1 = numbers.versions["v1"].key_numbers[sources["v1"].find("ax1") or 0]
+        assert (Node(Kind.ENTRY, v1, 64, ax1).ino, False) in inodes  # its pages, either way
+        directories = [(ROOT.ino, True), (Node(Kind.VERSION, v1).ino, True)]
+        directories.append((Node(Kind.SIZE, v1, 64).ino, True))
+        assert all((d in inodes) is not first for d in directories), first

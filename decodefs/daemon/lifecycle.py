@@ -271,6 +271,7 @@ def build(config: Config, mountpoint: str, facts: MountFacts) -> Serving:
             engine.hold(changes.redecoded)  # until no earlier process serves them
         reload = Reload(numbers, changes, sources, config=changed_config)
         reload.directories_have_readers = config.access == "originals" and not facts.first
+        reload.directories_seen = not facts.first
         # The first serving process listens before the mount (a busy address is the user's
         # error, nothing mounted); a later one once the one before is gone.
         metrics = None

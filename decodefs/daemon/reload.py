@@ -45,6 +45,13 @@ class Reload:
     # access = "originals": shards and a mirror's folders show their source directory's
     # readers, which may have changed too (attributes only; a handful of directories).
     directories_have_readers: bool = False
+    # Whether the kernel may hold directory attributes an earlier serving process gave.
+    # Not in a mount's first: it gave every one itself. Forgetting them there would
+    # race the kernel's first look-ups: the kernel drops the fresh attributes of a
+    # permission check that a forget overtook, and decides on what it held, for the
+    # mount's root its initial ones, with no permission bits: another user's first
+    # open right after the mount answered EACCES.
+    directories_seen: bool = True
     config: list[str] = field(default_factory=list)  # config keys changed: "key: a -> b"
     invalidated_names: int = 0
     invalidated_inodes: int = 0
@@ -105,11 +112,12 @@ class Reload:
                 for size in sizes:
                     for number in below:
                         forget_inode(Node(kind, vid, size, number).ino, attributes_only=True)
-            # Their listings and mtimes changed: attributes only.
-            forget_inode(Node(Kind.VERSION, vid).ino, attributes_only=True)
-            for size in sizes:
-                forget_inode(Node(Kind.SIZE, vid, size).ino, attributes_only=True)
-        forget_inode(ROOT.ino, attributes_only=True)
+            if self.directories_seen:  # their listings and mtimes changed: attributes only
+                forget_inode(Node(Kind.VERSION, vid).ino, attributes_only=True)
+                for size in sizes:
+                    forget_inode(Node(Kind.SIZE, vid, size).ino, attributes_only=True)
+        if self.directories_seen:
+            forget_inode(ROOT.ino, attributes_only=True)
         self.invalidated_names, self.invalidated_inodes = names, inodes
         log.info("reload: the kernel forgot %d names and the pages of %d arrays", names, inodes)
 
