@@ -180,7 +180,12 @@ class LitData:
     """LitData's loader over the same arrays, in chunks written once by its optimize."""
 
     def __init__(
-        self, module: Any, packed: Path, keys: Sequence[str], args: argparse.Namespace, **tuning: int
+        self,
+        module: Any,
+        packed: Path,
+        keys: Sequence[str],
+        args: argparse.Namespace,
+        **tuning: int,
     ) -> None:
         directory = WORK / f"loader-litdata-{len(keys)}-{args.size}"
         if not (directory / "index.json").exists():
