@@ -176,7 +176,10 @@ def _mount_as_root(mountpoint: str, options: list[str]) -> int:
     data = [o for o in options if o not in ("nosuid", "nodev", "ro") and not o.startswith("fsname")]
     data = [
         f"fd={fd}",
-        "rootmode=40000",
+        # The root's mode until the kernel first asks (as the daemon shows it): not one
+        # without permission bits, which a look-up overtaken by a forget of the root's
+        # attributes would decide on (reload.py).
+        "rootmode=40555",
         f"user_id={os.getuid()}",
         f"group_id={os.getgid()}",
         *data,
