@@ -41,7 +41,10 @@ are checked once against read_array's arrays.
 Then cold first epochs (--cold originals, a fresh store for each contender, so
 every read is a miss the daemon decodes): ``mount-uint8`` and BatchLoader with each
 thread count, beside ``pool-N``, decode_image of the same originals in a pool of
-one thread per core, as the daemon's decode pool (the rate a cold epoch can reach).
+one thread per core, as the daemon's decode pool (the rate a cold epoch can reach),
+each with the daemon's CPU per array (its serving process's user + system seconds).
+``--rounds 0`` leaves out the warm epochs; ``--code DIR`` runs the cold epochs' daemon
+from another checkout (a before and after of the daemon's cost per miss).
 Last, with --memory 0.5 (as root, cgroup v1's memory controller, as
 bench_plain.py), a store bigger than memory: this process moves into a memory
 cgroup whose limit leaves the page cache 0.5x the store's bytes, and BatchLoader,
@@ -235,9 +238,10 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, 2, cpus}))
     parser.add_argument("--epochs", type=int, default=3, help="per contender and round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="0: no warm epochs")
     parser.add_argument("--cold", type=int, default=300, help="originals of the cold epochs")
     parser.add_argument("--memory", type=float, help="page cache for a store this times bigger")
+    parser.add_argument("--code", type=Path, help="the cold epochs' daemon from this checkout")
     parser.add_argument("--only", nargs="+", help="run only these contenders")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -257,7 +261,8 @@ def main() -> None:
                 [*DECODEFS, "warm", bench.mountpoint, VERSION, str(args.size)], check=True
             )
         packed = pack(bench, keys, args.size)
-        run(bench, keys, packed, args)
+        if args.rounds:
+            run(bench, keys, packed, args)
         if args.memory is not None:
             small_memory(bench, keys, packed, store, args)
     finally:
@@ -289,13 +294,14 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
         for path in names:
             (subset / path.name).hardlink_to(path)  # a symlink out of the source is no original
     rates = {}
+    daemon_ms: dict[str, float] = {}  # the serving process's CPU per array
     pool = len(os.sched_getaffinity(0))  # the daemon's decode pool: one thread per core
     started = time.perf_counter()
     with ThreadPoolExecutor(pool) as decoders:
         arrays = sum(1 for _ in decoders.map(lambda p: decode_image(p, args.size), names))
     rates[f"pool-{pool}"] = arrays / (time.perf_counter() - started)
     for name in ["mount-uint8", *(f"threads-{n}" for n in args.threads)]:
-        bench = BenchMount(subset, [args.size])  # its store in its own run directory
+        bench = BenchMount(subset, [args.size], code=args.code)  # a store of its own
         try:
             bench.mount()
             keys = list_keys(bench.mountpoint, VERSION, args.size)
@@ -311,20 +317,24 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
             else:
                 threads = int(name.removeprefix("threads-"))
                 loader = BatchLoader(dataset, batch_size=args.batch, threads=threads)
+            daemon = _process_cpu_seconds(bench.stats()["pid"])
             started = time.perf_counter()
             arrays = _epoch_of(loader)()
             rates[name] = arrays / (time.perf_counter() - started)
-            assert bench.stats()["decodes"] == len(keys)
+            stats = bench.stats()
+            daemon_ms[name] = (_process_cpu_seconds(stats["pid"]) - daemon) / arrays * 1000
+            assert stats["decodes"] == len(keys)
         finally:
             bench.remove()
     print(
         f"\ncold first epoch, {args.cold} arrays (every one decoded by the daemon; pool-N: "
         f"decode_image of the same originals in N threads, the decode pool's own rate)\n"
     )
-    print(f"| {'contender':<12} | {'arrays/s':>9} | {'x mount':>7} |")
-    print(f"| {'-' * 12} | {'-' * 9}: | {'-' * 7}: |")
+    print(f"| {'contender':<12} | {'arrays/s':>9} | {'x mount':>7} | daemon CPU ms / array |")
+    print(f"| {'-' * 12} | {'-' * 9}: | {'-' * 7}: | ---: |")
     for name, rate in rates.items():
-        print(f"| {name:<12} | {rate:>9,.0f} | {rate / rates['mount-uint8']:>6.2f}x |")
+        cpu = f"{daemon_ms[name]:.1f}" if name in daemon_ms else "-"
+        print(f"| {name:<12} | {rate:>9,.0f} | {rate / rates['mount-uint8']:>6.2f}x | {cpu} |")
 
 
 def loaders(
@@ -470,6 +480,12 @@ def small_memory(
     print(f"| {'-' * 12} | --- |")
     for name, each in rates.items():
         print(f"| {name:<12} | {' '.join(f'{r:,.0f}' for r in each)} |")
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    """Another process's user + system seconds (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_seconds() -> float:
