@@ -89,8 +89,11 @@ def reuse_image_memory() -> None:
     from the kept blocks instead; a large image is many blocks, of which
     IMAGE_BLOCKS_KEPT stay, so its memory still goes back.
     """
-    _imaging.set_block_size(IMAGE_BLOCK_BYTES)
-    _imaging.set_blocks_max(IMAGE_BLOCKS_KEPT)
+    try:
+        _imaging.set_block_size(IMAGE_BLOCK_BYTES)
+        _imaging.set_blocks_max(IMAGE_BLOCKS_KEPT)
+    except (AttributeError, ValueError) as exc:  # a Pillow without its block allocator
+        log.debug("Pillow keeps no freed image blocks: %s", exc)
 
 
 def raise_readahead(mountpoint: str) -> None:
