@@ -22,6 +22,7 @@ from decodefs.client import batch
 from decodefs.common.entry import EntryKey, encode_trailer
 from decodefs.common.npy import npy_header
 from decodefs.common.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
+from tests.conftest import Tmpfs, needs_root_because
 
 SIZE = 16
 DIGEST = bytes(range(16))
@@ -318,6 +319,26 @@ def test_a_row_not_in_the_page_cache_is_started_and_said(
     rows, status, _, _ = store.read(read_rows, nowait=False)
     assert (status == batch.OK).all()
     assert all(np.array_equal(r, a) for r, a in zip(rows, store.arrays, strict=True))
+
+
+@needs_root_because("it mounts a tmpfs")
+def test_a_file_system_that_cannot_read_without_waiting_is_read_plainly_alone(
+    tmpfs: Tmpfs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tmpfs answers RWF_NOWAIT with EOPNOTSUPP here: the pure-Python reader reads it
+    the plain way from then on, and only it (no other file system of the process)."""
+    refused: set[int] = set()
+    monkeypatch.setattr(batch, "_nowait_refused", refused)
+    other = tmpfs("1m") / "f"
+    other.write_bytes(b"x" * 4096)
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        dev = os.fstat(fd).st_dev
+        buffer = bytearray(8)
+        assert batch._preadv(fd, [buffer], os.RWF_NOWAIT, dev) == 8 and buffer == b"x" * 8
+    finally:
+        os.close(fd)
+    assert refused <= {dev}  # that file system alone (none, should it read without waiting)
 
 
 def test_no_name_is_missing_and_bad_arguments_raise(

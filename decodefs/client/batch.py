@@ -203,15 +203,15 @@ def _read_row_py(
         if st.st_size != length:
             return BAD
         head, trailer = bytearray(len(header)), bytearray(TRAILER_SIZE)
-        flags = os.RWF_NOWAIT if nowait and _nowait_works else 0
-        got = _preadv(fd, [head, row, trailer], flags)
+        nowait_read = bool(nowait) and st.st_dev not in _nowait_refused
+        got = _preadv(fd, [head, row, trailer], os.RWF_NOWAIT if nowait_read else 0, st.st_dev)
     except BlockingIOError:
         os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
         return NOT_CACHED
     except OSError:
         return BAD
     if got != length:
-        if nowait and _nowait_works:
+        if nowait_read:
             os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
             return NOT_CACHED
         return BAD
@@ -281,16 +281,17 @@ def gone_py(
             checked[i] = token
 
 
-_nowait_works = True  # until a file system says it cannot
+# The file systems (st_dev) that said they cannot read without waiting (RWF_NOWAIT):
+# each is read the plain way from then on, and only it.
+_nowait_refused: set[int] = set()
 
 
-def _preadv(fd: int, buffers: list[Any], flags: int) -> int:
-    global _nowait_works
+def _preadv(fd: int, buffers: list[Any], flags: int, dev: int) -> int:
     try:
         return os.preadv(fd, buffers, 0, flags)
     except OSError as exc:
         if flags and exc.errno == errno.EOPNOTSUPP:  # this file system reads no other way
-            _nowait_works = False
+            _nowait_refused.add(dev)
             return os.preadv(fd, buffers, 0)
         raise
 
