@@ -932,7 +932,8 @@ async def test_the_breaker_tries_again_after_its_backoff_and_closes(
     async with cluster.node("a") as a:
         for uuid in uuids[:4]:
             await a.read(uuid)
-        assert a.stats()["l2_state"] == "open" and a.stats()["l2_errors"]["ENOENT"] == 3
+        # Open after 3 failures in a row (a read's publish, queued meanwhile, may fail too)
+        assert a.stats()["l2_state"] == "open" and a.stats()["l2_errors"]["ENOENT"] >= 3
         shared.mkdir()  # L2 is back
         await a.read(uuids[4])
         assert a.stats()["l2_state"] == "open"  # not asked before the backoff has passed
