@@ -308,7 +308,7 @@ def test_a_row_not_in_the_page_cache_is_started_and_said(
     scratch.write_bytes(bytes(4096))
     if not any(dropped(scratch) for _ in range(5)):  # (a read without waiting starts reading
         pytest.skip(f"{store.root} keeps pages after a drop (a tmpfs?)")  # ahead: not an entry)
-    for _ in range(5):  # (the pages of a file just written may take a moment to go)
+    for _ in range(20):  # (the pages of a file just written may take a moment to go)
         for path in store.paths:
             dropped(path, check=False)
         _, status, _, _ = store.read(read_rows, nowait=True)

@@ -159,7 +159,7 @@ def test_read_resident_reads_only_what_is_in_the_page_cache(tmp_path: Path, on_d
     try:
         # On the disk only: it would wait. (A page can come back between the eviction
         # and the read, on a loaded machine: evicted again, a few times at most.)
-        for _ in range(5):
+        for _ in range(20):
             evict_pages(path)
             if read_resident(fd, 0, len(data)) is None:
                 break
