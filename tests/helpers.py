@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import inspect
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -373,3 +374,39 @@ def as_nobody(
 def python_as_nobody(script: str, *args: str | Path) -> subprocess.CompletedProcess[bytes]:
     """Run a Python ``script`` (with decodefs importable) as another local user."""
     return as_nobody(sys.executable, "-c", script, *args)
+
+
+# -- the requests a mount's daemon is sent ---------------------------------------
+
+TRACING = Path("/sys/kernel/tracing")
+_REQUEST = re.compile(r"connection (\d+) req \d+ opcode \d+ \((\w+)\)")
+
+
+@contextlib.contextmanager
+def fuse_requests(mountpoint: Path) -> Iterator[collections.Counter[str]]:
+    """How many FUSE requests of each kind (``"FUSE_LOOKUP"``...) the kernel sent
+    ``mountpoint``'s daemon inside the block, from the kernel's fuse tracepoints in a
+    trace instance of the block's own (tracefs is mounted for it if it is not). The
+    counts are filled in when the block ends."""
+    mounted_here = not (TRACING / "instances").is_dir()
+    if mounted_here:
+        subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACING)], check=True)
+    device = os.stat(mountpoint).st_dev
+    assert os.major(device) == 0, device  # the fuse connection's number is its minor
+    instance = TRACING / "instances" / f"decodefs-test-{os.getpid()}-{time.monotonic_ns()}"
+    counts: collections.Counter[str] = collections.Counter()
+    try:
+        instance.mkdir()
+        try:
+            (instance / "events/fuse/fuse_request_send/enable").write_text("1\n")
+            yield counts
+            (instance / "tracing_on").write_text("0\n")
+            for line in (instance / "trace").read_text().splitlines():
+                found = _REQUEST.search(line)
+                if found is not None and int(found[1]) == os.minor(device):
+                    counts[found[2]] += 1
+        finally:
+            instance.rmdir()
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", str(TRACING)], check=False)

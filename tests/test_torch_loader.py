@@ -29,10 +29,11 @@ from decodefs.client import batch
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_header
 from decodefs.common.protocol import TRAILER_SIZE
+from decodefs.sample import make_sample_corpus
 from decodefs.store.changes import ChangeToken
 from decodefs.torch import BatchLoader, LiveDataset, MountDataset, collate_uint8
 from tests.conftest import MountFactory
-from tests.helpers import Mount, decodefs, wait_until
+from tests.helpers import Mount, decodefs, fuse_requests, wait_until
 
 SIZE = 40
 THREAD_PREFIX = "decodefs-batchloader"
@@ -536,6 +537,45 @@ def test_a_workers_fresh_batch_memory_is_faulted_in_at_once() -> None:
     fresh = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
     decodefs_torch._populate(fresh.data_ptr(), fresh.nbytes())
     assert _resident_kib(fresh.data_ptr()) * 1024 >= nbytes
+
+
+@pytest.mark.parametrize("layout", ["uuid", "mirror"])
+def test_a_readers_first_batch_lists_the_directory_instead_of_a_lookup_per_key(
+    mounts: MountFactory, tmp_path: Path, layout: str
+) -> None:
+    originals = tmp_path / "originals"
+    make_sample_corpus(originals, 48, 64, 48, seed=11)
+    if layout == "mirror":
+        photos = {path.stem: path for path in originals.rglob("*.jpg")}
+        mount = mounts({"v1": mirror_source(tmp_path / "classes", photos)}, version_layout="mirror")
+    else:
+        mount = mounts({"v1": originals})
+    keys = list_keys(mount.mountpoint, "v1")
+    assert len(keys) == 48
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    want = [read_array(dataset.path(i)) for i in range(len(keys))]  # each stored
+    restart(mount)  # a new daemon, and a kernel that knows none of the names yet
+
+    fresh = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    rows = np.zeros((len(keys), SIZE, SIZE, 3), np.uint8)
+    with fuse_requests(mount.mountpoint) as requests:
+        assert fresh.batch_reader().read(range(len(keys)), rows) == []  # every one a hit
+    assert requests["FUSE_READDIRPLUS"] >= 1, requests
+    assert requests["FUSE_LOOKUP"] <= 5, requests  # the version's, the size's, the folders'
+    for i, array in enumerate(want):
+        assert np.array_equal(rows[i], array), keys[i]
+    assert mount.stats()["misses"] == 0
+
+
+def test_a_listing_stops_at_its_budget_and_goes_into_folders(tmp_path: Path) -> None:
+    for folder in ["", "cat/", "dog/", "dog/puppies/"]:
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(5):
+            (tmp_path / f"{folder}{i}.npy").touch()
+    everything = 4 * 5 + 3  # the files and the folders
+    assert batch._list_below(str(tmp_path), 1000) == everything
+    assert batch._list_below(str(tmp_path), 7) == 7
+    assert batch._list_below(str(tmp_path / "missing"), 1000) == 0
 
 
 def test_read_stored_rows_reads_the_hits_and_names_the_misses(
