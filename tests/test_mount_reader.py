@@ -378,6 +378,21 @@ def test_a_new_mount_on_a_reused_device_number_is_noticed(
         pytest.skip("the kernel gave the new mount another device number this time")
 
 
+def test_a_mount_found_by_two_threads_at_once_is_one_object(
+    mounts: MountFactory, photos_dir: Path
+) -> None:
+    """A reader keeps its files while the mount is the same object: two threads that
+    both find a restarted mount anew must not make it two (the loser lets go of its
+    files)."""
+    mount = mounts({"v1": photos_dir})
+    device = os.stat(mount.mountpoint).st_dev
+    found = discovery.readable_mount(device)
+    assert found is not None and found.root == str(mount.mountpoint)
+    # What the second thread does: it too saw the old mount gone and looks again.
+    assert discovery._mount_of(device, again=True) is found
+    assert discovery.readable_mount(device) is found
+
+
 def test_reports_go_in_datagrams_the_daemon_reads_whole(tmp_path: Path) -> None:
     # In process: a real datagram socket stands where the daemon listens.
     from decodefs.common.entry import EntryKey

@@ -95,6 +95,11 @@ def _mount_of(device: int, again: bool = False) -> Mount | _Refused | None:
         return None
     mount = _find_mount(device)
     with _lock:
+        known = _mounts.get(device)
+        if mount is not None and known == mount:
+            # Another thread found the same mount meanwhile: one object for it, since a
+            # reader takes a different one for another mount (and lets go of its files).
+            return known
         _mounts[device] = mount if mount is not None else time.monotonic()
     return mount
 
