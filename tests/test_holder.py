@@ -16,7 +16,7 @@ import pytest
 from decodefs.common import channel
 from decodefs.common.mounts import find_mount
 from decodefs.common.runtime import holder_socket_path
-from decodefs.holder import ControlError, HolderUnreachable, ask_holder, kernel
+from decodefs.holder import ControlError, HolderUnreachable, ask_holder, kernel, state
 from decodefs.holder.backoff import MAX_DELAY, WINDOW, CrashBackoff
 from decodefs.holder.control import ControlConnection, listen
 from decodefs.holder.kernel import FuseConnection, answer_with_eio
@@ -51,6 +51,31 @@ def test_a_crash_now_and_then_restarts_at_once_a_crash_loop_backs_off_and_is_for
     assert backoff.crashed() == 0.0 and backoff.crashed() == 1.0
     backoff.forget()  # the last one served a while before it died: a one-off
     assert backoff.crashed() == 0.0
+
+
+def test_a_state_directory_is_removed_once_its_holder_is_gone_not_while_one_makes_it(
+    tmp_path: Path,
+) -> None:
+    """Two mounts starting at once: one's state directory, made but its holder's pid
+    not yet written, is not the other's to remove (the daemon failed to start, ENOENT)."""
+    dead = os.fork()  # a holder that exited
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    made = {"live": str(os.getpid()), "dead": str(dead), "making": None, "abandoned": None}
+    for name, pid in made.items():
+        (tmp_path / name).mkdir()
+        if pid is not None:
+            (tmp_path / name / "holder.pid").write_text(f"{pid}\n")
+    now = os.stat(tmp_path / "making").st_mtime + 1
+    abandoned = now - state._MAKING_SECONDS - 1
+    os.utime(tmp_path / "abandoned", (abandoned, abandoned))
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        state._remove_orphans(root, str(tmp_path), now)
+    finally:
+        os.close(root)
+    assert sorted(os.listdir(tmp_path)) == ["live", "making"]
 
 
 def test_a_repeating_timer_runs_at_its_interval_until_it_is_cancelled_even_by_itself() -> None:

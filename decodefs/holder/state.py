@@ -6,7 +6,9 @@ holder makes it before the first serving process starts and removes it when
 the mount ends; the serving processes keep in it what must outlive each of
 them while the mount lives (the inode numbers, what was verified). A
 directory whose holder is gone (killed) is removed by the next holder that
-starts. The holder never reads what the servers write here.
+starts (one still without its holder's pid is another holder's being made,
+unless it is older than a minute: that holder died making it). The holder
+never reads what the servers write here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from typing import Final
 
 from ..common.runtime import mount_state_root
@@ -26,6 +29,9 @@ __all__ = ["MountState"]
 log = logging.getLogger(__name__)
 
 _HOLDER_FILE: Final = "holder.pid"
+# How long a state directory without a holder's pid is taken for one being made (between
+# its mkdir and its holder.pid) by a holder starting beside this one.
+_MAKING_SECONDS: Final = 60.0
 
 
 class MountState:
@@ -40,7 +46,7 @@ class MountState:
         root = mount_state_root()
         root_fd = open_trusted_dir(root, create_mode=0o700)
         try:
-            _remove_orphans(root_fd, root)
+            _remove_orphans(root_fd, root, time.time())
             mount_id = secrets.token_hex(8)
             os.mkdir(mount_id, 0o700, dir_fd=root_fd)
             directory = os.open(mount_id, DIRECTORY_FLAGS, dir_fd=root_fd)
@@ -59,14 +65,16 @@ class MountState:
             shutil.rmtree(self.path)
 
 
-def _remove_orphans(root_fd: int, root: str) -> None:
-    """Remove the state of mounts whose holder is no longer running."""
+def _remove_orphans(root_fd: int, root: str, now: float) -> None:
+    """Remove the state of mounts whose holder is no longer running (``now``: time.time())."""
     for name in os.listdir(root_fd):
         try:
             directory = os.open(name, DIRECTORY_FLAGS, dir_fd=root_fd)
         except OSError:
             continue
+        made = 0.0
         try:
+            made = os.fstat(directory).st_mtime
             with open(os.open(_HOLDER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
                               dir_fd=directory), encoding="ascii") as f:  # fmt: skip
                 pid = int(f.read().strip() or "0")
@@ -76,6 +84,8 @@ def _remove_orphans(root_fd: int, root: str) -> None:
             os.close(directory)
         if pid > 0 and _running(pid):
             continue
+        if pid == 0 and now - made < _MAKING_SECONDS:
+            continue  # another holder is making it (its pid not written yet)
         log.info("removing the state of a mount whose holder is gone: %s/%s", root, name)
         with contextlib.suppress(OSError):
             shutil.rmtree(name, dir_fd=root_fd)
