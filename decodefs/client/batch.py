@@ -697,16 +697,20 @@ class BatchReader:
 
     def _list(self, serving: _Serving) -> None:
         """List the directory once before its keys are first looked up on ``serving``'s
-        mount: the kernel keeps the entries a listing returns (READDIRPLUS), and the
-        lookups after it are answered without asking the mount. The listing stops after
-        as many entries as the lookups it spares would cost (a few keys of a big
-        directory are looked up alone)."""
+        mount, and look every key up after it: the kernel keeps the entries a listing
+        returns (READDIRPLUS), and those lookups are answered without asking the mount.
+        The listing stops after as many entries as the lookups it spares would cost (a
+        few keys of a big directory are looked up as without it)."""
         with self._lock:
             if serving.listed:
                 return
             serving.listed = True
-        unknown = int(np.count_nonzero(self._verified != serving.generation))
-        _list_below(self.directory, unknown * _LISTED_PER_LOOKUP)
+        unknown = np.flatnonzero(self._verified != serving.generation).tolist()
+        _list_below(self.directory, len(unknown) * _LISTED_PER_LOOKUP)
+        # Every key at once, while the kernel has the entries: memory pressure (a store
+        # bigger than memory) would take them back before later batches looked theirs up.
+        for i in unknown:
+            self._verify(serving, i)
 
     def _path(self, i: int) -> str:
         return os.path.join(self.directory, array_name(self._key(i)))
