@@ -3,7 +3,7 @@
 # lint, format, types, and the tests (which mount real FUSE filesystems).
 # How long: the install, once, ~4 min (a .venv of 1.6 GB with PyTorch's CPU build, 5.5 GB
 # with PyPI's CUDA one, and Dask, SeaweedFS, JuiceFS, the test tools; Redis from apt); the
-# suite ~13 min on 2 cores, less on more
+# suite ~9 min on 2 cores in 2 processes, less on more
 # (docs/development.md has the measured figures). It says both when it starts and ends.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k faults -x
 # Run it as root (sudo bash scripts/test.sh): about 35 tests, every security test among
@@ -12,7 +12,7 @@
 set -euo pipefail
 started=$SECONDS
 echo "test.sh: installs what is missing (~4 min the first time), then runs the suite" \
-    "(~13 min on 2 cores)" >&2
+    "(~9 min on 2 cores)" >&2
 trap 'echo "test.sh: $(((SECONDS - started) / 60)) min $(((SECONDS - started) % 60)) s in all" >&2' EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
