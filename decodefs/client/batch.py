@@ -530,9 +530,9 @@ class BatchReader:
         call's, or this one's first pass), else opened by its name."""
         known = self._verified[index] == serving.generation
         if not known.all():
-            self._list(serving)
-            for p in np.flatnonzero(~known).tolist():
-                self._verify(serving, int(index[p]))
+            if not self._list(serving):  # (listed now: every key was looked up after it)
+                for p in np.flatnonzero(~known).tolist():
+                    self._verify(serving, int(index[p]))
             known = self._verified[index] == serving.generation
         fds = np.where(known, self._fds[index], -1).astype(np.int32)
         maps = np.where(known, self._maps[index], 0).astype(np.uint64)
@@ -695,15 +695,16 @@ class BatchReader:
     def _key(self, i: int) -> str:
         return os.fsdecode(self._keys[i])
 
-    def _list(self, serving: _Serving) -> None:
+    def _list(self, serving: _Serving) -> bool:
         """List the directory once before its keys are first looked up on ``serving``'s
         mount, and look every key up after it: the kernel keeps the entries a listing
         returns (READDIRPLUS), and those lookups are answered without asking the mount.
         The listing stops after as many entries as the lookups it spares would cost (a
-        few keys of a big directory are looked up as without it)."""
+        few keys of a big directory are looked up as without it). True if this call
+        listed and looked up; False if another call did (or does) for ``serving``."""
         with self._lock:
             if serving.listed:
-                return
+                return False
             serving.listed = True
         unknown = np.flatnonzero(self._verified != serving.generation).tolist()
         _list_below(self.directory, len(unknown) * _LISTED_PER_LOOKUP)
@@ -711,6 +712,7 @@ class BatchReader:
         # bigger than memory) would take them back before later batches looked theirs up.
         for i in unknown:
             self._verify(serving, i)
+        return True
 
     def _path(self, i: int) -> str:
         return os.path.join(self.directory, array_name(self._key(i)))
