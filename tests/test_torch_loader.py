@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from decodefs import class_labels, list_keys, read_array
 from decodefs.client import batch
+from decodefs.client.reader import locate
 from decodefs.common.entry import EntryKey
+from decodefs.common.inodes import Kind, Node
 from decodefs.common.npy import npy_header
 from decodefs.common.protocol import TRAILER_SIZE
 from decodefs.sample import make_sample_corpus
@@ -569,15 +571,60 @@ def test_a_readers_first_batch_lists_the_directory_instead_of_a_lookup_per_key(
     assert mount.stats()["misses"] == 0
 
 
+def test_the_keys_a_listing_names_are_taken_as_a_lookup_takes_them(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    lacking = "00000000-0000-4000-8000-000000000000"  # a key the version does not have
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, [*keys, lacking])
+    reader = dataset.batch_reader()
+    serving = reader._begin()
+    assert serving is not None
+    try:
+        assert reader._list(serving)
+        assert not reader._list(serving)  # once per mount
+    finally:
+        reader._end(serving)
+    looked_up = reader._verified == serving.generation
+    assert looked_up.tolist() == [True] * len(keys) + [False]
+    for i, key in enumerate(keys):  # each as reader.locate finds it
+        found = locate(dataset.path(i))
+        assert found is not None and found[1] == EntryKey("v1", SIZE, key)
+        assert reader._seeds[i] == found[1].seed
+
+
+def test_a_listed_name_is_an_array_only_if_its_inode_number_says_so() -> None:
+    entry = Node(Kind.ENTRY, version=1, size=SIZE, number=7).ino
+    assert batch._names_entry(entry, 1, SIZE)
+    assert not batch._names_entry(entry, 2, SIZE)  # another version's
+    assert not batch._names_entry(entry, 1, SIZE + 1)  # another size's
+    assert not batch._names_entry(Node(Kind.FOLDER, 1, SIZE, 7).ino, 1, SIZE)
+    assert not batch._names_entry(Node(Kind.SIZE, 1, SIZE).ino, 1, SIZE)
+    assert not batch._names_entry(None, 1, SIZE)  # not listed
+    assert not batch._names_entry(2**63 - 1, 1, SIZE)  # no kind a node has
+
+
 def test_a_listing_stops_at_its_budget_and_goes_into_folders(tmp_path: Path) -> None:
     for folder in ["", "cat/", "dog/", "dog/puppies/"]:
         (tmp_path / folder).mkdir(parents=True, exist_ok=True)
         for i in range(5):
             (tmp_path / f"{folder}{i}.npy").touch()
-    everything = 4 * 5 + 3  # the files and the folders
-    assert batch._list_below(str(tmp_path), 1000) == everything
-    assert batch._list_below(str(tmp_path), 7) == 7
-    assert batch._list_below(str(tmp_path / "missing"), 1000) == 0
+    (tmp_path / "link.npy").symlink_to(tmp_path / "0.npy")
+    everything = 4 * 5 + 3 + 1  # the files, the folders and the symlink
+
+    def anywhere(st: os.stat_result) -> bool:
+        return True
+
+    listed, files = batch._list_below(str(tmp_path), 1000, anywhere)
+    assert listed == everything
+    # The regular files directly in the directory, by their inode numbers.
+    assert files == {f"{i}.npy": (tmp_path / f"{i}.npy").stat().st_ino for i in range(5)}
+    listed, files = batch._list_below(str(tmp_path), 7, anywhere)
+    assert listed == 7 and len(files) <= 6
+    assert batch._list_below(str(tmp_path / "missing"), 1000, anywhere) == (0, {})
+    # Another directory than the one meant: listed (the kernel keeps it), nothing named.
+    assert batch._list_below(str(tmp_path), 1000, lambda st: False) == (everything, {})
 
 
 def test_read_stored_rows_reads_the_hits_and_names_the_misses(

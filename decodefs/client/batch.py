@@ -697,21 +697,35 @@ class BatchReader:
 
     def _list(self, serving: _Serving) -> bool:
         """List the directory once before its keys are first looked up on ``serving``'s
-        mount, and look every key up after it: the kernel keeps the entries a listing
-        returns (READDIRPLUS), and those lookups are answered without asking the mount.
-        The listing stops after as many entries as the lookups it spares would cost (a
-        few keys of a big directory are looked up as without it). True if this call
-        listed and looked up; False if another call did (or does) for ``serving``."""
+        mount. A key the listing names as an array of this directory is taken as looked
+        up: the listing is the mount's own answer, as a lookup's is (the name, and the
+        node its inode number says). The rest (a mirror's keys, those past the listing's
+        end) are looked up at once, answered by the kernel from what the listing
+        returned (READDIRPLUS), not by the mount. The listing stops after as many
+        entries as the lookups it spares would cost. True if this call listed; False if
+        another call did (or does) for ``serving``."""
         with self._lock:
             if serving.listed:
                 return False
             serving.listed = True
         unknown = np.flatnonzero(self._verified != serving.generation).tolist()
-        _list_below(self.directory, len(unknown) * _LISTED_PER_LOOKUP)
+        mount = serving.mount
+
+        def ours(st: os.stat_result) -> bool:  # still the directory serving was found for
+            return st.st_ino == serving.directory_ino and readable_mount(st.st_dev) is mount
+
+        _, files = _list_below(self.directory, len(unknown) * _LISTED_PER_LOOKUP, ours)
+        if serving.version in mount.mirrors:
+            files.clear()  # a mirror's key is a path: looked up (reader.py resolves it)
+        version = Node.from_ino(serving.directory_ino).version
         # Every key at once, while the kernel has the entries: memory pressure (a store
         # bigger than memory) would take them back before later batches looked theirs up.
         for i in unknown:
-            self._verify(serving, i)
+            key = self._key(i)
+            if _names_entry(files.get(array_name(key)), version, self.size):
+                self._looked_up(serving, i, key)
+            else:
+                self._verify(serving, i)
         return True
 
     def _path(self, i: int) -> str:
@@ -732,7 +746,12 @@ class BatchReader:
         want = EntryKey(serving.version, self.size, key)
         if found is None or found[0] is not serving.mount or found[1] != want:
             return
-        self._seeds[i] = want.seed
+        self._looked_up(serving, i, key)
+
+    def _looked_up(self, serving: _Serving, i: int, key: str) -> None:
+        """Key ``i`` (``key``) is this directory's array on ``serving``'s mount: read from
+        the store while ``serving`` lasts."""
+        self._seeds[i] = EntryKey(serving.version, self.size, key).seed
         self._verified[i] = serving.generation
 
     # -- which mount -------------------------------------------------------------------
@@ -811,23 +830,50 @@ class BatchReader:
             self._serving.users = 0  # the calls of the parent's threads are not here
 
 
-def _list_below(directory: str, budget: int) -> int:
-    """List ``directory`` and the folders below it, up to ``budget`` entries in all;
-    how many were listed."""
+def _list_below(
+    directory: str, budget: int, ours: Callable[[os.stat_result], bool]
+) -> tuple[int, dict[str, int]]:
+    """List ``directory`` and the folders below it, up to ``budget`` entries in all: how
+    many were listed, and the regular files directly in ``directory`` by name, with
+    their inode numbers (none if ``ours`` refuses the stat of the directory listed: not
+    the one meant)."""
+    files: dict[str, int] = {}
     listed = 0
     folders = [directory]
     while folders and listed < budget:
+        folder = folders.pop()
         try:
-            with os.scandir(folders.pop()) as entries:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # its keys are looked up one by one, as without a listing
+        try:
+            top = folder is directory and ours(os.fstat(fd))
+            with os.scandir(fd) as entries:
                 for entry in entries:
                     listed += 1
                     if listed >= budget:
                         break
                     if entry.is_dir(follow_symlinks=False):
-                        folders.append(entry.path)
+                        folders.append(os.path.join(folder, entry.name))
+                    elif top and entry.is_file(follow_symlinks=False):
+                        files[entry.name] = entry.inode()
         except OSError:
-            continue  # its keys are looked up one by one, as without a listing
-    return listed
+            continue
+        finally:
+            os.close(fd)
+    return listed, files
+
+
+def _names_entry(ino: int | None, version: int, size: int) -> bool:
+    """Whether a listed file's inode number ``ino`` is an array of ``version`` (its id in
+    inode numbers) at ``size``, as reader.locate would find it."""
+    if ino is None:
+        return False
+    try:
+        node = Node.from_ino(ino)
+    except IndexError:
+        return False
+    return node.kind == Kind.ENTRY and node.version == version and node.size == size
 
 
 def _let_go(
