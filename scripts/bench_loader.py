@@ -50,7 +50,9 @@ bench_plain.py), a store bigger than memory: this process moves into a memory
 cgroup whose limit leaves the page cache 0.5x the store's bytes, and BatchLoader,
 the packed copy and ``disk`` (every entry file read whole, shuffled, a batch of
 them at a time by as many threads: the disk's rate for them) read --epochs
-epochs, the page cache dropped before each contender.
+epochs, each made afresh (a BatchLoader knows no key and keeps no file) after a
+drop of the page cache, in --memory-rounds rounds in a fresh order (the packed
+copy, at a few hundred arrays/s, in the first alone).
 
     flock /tmp/decodefs-heavy.lock .venv/bin/python scripts/bench_loader.py \\
         [--count 2000] [--size 224] [--batch 64] [--workers 2] [--threads 1 2 N] [--memory 0.5]
@@ -240,7 +242,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="per contender and round")
     parser.add_argument("--rounds", type=int, default=3, help="0: no warm epochs")
     parser.add_argument("--cold", type=int, default=300, help="originals of the cold epochs")
-    parser.add_argument("--memory", type=float, help="page cache for a store this times bigger")
+    parser.add_argument("--memory", type=_fraction, help="page cache for a store this times bigger")
+    parser.add_argument("--memory-rounds", type=int, default=3, help="rounds of --memory")
     parser.add_argument("--code", type=Path, help="the cold epochs' daemon from this checkout")
     parser.add_argument("--only", nargs="+", help="run only these contenders")
     args = parser.parse_args()
@@ -439,7 +442,9 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
 def small_memory(
     bench: BenchMount, keys: list[str], packed: Path, store: Path, args: argparse.Namespace
 ) -> None:
-    """A store bigger than memory: BatchLoader and the packed copy in a memory cgroup."""
+    """A store bigger than memory: BatchLoader, the packed copy and the disk's own rate in
+    a memory cgroup, --memory-rounds rounds in a fresh order (the packed copy, at a
+    few hundred arrays/s, in the first alone), each contender made afresh."""
     if os.geteuid() != 0 or not CGROUP_ROOT.is_dir():
         print("\n--memory: skipped (needs root and cgroup v1's memory controller)")
         return
@@ -447,14 +452,20 @@ def small_memory(
     room = int(args.memory * entry_bytes)
     gc.collect()  # the loaders of the rounds let go of their kept (mapped) entry files:
     # mapped pages are never dropped, and these were charged outside the group
-    dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
     two = min(2, max(args.threads))
-    made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {
-        f"threads-{two}": BatchLoader(dataset, batch_size=args.batch, shuffle=True, threads=two),
-        f"packed-{two}": Packed(packed, keys, args.batch, two, seed=7),
-        "disk": Disk(sorted(store.rglob("*.npy")), args.batch),
+    files = sorted(store.rglob("*.npy"))
+
+    def batch_loader() -> BatchLoader:  # a reader of its own: no kept file, no key known
+        dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
+        return BatchLoader(dataset, batch_size=args.batch, shuffle=True, threads=two)
+
+    makers: dict[str, Callable[[], Iterable[tuple[torch.Tensor, Any]]]] = {
+        f"threads-{two}": batch_loader,
+        f"packed-{two}": lambda: Packed(packed, keys, args.batch, two, seed=7),
+        "disk": lambda: Disk(files, args.batch),
     }
-    rates: dict[str, list[float]] = {}
+    rates: dict[str, list[list[float]]] = {name: [] for name in makers}
+    rng = np.random.default_rng(2)
     with cgroup(None) as group:
         usage = int((group / "memory.usage_in_bytes").read_text())
         # This process's own memory was charged elsewhere (cgroup v1 charges what is
@@ -462,24 +473,42 @@ def small_memory(
         # memory BatchLoader keeps (prefetch 2 + 3 batches) or Packed's one batch.
         batches = (args.batch * args.size * args.size * 3) * 5
         (group / "memory.limit_in_bytes").write_text(str(usage + room + batches))
-        for name, loader in made.items():
-            drop_caches()
-            epoch = _epoch_of(loader)
-            rates[name] = []
-            for _ in range(args.epochs):
-                started = time.perf_counter()
-                arrays = epoch()
-                rates[name].append(arrays / (time.perf_counter() - started))
+        for round_ in range(args.memory_rounds):
+            for name in rng.permutation(list(makers)).tolist():
+                if name.startswith("packed-") and round_ > 0:
+                    continue
+                loader = makers[name]()
+                drop_caches()
+                epoch = _epoch_of(loader)
+                each = []
+                for _ in range(args.epochs):
+                    started = time.perf_counter()
+                    arrays = epoch()
+                    each.append(arrays / (time.perf_counter() - started))
+                rates[name].append(each)
+                del loader, epoch
+                gc.collect()  # its kept entry files closed: mapped pages are never dropped
         cache = page_cache_bytes(group)
     print(
         f"\nstore {entry_bytes / 2**20:,.0f} MiB, page cache room {room / 2**20:,.0f} MiB "
         f"({args.memory}x; the group's page cache at the end: {cache / 2**20:,.0f} MiB), "
-        f"each contender after a drop of the page cache\n"
+        f"each contender made afresh after a drop of the page cache, "
+        f"{args.memory_rounds} rounds\n"
     )
-    print(f"| {'contender':<12} | epochs 1..{args.epochs}, arrays/s |")
-    print(f"| {'-' * 12} | --- |")
-    for name, each in rates.items():
-        print(f"| {name:<12} | {' '.join(f'{r:,.0f}' for r in each)} |")
+    disk = statistics.median(each[0] for each in rates["disk"])
+    print(
+        f"| {'contender':<12} | epoch 1, median | x disk | epochs 2..{args.epochs}, median "
+        f"| epochs 1..{args.epochs} per round, arrays/s |"
+    )
+    print(f"| {'-' * 12} | ---: | ---: | ---: | --- |")
+    for name, runs in rates.items():
+        first = statistics.median(each[0] for each in runs)
+        later = [rate for each in runs for rate in each[1:]]
+        print(
+            f"| {name:<12} | {first:,.0f} | {first / disk:.2f}x "
+            f"| {statistics.median(later) if later else 0:,.0f} "
+            f"| {'; '.join(' '.join(f'{r:,.0f}' for r in each) for each in runs)} |"
+        )
 
 
 def _process_cpu_seconds(pid: int) -> float:
@@ -500,6 +529,14 @@ def _cpu_seconds() -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _fraction(value: str) -> float:
+    """--memory: more than 0 (no page cache at all leaves no room for the process)."""
+    fraction = float(value)
+    if not fraction > 0:
+        raise argparse.ArgumentTypeError(f"a fraction of the store above 0, not {value}")
+    return fraction
 
 
 def _epoch_of(loader: Iterable[tuple[torch.Tensor, Any]]) -> Epoch:
