@@ -363,27 +363,15 @@ def epochs_around_a_switch(count: int) -> dict[str, float]:
         for name in ("first (decodes)", "second"):
             rates[name] = _epoch(paths)
         _decodefs("restart", bench.mountpoint)
-        _settled(bench)
+        bench.settle()
         rates["after a restart"] = _epoch(paths)
         bench.unmount()
         bench.mount()
-        _settled(bench)
+        bench.settle()
         rates["after a remount (nothing verified)"] = _epoch(paths)
     finally:
         bench.unmount()
     return rates
-
-
-def _settled(bench: BenchMount, timeout: float = 120.0) -> None:
-    """Wait until the mount's standby is ready: its start reads the code from a disk
-    whose page cache the next epoch drops, and would be measured with the epoch."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = bench.stats()
-        if stats.get("standby_pid") and stats.get("holder_state") == "serving":
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"the mount at {bench.mountpoint} did not settle in {timeout:.0f} s")
 
 
 def _epoch(paths: list[str]) -> float:

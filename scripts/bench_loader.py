@@ -39,10 +39,12 @@ what the loading leaves of the cores for augmentation). Every contender's batche
 are checked once against read_array's arrays.
 
 Then cold first epochs (--cold originals, a fresh store for each contender, so
-every read is a miss the daemon decodes): ``mount-uint8`` and BatchLoader with each
-thread count, beside ``pool-N``, decode_image of the same originals in a pool of
-one thread per core, as the daemon's decode pool (the rate a cold epoch can reach),
-each with the daemon's CPU per array (its serving process's user + system seconds).
+every read is a miss the daemon decodes, each mount settled first):
+``mount-uint8`` and BatchLoader with each thread count, beside ``pool-N``,
+decode_image of the same originals in a pool of one thread per core (the bare
+decode's rate), and ``read-16``, read_array of every array by 16 threads (the
+daemon's own rate when its decode pool never waits for a request), each with the
+daemon's CPU per array (its serving process's user + system seconds).
 ``--rounds 0`` leaves out the warm epochs; ``--code DIR`` runs the cold epochs' daemon
 from another checkout (a before and after of the daemon's cost per miss).
 Last, with --memory 0.5 (as root, cgroup v1's memory controller, as
@@ -74,7 +76,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -213,6 +215,25 @@ class LitData:
             yield batch["image"], batch["key"]
 
 
+_SATURATING: Final = 16
+_SATURATED: Final = f"read-{_SATURATING}"
+
+
+class Saturating:
+    """As many misses asked for at once as the daemon takes: ``read_array`` of every
+    array by 16 threads (the daemon's rate when its decode pool never waits)."""
+
+    def __init__(self, dataset: MountDataset, batch: int) -> None:
+        self.paths = [dataset.path(i) for i in range(len(dataset))]
+        self.batch = batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        with ThreadPoolExecutor(_SATURATING) as readers:
+            read = list(readers.map(read_array, self.paths))
+        for start in range(0, len(read), self.batch):
+            yield torch.empty((len(read[start : start + self.batch]), 0)), []
+
+
 class Disk:
     """The disk's rate for these files: every entry file read whole, shuffled, a batch
     of them at a time by as many threads (as deep a queue as a batch's reads ahead)."""
@@ -303,14 +324,16 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
     with ThreadPoolExecutor(pool) as decoders:
         arrays = sum(1 for _ in decoders.map(lambda p: decode_image(p, args.size), names))
     rates[f"pool-{pool}"] = arrays / (time.perf_counter() - started)
-    for name in ["mount-uint8", *(f"threads-{n}" for n in args.threads)]:
+    for name in [_SATURATED, "mount-uint8", *(f"threads-{n}" for n in args.threads)]:
         bench = BenchMount(subset, [args.size], code=args.code)  # a store of its own
         try:
             bench.mount()
             keys = list_keys(bench.mountpoint, VERSION, args.size)
             dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
             loader: Iterable[tuple[torch.Tensor, Any]]
-            if name == "mount-uint8":
+            if name == _SATURATED:
+                loader = Saturating(dataset, args.batch)
+            elif name == "mount-uint8":
                 loader = DataLoader(
                     dataset,
                     batch_size=args.batch,
@@ -331,13 +354,21 @@ def cold(originals: Path, args: argparse.Namespace) -> None:
             bench.remove()
     print(
         f"\ncold first epoch, {args.cold} arrays (every one decoded by the daemon; pool-N: "
-        f"decode_image of the same originals in N threads, the decode pool's own rate)\n"
+        f"decode_image of the same originals in N threads, the bare decode's rate; "
+        f"{_SATURATED}: read_array by {_SATURATING} threads, the daemon's own rate when "
+        f"its decode pool never waits for a request)\n"
     )
-    print(f"| {'contender':<12} | {'arrays/s':>9} | {'x mount':>7} | daemon CPU ms / array |")
-    print(f"| {'-' * 12} | {'-' * 9}: | {'-' * 7}: | ---: |")
+    print(
+        f"| {'contender':<12} | {'arrays/s':>9} | x pool-{pool} | x {_SATURATED} "
+        f"| x mount | daemon CPU ms / array |"
+    )
+    print(f"| {'-' * 12} | {'-' * 9}: | ---: | ---: | ---: | ---: |")
     for name, rate in rates.items():
         cpu = f"{daemon_ms[name]:.1f}" if name in daemon_ms else "-"
-        print(f"| {name:<12} | {rate:>9,.0f} | {rate / rates['mount-uint8']:>6.2f}x | {cpu} |")
+        print(
+            f"| {name:<12} | {rate:>9,.0f} | {rate / rates[f'pool-{pool}']:.2f}x "
+            f"| {rate / rates[_SATURATED]:.2f}x | {rate / rates['mount-uint8']:.2f}x | {cpu} |"
+        )
 
 
 def loaders(
