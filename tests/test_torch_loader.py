@@ -9,6 +9,7 @@ restarted, killed or unmounted between two batches).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import os
@@ -571,14 +572,20 @@ def test_a_readers_first_batch_lists_the_directory_instead_of_a_lookup_per_key(
     assert mount.stats()["misses"] == 0
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])  # version ids 1 and 2 in inode numbers
 def test_the_keys_a_listing_names_are_taken_as_a_lookup_takes_them(
-    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+    mounts: MountFactory,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    version: str,
 ) -> None:
-    mount = mounts({"v1": photos_dir})
+    mount = mounts({"v1": photos_dir, "v2": photos_dir})
     keys = sorted(photos)
     lacking = "00000000-0000-4000-8000-000000000000"  # a key the version does not have
-    dataset = MountDataset(mount.mountpoint, "v1", SIZE, [*keys, lacking])
+    dataset = MountDataset(mount.mountpoint, version, SIZE, [*keys, lacking])
     reader = dataset.batch_reader()
+    looked_up = _counting_lookups(monkeypatch)
     serving = reader._begin()
     assert serving is not None
     try:
@@ -586,12 +593,46 @@ def test_the_keys_a_listing_names_are_taken_as_a_lookup_takes_them(
         assert not reader._list(serving)  # once per mount
     finally:
         reader._end(serving)
-    looked_up = reader._verified == serving.generation
-    assert looked_up.tolist() == [True] * len(keys) + [False]
+    assert looked_up == [dataset.path(len(keys))]  # the lacking key's alone
+    assert (reader._verified == serving.generation).tolist() == [True] * len(keys) + [False]
     for i, key in enumerate(keys):  # each as reader.locate finds it
         found = locate(dataset.path(i))
-        assert found is not None and found[1] == EntryKey("v1", SIZE, key)
+        assert found is not None and found[1] == EntryKey(version, SIZE, key)
         assert reader._seeds[i] == found[1].seed
+
+
+def test_a_listing_of_another_directory_than_the_readers_names_no_key(
+    mounts: MountFactory,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    reader = dataset.batch_reader()
+    looked_up = _counting_lookups(monkeypatch)
+    serving = reader._begin()
+    assert serving is not None
+    try:  # as if the directory found were another one (a new mount's, say)
+        other = dataclasses.replace(serving, directory_ino=serving.directory_ino + 1)
+        assert reader._list(other)
+    finally:
+        reader._end(serving)
+    assert sorted(looked_up) == sorted(dataset.path(i) for i in range(len(keys)))
+    assert (reader._verified == other.generation).all()  # each by its own lookup
+
+
+def _counting_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths BatchReader looks up one by one (reader.locate) from now on."""
+    looked_up: list[str] = []
+
+    def counted(path: str) -> Any:
+        looked_up.append(path)
+        return locate(path)
+
+    monkeypatch.setattr(batch, "locate", counted)
+    return looked_up
 
 
 def test_a_listed_name_is_an_array_only_if_its_inode_number_says_so() -> None:
@@ -605,6 +646,17 @@ def test_a_listed_name_is_an_array_only_if_its_inode_number_says_so() -> None:
     assert not batch._names_entry(2**63 - 1, 1, SIZE)  # no kind a node has
 
 
+def test_listed_names_are_found_among_the_keys_by_their_whole_name() -> None:
+    wanted = np.array([b"ab", b"abc", b"b"], dtype="S3")  # sorted
+    names = ["abc.npy", "b.npy", "abcd.npy", "ab", "zz.npy", "a.npy", "ab.npy.npy", "ab.npy"]
+    inos = list(range(100, 100 + len(names)))
+    # Each hit: its key's place among the sorted keys, and the name's inode number. Not
+    # "abcd" (cut to the keys' width it would be "abc"), nor a name with no ".npy".
+    positions, numbers = batch._among(wanted, names, inos)
+    assert sorted(zip(positions, numbers, strict=True)) == [(0, 107), (1, 100), (2, 101)]
+    assert batch._among(wanted[:0], names, inos) == ([], [])
+
+
 def test_a_listing_stops_at_its_budget_and_goes_into_folders(tmp_path: Path) -> None:
     for folder in ["", "cat/", "dog/", "dog/puppies/"]:
         (tmp_path / folder).mkdir(parents=True, exist_ok=True)
@@ -613,18 +665,24 @@ def test_a_listing_stops_at_its_budget_and_goes_into_folders(tmp_path: Path) -> 
     (tmp_path / "link.npy").symlink_to(tmp_path / "0.npy")
     everything = 4 * 5 + 3 + 1  # the files, the folders and the symlink
 
-    def anywhere(st: os.stat_result) -> bool:
-        return True
+    def listing(directory: Path, budget: int, ours: bool = True) -> tuple[int, dict[str, int]]:
+        files: dict[str, int] = {}
 
-    listed, files = batch._list_below(str(tmp_path), 1000, anywhere)
-    assert listed == everything
+        def found(names: list[str], inos: list[int]) -> None:
+            files.update(zip(names, inos, strict=True))
+
+        return batch._list_below(str(directory), budget, lambda st: ours, found), files
+
     # The regular files directly in the directory, by their inode numbers.
-    assert files == {f"{i}.npy": (tmp_path / f"{i}.npy").stat().st_ino for i in range(5)}
-    listed, files = batch._list_below(str(tmp_path), 7, anywhere)
+    assert listing(tmp_path, 1000) == (
+        everything,
+        {f"{i}.npy": (tmp_path / f"{i}.npy").stat().st_ino for i in range(5)},
+    )
+    listed, files = listing(tmp_path, 7)
     assert listed == 7 and len(files) <= 6
-    assert batch._list_below(str(tmp_path / "missing"), 1000, anywhere) == (0, {})
+    assert listing(tmp_path / "missing", 1000) == (0, {})
     # Another directory than the one meant: listed (the kernel keeps it), nothing named.
-    assert batch._list_below(str(tmp_path), 1000, lambda st: False) == (everything, {})
+    assert listing(tmp_path, 1000, ours=False) == (everything, {})
 
 
 def test_read_stored_rows_reads_the_hits_and_names_the_misses(

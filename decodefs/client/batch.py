@@ -57,7 +57,7 @@ import xxhash
 
 from ..common.entry import EntryKey
 from ..common.inodes import Kind, Node
-from ..common.names import array_name
+from ..common.names import ARRAY_SUFFIX, array_name
 from ..common.npy import npy_header
 from ..common.protocol import (
     CHANGES_FILE,
@@ -700,30 +700,40 @@ class BatchReader:
         mount. A key the listing names as an array of this directory is taken as looked
         up: the listing is the mount's own answer, as a lookup's is (the name, and the
         node its inode number says). The rest (a mirror's keys, those past the listing's
-        end) are looked up at once, answered by the kernel from what the listing
-        returned (READDIRPLUS), not by the mount. The listing stops after as many
+        end) are looked up at once; those the listing returned are answered by the
+        kernel from it (READDIRPLUS), not by the mount. The listing stops after as many
         entries as the lookups it spares would cost. True if this call listed; False if
         another call did (or does) for ``serving``."""
         with self._lock:
             if serving.listed:
                 return False
             serving.listed = True
-        unknown = np.flatnonzero(self._verified != serving.generation).tolist()
+        unknown = np.flatnonzero(self._verified != serving.generation)
         mount = serving.mount
+        # The keys still to look up, sorted, for the listing's names to be found among
+        # (a chunk of names at a time: nothing the size of the directory is kept).
+        order = np.argsort(self._keys[unknown], kind="stable")
+        wanted = self._keys[unknown][order]
+        version = Node.from_ino(serving.directory_ino).version
+        listed = np.zeros(len(unknown), bool)
 
         def ours(st: os.stat_result) -> bool:  # still the directory serving was found for
             return st.st_ino == serving.directory_ino and readable_mount(st.st_dev) is mount
 
-        _, files = _list_below(self.directory, len(unknown) * _LISTED_PER_LOOKUP, ours)
-        if serving.version in mount.mirrors:
-            files.clear()  # a mirror's key is a path: looked up (reader.py resolves it)
-        version = Node.from_ino(serving.directory_ino).version
+        def found(names: list[str], inos: list[int]) -> None:
+            if serving.version in mount.mirrors:
+                return  # a mirror's key is a path: looked up (reader.py resolves it)
+            positions, numbers = _among(wanted, names, inos)
+            for p, ino in zip(positions, numbers, strict=True):
+                if _names_entry(ino, version, self.size):
+                    listed[order[p]] = True
+
+        _list_below(self.directory, len(unknown) * _LISTED_PER_LOOKUP, ours, found)
         # Every key at once, while the kernel has the entries: memory pressure (a store
         # bigger than memory) would take them back before later batches looked theirs up.
-        for i in unknown:
-            key = self._key(i)
-            if _names_entry(files.get(array_name(key)), version, self.size):
-                self._looked_up(serving, i, key)
+        for p, i in enumerate(unknown.tolist()):
+            if listed[p]:
+                self._looked_up(serving, i, self._key(i))
             else:
                 self._verify(serving, i)
         return True
@@ -831,23 +841,32 @@ class BatchReader:
 
 
 def _list_below(
-    directory: str, budget: int, ours: Callable[[os.stat_result], bool]
-) -> tuple[int, dict[str, int]]:
-    """List ``directory`` and the folders below it, up to ``budget`` entries in all: how
-    many were listed, and the regular files directly in ``directory`` by name, with
-    their inode numbers (none if ``ours`` refuses the stat of the directory listed: not
-    the one meant)."""
-    files: dict[str, int] = {}
+    directory: str,
+    budget: int,
+    ours: Callable[[os.stat_result], bool],
+    found: Callable[[list[str], list[int]], None],
+) -> int:
+    """List ``directory`` and the folders below it, up to ``budget`` entries in all; how
+    many were listed. The regular files directly in ``directory`` go to ``found`` by
+    name with their inode numbers, ``_CHUNK`` at a time (none if ``ours`` refuses the
+    stat of the directory listed: not the one meant)."""
     listed = 0
     folders = [directory]
+    top = True
     while folders and listed < budget:
         folder = folders.pop()
+        names: list[str] = []
+        inos: list[int] = []
         try:
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # A folder below is not followed if it became a symlink since it was listed.
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if top else os.O_NOFOLLOW)
+            fd = os.open(folder, flags)
         except OSError:
+            top = False
             continue  # its keys are looked up one by one, as without a listing
         try:
-            top = folder is directory and ours(os.fstat(fd))
+            named = top and ours(os.fstat(fd))
+            top = False
             with os.scandir(fd) as entries:
                 for entry in entries:
                     listed += 1
@@ -855,13 +874,44 @@ def _list_below(
                         break
                     if entry.is_dir(follow_symlinks=False):
                         folders.append(os.path.join(folder, entry.name))
-                    elif top and entry.is_file(follow_symlinks=False):
-                        files[entry.name] = entry.inode()
+                    elif named and entry.is_file(follow_symlinks=False):
+                        names.append(entry.name)
+                        inos.append(entry.inode())
+                        if len(names) == _CHUNK:
+                            found(names, inos)
+                            names, inos = [], []
         except OSError:
-            continue
+            pass  # what it listed stands; its other keys are looked up one by one
         finally:
             os.close(fd)
-    return listed, files
+        if names:
+            found(names, inos)
+    return listed
+
+
+_CHUNK: Final = 4096  # listed names matched at a time
+
+
+def _among(
+    wanted: npt.NDArray[np.bytes_], names: list[str], inos: list[int]
+) -> tuple[list[int], list[int]]:
+    """The listed array names whose key is in ``wanted`` (sorted keys): each one's
+    key's position there, and its inode number."""
+    width = wanted.dtype.itemsize
+    keys: list[bytes] = []
+    numbers: list[int] = []
+    for name, ino in zip(names, inos, strict=True):
+        if name.endswith(ARRAY_SUFFIX):
+            key = os.fsencode(name[: -len(ARRAY_SUFFIX)])
+            if len(key) <= width:  # a longer one is no key (cut short, it could match one)
+                keys.append(key)
+                numbers.append(ino)
+    if not keys or not len(wanted):
+        return [], []
+    listed = np.array(keys, dtype=wanted.dtype)
+    at = np.minimum(np.searchsorted(wanted, listed), len(wanted) - 1)
+    hit = wanted[at] == listed
+    return at[hit].tolist(), np.array(numbers, np.uint64)[hit].tolist()
 
 
 def _names_entry(ino: int | None, version: int, size: int) -> bool:
