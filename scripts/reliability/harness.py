@@ -361,7 +361,26 @@ class Daemon:
         return [line for line in text.splitlines() if re.search(pattern, line)]
 
     def errors_logged(self) -> list[str]:
-        return self.log_lines(r"\b(ERROR|CRITICAL)\b|Traceback")
+        """The log's ERROR and CRITICAL lines, and each traceback whole (one item from
+        its first line to the exception it ends with): a report that fails on one
+        says what was raised."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        found: list[str] = []
+        lines = text.splitlines()
+        at = 0
+        while at < len(lines):
+            line = lines[at]
+            at += 1
+            if "Traceback" in line:
+                block = [line]
+                # Up to the next record of the log (each starts with its date).
+                while at < len(lines) and not re.match(r"\d{4}-\d\d-\d\d ", lines[at]):
+                    block.append(lines[at])
+                    at += 1
+                found.append("\n".join(block[:80]))
+            elif re.search(r"\b(ERROR|CRITICAL)\b", line):
+                found.append(line)
+        return found
 
 
 class Sampler:
