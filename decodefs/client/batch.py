@@ -712,17 +712,20 @@ class BatchReader:
         mount = serving.mount
         # The keys still to look up, sorted, for the listing's names to be found among
         # (a chunk of names at a time: nothing the size of the directory is kept).
-        order = np.argsort(self._keys[unknown], kind="stable")
-        wanted = self._keys[unknown][order]
+        keys = self._keys[unknown]
+        order = np.argsort(keys, kind="stable")
+        wanted = keys[order]
         version = Node.from_ino(serving.directory_ino).version
         listed = np.zeros(len(unknown), bool)
 
         def ours(st: os.stat_result) -> bool:  # still the directory serving was found for
             return st.st_ino == serving.directory_ino and readable_mount(st.st_dev) is mount
 
+        mirror = serving.version in mount.mirrors  # a key is a path: reader.py resolves it
+
         def found(names: list[str], inos: list[int]) -> None:
-            if serving.version in mount.mirrors:
-                return  # a mirror's key is a path: looked up (reader.py resolves it)
+            if mirror:
+                return  # its keys are looked up
             positions, numbers = _among(wanted, names, inos)
             for p, ino in zip(positions, numbers, strict=True):
                 if _names_entry(ino, version, self.size):
