@@ -356,17 +356,18 @@ class Daemon:
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.serving_pid()}/fd"))
 
+    def _log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
     def log_lines(self, pattern: str) -> list[str]:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return [line for line in text.splitlines() if re.search(pattern, line)]
+        return [line for line in self._log_text().splitlines() if re.search(pattern, line)]
 
     def errors_logged(self) -> list[str]:
         """The log's ERROR and CRITICAL lines, and each traceback whole (one item from
         its first line to the exception it ends with): a report that fails on one
         says what was raised."""
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
         found: list[str] = []
-        lines = text.splitlines()
+        lines = self._log_text().splitlines()
         at = 0
         while at < len(lines):
             line = lines[at]
