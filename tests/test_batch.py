@@ -190,23 +190,36 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
 
 
 @pytest.mark.parametrize("name", sorted(KEPT_READERS))
-def test_kept_files_are_read_by_key_and_the_rest_left_unread(store: Store, name: str) -> None:
+def test_kept_files_are_read_by_key_and_the_rest_left_unread(
+    store: Store, tmp_path: Path, name: str
+) -> None:
     read_kept = KEPT_READERS[name]
     _, status, fds, kept = store.read(IMPLEMENTATIONS[name], keep=5, token=3)
     maps, ctimes, checked = store.maps, store.ctimes.copy(), store.checked.copy()
     assert kept == 5 and (status == batch.OK).all()
     verified = np.array([1, 1, 1, 1, 2, 1], np.uint32)  # key 4: looked up on another mount
     seeds = np.array([k.seed for k in store.keys], np.uint64)
+    changes = tmp_path / "changes"  # the store's change token, as store/changes.py writes it
+    changes_fd = os.open(changes, os.O_RDWR | os.O_CREAT)
 
     def read(index: list[int], token: int, nowait: int = batch.NOWAIT) -> tuple[Any, ...]:
+        os.pwrite(changes_fd, token.to_bytes(8, "little"), 0)
         keys = np.array(index, np.int64)
         rows = np.zeros((len(keys), SIZE, SIZE, 3), np.uint8)
         status = np.full(len(keys), -7, np.int32)
         used = np.full(len(keys), -7, np.int32)
+        found = np.full(batch.FOUND_SIZE, -7, np.int64)
+        directory, root = bytes(store.root), bytes(tmp_path)
         read_kept(
-            rows, ROW, keys, verified, 1, fds, maps, seeds, HEADER, EXPECT, nowait, token,
-            checked, ctimes, status, used,
+            rows, ROW, keys, verified, 1, fds, maps, seeds, HEADER, EXPECT, nowait,
+            checked, ctimes, status, used, directory, root, changes_fd, found,
         )  # fmt: skip
+        st, root_st = store.root.stat(), tmp_path.stat()
+        assert found[: batch.TOKEN].tolist() == [
+            1, st.st_dev, st.st_ino, root_st.st_dev, root_st.st_mtime_ns
+        ]  # fmt: skip
+        assert int(found[batch.TOKEN]) & (2**64 - 1) == token
+        assert found[batch.FAULTS] == 0  # every page in the page cache
         return rows, status.tolist(), used.tolist()
 
     try:
@@ -230,13 +243,44 @@ def test_kept_files_are_read_by_key_and_the_rest_left_unread(store: Store, name:
         _, status, _ = read([2], token=4)  # a new token: every kept file is looked at
         assert status == [batch.GONE]
         assert checked[2] == 3  # a gone file is not marked looked at
+        _, status, _ = read([0], token=2**64 - 2)  # every bit of the token counts
+        assert status == [batch.OK] and checked[0] == 2**64 - 2
         with pytest.raises(IndexError):
             read([6], token=4)  # no such key
     finally:
+        os.close(changes_fd)
         for fd in fds[:5]:
             os.close(int(fd))
         if batch._unmap is not None:
             batch._unmap(maps, LENGTH + TRAILER_SIZE)
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_READERS))
+def test_read_kept_says_when_it_could_not_look_and_reads_by_token_zero_without_one(
+    store: Store, tmp_path: Path, name: str
+) -> None:
+    read_kept = KEPT_READERS[name]
+    _, _, fds, _ = store.read(IMPLEMENTATIONS[name], keep=6, token=3)
+    checked = store.checked.copy()
+    seeds = np.array([k.seed for k in store.keys], np.uint64)
+    rows = np.zeros((1, SIZE, SIZE, 3), np.uint8)
+    status, used = np.empty(1, np.int32), np.empty(1, np.int32)
+    found = np.full(batch.FOUND_SIZE, -7, np.int64)
+    try:
+        for directory, root in ((tmp_path / "gone", tmp_path), (store.root, tmp_path / "gone")):
+            read_kept(
+                rows, ROW, np.array([0], np.int64), np.ones(6, np.uint32), 1, fds, store.maps,
+                seeds, HEADER, EXPECT, batch.NOWAIT, checked, store.ctimes, status, used,
+                bytes(directory), bytes(root), -1, found,
+            )  # fmt: skip
+            assert found[batch.STATED] == 0 and found[batch.TOKEN] == 0
+            assert status.tolist() == [batch.OK] and checked[0] == 0  # read by token 0
+            assert np.array_equal(rows[0], store.arrays[0])
+    finally:
+        for fd in fds[:6]:
+            os.close(int(fd))
+        if batch._unmap is not None:
+            batch._unmap(store.maps, LENGTH + TRAILER_SIZE)
 
 
 def dropped(path: Path, check: bool = True) -> bool:

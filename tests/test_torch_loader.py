@@ -343,6 +343,40 @@ def test_a_daemon_restarted_between_epochs(
     assert stats["hits"] == stats["misses"] == stats["decodes"] == 0
 
 
+def test_each_batch_finds_the_mount_by_the_stat_its_reads_take_with_them(
+    mounts: MountFactory,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reader_kind: str,
+) -> None:
+    first = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    dataset = MountDataset(first.mountpoint, "v1", SIZE, keys)
+    want = batches(BatchLoader(dataset, batch_size=len(keys)))  # every array stored, kept
+    reader = dataset.batch_reader()
+    found_anew: list[batch._Serving | None] = []
+    begin = batch.BatchReader._begin
+
+    def counted(self: batch.BatchReader) -> batch._Serving | None:
+        found_anew.append(begin(self))
+        return found_anew[-1]
+
+    monkeypatch.setattr(batch.BatchReader, "_begin", counted)
+    rows = np.zeros((len(keys), SIZE, SIZE, 3), np.uint8)
+    assert reader.read(range(len(keys)), rows) == []
+    assert found_anew == []  # the same mount: told by the first pass's own stat
+    assert torch.equal(torch.from_numpy(rows), want[0][0])
+    first.stop()  # another daemon on the same path, with a store of its own (empty)
+    second = mounts({"v1": photos_dir}, store=tmp_path / "another-store")
+    assert second.mountpoint == first.mountpoint
+    assert reader.read(range(len(keys)), rows) == list(range(len(keys)))  # its misses
+    assert len(found_anew) == 1 and found_anew[0] is not None
+    assert found_anew[0].mount.store == str(tmp_path / "another-store")
+    assert not [link for link in open_files() if link.startswith(str(store_of(first)))]
+
+
 @pytest.mark.parametrize("how", ["killed", "unmounted"])
 def test_a_mount_that_vanishes_mid_epoch_raises_and_stops_the_threads(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], how: str

@@ -3,18 +3,23 @@ copied (the compiled ``_batchread`` where it built, else ``read_entries_py``); k
 format and reader.py's checks, not torch, samplers or the daemon.
 
 A ``BatchReader`` serves one ``<mount>/<version>/<size>/`` directory and a fixed
-array of keys (a dataset's), in one process. Per batch: one ``stat`` of the
-directory (which mount, which version and size, as reader.py learns them from
-inodes), one ``pread`` of the store's change token, and calls that read every
-stored entry of the batch into its row with the GIL released, checking each as
-``read_array`` does (regular file of the daemon's alone, length, .npy header,
-trailer: magic, store format, decoder fingerprint, length; the key-seeded
-xxh3-64 of the bytes read, computed as they are copied, each piece while it is
-in the CPU's cache): ``read_kept`` for the keys whose file is kept open, by the
-reader's own arrays, then ``read_rows`` for the others, which it opens. The
-rows they could not serve are given back: the caller reads those through the
-mount (``read_array_into``), where the daemon decodes a miss and rebuilds an
-entry that failed its check.
+array of keys (a dataset's), in one process. Per batch: a ``stat`` of the
+directory and of the mount's root (which mount, which version and size, as
+reader.py learns them from inodes), a ``pread`` of the store's change token,
+and calls that read every stored entry of the batch into its row with the GIL
+released, checking each as ``read_array`` does (regular file of the daemon's
+alone, length, .npy header, trailer: magic, store format, decoder fingerprint,
+length; the key-seeded xxh3-64 of the bytes read, computed as they are copied,
+each piece while it is in the CPU's cache): ``read_kept`` for the keys whose
+file is kept open, by the reader's own arrays, then ``read_rows`` for the
+others, which it opens. The rows they could not serve are given back: the
+caller reads those through the mount (``read_array_into``), where the daemon
+decodes a miss and rebuilds an entry that failed its check.
+
+``read_kept`` takes the stats and the token itself, before its reads: a warm
+batch gives up the GIL once, not once per system call (a training loop that
+holds the GIL would make each of them a wait). A batch whose stats say the
+directory is no longer the mount the reader knew is read again from the start.
 
 What is done once, not per array:
 - a key is looked up on the mount (``lstat``, as ``read_array`` does) the first
@@ -69,7 +74,7 @@ from ..common.protocol import (
     encode_accesses,
 )
 from ..common.trusted import owned_alone
-from .discovery import Mount, readable_mount
+from .discovery import Mount, current_mount, readable_mount
 from .hits import report_hits
 from .reader import locate, stored_into
 
@@ -86,6 +91,17 @@ NOT_CACHED: Final = 2  # not in the page cache; with nowait, its reading ahead s
 BAD: Final = 3  # failed a check, or an error: reader.py finds out why, then the mount
 GONE: Final = 4  # a kept descriptor's file was unlinked: closed, to be opened again
 UNREAD: Final = 5  # read_kept: no kept file (or a key not looked up on this mount): opened
+# read_kept's found, as _batchread.c has it: what the call looked at before its reads (the
+# directory's and the mount root's stat, the store's change token), and the thread's major
+# page faults during them.
+STATED: Final = 0  # 1: both stats were taken; 0: either failed
+DEVICE: Final = 1
+INODE: Final = 2
+ROOT_DEVICE: Final = 3
+ROOT_MTIME: Final = 4  # ns
+TOKEN: Final = 5  # the change token (0: none), as its uint64's bits
+FAULTS: Final = 6
+FOUND_SIZE: Final = 7
 # read_rows' nowait: 0 reads whatever it takes, NOWAIT only what is in the page cache, and
 # TRUSTED copies mapped entries without asking the kernel (mincore) whether they are.
 NOWAIT: Final = 1
@@ -236,15 +252,35 @@ def read_kept_py(
     header: bytes,
     expect: bytes,
     nowait: int,
-    token: int,
     checked: npt.NDArray[np.uint64],
     ctimes: npt.NDArray[np.int64],
     status: npt.NDArray[np.int32],
     used: npt.NDArray[np.int32],
+    directory: bytes,
+    root: bytes,
+    changes: int,
+    found: npt.NDArray[np.int64],
 ) -> None:
-    """``_batchread.read_kept`` in Python (see its docstring): the keys' kept files read
-    into rows 0, 1, ..., a key without one UNREAD. Maps nothing (``maps`` is taken for
-    the same signature)."""
+    """``_batchread.read_kept`` in Python (see its docstring): ``found`` filled from the
+    stats of ``directory`` and ``root`` and the change token read from ``changes``, then
+    the keys' kept files read into rows 0, 1, ..., a key without one UNREAD. Maps
+    nothing (``maps`` is taken for the same signature)."""
+    found[:] = 0
+    try:
+        st, root_st = os.stat(directory), os.stat(root)
+    except OSError:
+        pass
+    else:
+        found[[STATED, DEVICE, INODE, ROOT_DEVICE, ROOT_MTIME]] = (
+            1,
+            st.st_dev,
+            st.st_ino,
+            root_st.st_dev,
+            root_st.st_mtime_ns,
+        )
+    token = _token(changes)
+    found[TOKEN] = token - (1 << 64) if token >> 63 else token  # its bits, as an int64
+    faults = _major_faults()
     memory = memoryview(rows).cast("B")
     for p, i in enumerate(index.tolist()):
         fd = used[p] = int(fds[i])
@@ -256,6 +292,7 @@ def read_kept_py(
         if got != GONE:
             checked[i] = token
         status[p] = got
+    found[FAULTS] = _major_faults() - faults
 
 
 def gone_py(
@@ -349,6 +386,7 @@ class _Serving:
     expect: bytes
     generation: int
     report_prefix: bytes  # a report line before its keys (protocol.encode_accesses)
+    root_path: bytes  # the mount's root (mount.root), stated with each batch's first pass
     changes: int = -1  # the store's change token file (protocol.CHANGES_FILE), or none
     users: int = 0  # calls reading with dirfd or kept descriptors of this mount now
     listed: bool = False  # the directory was listed once for the lookups (_list)
@@ -356,6 +394,30 @@ class _Serving:
     # Kept descriptors and their mappings (0: none) to close once no call uses them: a
     # call in flight may be copying out of a mapping, or reading a descriptor's number.
     closing: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _FirstPass:
+    """A batch's first pass (read_kept): each item's status and the kept descriptor it
+    read (-1: none), and what the call looked at (``found``: STATED, DEVICE, ...)."""
+
+    status: npt.NDArray[np.int32]
+    used: npt.NDArray[np.int32]
+    found: npt.NDArray[np.int64]
+    trusted: bool  # mapped entries copied without asking whether they are in the page cache
+
+    @property
+    def token(self) -> int:
+        """The store's change token the reads went by (0: none)."""
+        return int(self.found[TOKEN]) & _UINT64
+
+    @property
+    def faults(self) -> int:
+        """This thread's major page faults during the reads."""
+        return int(self.found[FAULTS])
+
+
+_UINT64: Final = (1 << 64) - 1
 
 
 class BatchReader:
@@ -374,6 +436,7 @@ class BatchReader:
         read_rows: ReadRows | None = None,
     ) -> None:
         self.directory = directory
+        self._directory_path = os.fsencode(directory)
         self.size = size
         self.open_entries = _default_open_entries() if open_entries is None else open_entries
         self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
@@ -433,11 +496,19 @@ class BatchReader:
         ``[len(indices), size, size, 3]``."""
         count = len(indices)
         index = np.asarray(indices, np.int64).reshape(count) % max(1, len(self._keys))
-        serving = self._begin()
+        serving = self._in_use()
+        if serving is not None:  # as last found: the first pass says if it still is
+            try:
+                first = self._first_pass(serving, index, rows)
+                if self._still_serving(serving, first.found):
+                    return self._read(serving, index, rows, on_miss, first)
+            finally:
+                self._end(serving)
+        serving = self._begin()  # none found yet, or the first pass found another mount
         if serving is None:
             return self._give_back(range(count), on_miss)
         try:
-            return self._read(serving, index, rows, on_miss)
+            return self._read(serving, index, rows, on_miss, self._first_pass(serving, index, rows))
         finally:
             self._end(serving)
 
@@ -451,21 +522,19 @@ class BatchReader:
 
     # -- one batch -----------------------------------------------------------------
 
-    def _read(
-        self,
-        serving: _Serving,
-        index: npt.NDArray[np.int64],
-        rows: npt.NDArray[np.uint8],
-        on_miss: Callable[[int], None] | None,
-    ) -> list[int]:
+    def _first_pass(
+        self, serving: _Serving, index: npt.NDArray[np.int64], rows: npt.NDArray[np.uint8]
+    ) -> _FirstPass:
+        """The keys with a kept file read, in one call that touches nothing else, and
+        first looks at the directory, the mount's root and the store's change token
+        (the GIL is released once for all of it)."""
         count = len(index)
-        token = _token(serving)
-        trusted = self._cached and self._map
-        faults = _major_faults() if trusted else 0
-        nowait = TRUSTED if trusted else NOWAIT
-        # The keys with a kept file first, in one call that touches nothing else.
-        status = np.empty(count, np.int32)
-        used = np.empty(count, np.int32)
+        first = _FirstPass(
+            np.empty(count, np.int32),
+            np.empty(count, np.int32),
+            np.empty(FOUND_SIZE, np.int64),
+            self._cached and self._map,
+        )
         self._read_kept(
             rows,
             self._row_bytes,
@@ -477,24 +546,41 @@ class BatchReader:
             self._seeds,
             self._header,
             serving.expect,
-            nowait,
-            token,
+            TRUSTED if first.trusted else NOWAIT,
             self._checked,
             self._ctimes,
-            status,
-            used,
+            first.status,
+            first.used,
+            self._directory_path,
+            serving.root_path,
+            serving.changes,
+            first.found,
         )
+        return first
+
+    def _read(
+        self,
+        serving: _Serving,
+        index: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.uint8],
+        on_miss: Callable[[int], None] | None,
+        first: _FirstPass,
+    ) -> list[int]:
+        count = len(index)
+        status, token, trusted = first.status, first.token, first.trusted
+        nowait = TRUSTED if trusted else NOWAIT
         if not status.any():  # every array a hit (OK is 0), read and checked (warm epochs)
-            self._cached = _major_faults() == faults if trusted else True
+            self._cached = first.faults == 0 if trusted else True
             self._sweep(serving, count, token)
             self._report(serving, self._keys[index].tolist())
             return []
-        self._let_go_of_gone(serving, index, status, used)
+        self._let_go_of_gone(serving, index, status, first.used)
+        faults = _major_faults() if trusted else 0
         opening = np.flatnonzero((status == UNREAD) | (status == GONE)).astype(np.int32)
         if len(opening):  # the rest: looked up on the mount, if need be, and opened
             status[opening] = self._open(serving, index[opening], opening, rows, nowait, token)
         if trusted:
-            self._cached = _major_faults() == faults
+            self._cached = first.faults == 0 and _major_faults() == faults
         else:
             self._cached = not (status == NOT_CACHED).any()
         keys = index.tolist()
@@ -769,6 +855,23 @@ class BatchReader:
 
     # -- which mount -------------------------------------------------------------------
 
+    def _in_use(self) -> _Serving | None:
+        """The store found for the directory last (None: none yet), counted as in use."""
+        with self._lock:
+            serving = self._serving
+            if serving is not None:
+                serving.users += 1
+            return serving
+
+    def _still_serving(self, serving: _Serving, found: npt.NDArray[np.int64]) -> bool:
+        """Whether the stats a first pass took (``found``) say the directory is still
+        ``serving``'s, as ``_begin`` would find it."""
+        if not found[STATED] or serving.retired:
+            return False
+        device, root_device = int(found[DEVICE]), int(found[ROOT_DEVICE])
+        mount = current_mount(device, root_device, int(found[ROOT_MTIME]))
+        return mount is serving.mount and int(found[INODE]) == serving.directory_ino
+
     def _begin(self) -> _Serving | None:
         """The store serving the directory now (one stat of it), counted as in use."""
         try:
@@ -812,7 +915,8 @@ class BatchReader:
         global _generation
         _generation += 1
         prefix = encode_access(version, self.size, "")[:-1]
-        serving = _Serving(mount, st.st_ino, version, dirfd, expect, _generation, prefix)
+        root = os.fsencode(mount.root)
+        serving = _Serving(mount, st.st_ino, version, dirfd, expect, _generation, prefix, root)
         serving.changes = _open_token(dirfd, mount.owner)
         return serving
 
@@ -979,12 +1083,12 @@ def _open_token(dirfd: int, owner: int) -> int:
     return fd
 
 
-def _token(serving: _Serving) -> int:
-    """The store's change token now (0: none known)."""
-    if serving.changes < 0:
+def _token(changes: int) -> int:
+    """The store's change token now, read from its file open at ``changes`` (0: none known)."""
+    if changes < 0:
         return 0
     try:
-        data = os.pread(serving.changes, 8, 0)
+        data = os.pread(changes, 8, 0)
     except OSError:
         return 0
     return int.from_bytes(data, "little") if len(data) == 8 else 0

@@ -17,7 +17,7 @@ from ..common.protocol import FS_TYPE, STORE_FILE, StoreStatus
 from ..common.status import read_status_bytes
 from ..common.trusted import owned_alone
 
-__all__ = ["Mount", "forget_mounts", "readable_mount"]
+__all__ = ["Mount", "current_mount", "forget_mounts", "readable_mount"]
 
 # A store is trusted only when the device is a ``fuse.decodefs`` mount in this
 # process's mount table whose store.json this decodefs release understands
@@ -73,6 +73,17 @@ def readable_mount(device: int) -> Mount | None:
     return mount if isinstance(mount, Mount) else None
 
 
+def current_mount(device: int, root_device: int, root_mtime_ns: int) -> Mount | None:
+    """The mount known to be on ``device``, if a stat of its root just taken (its
+    ``st_dev`` and ``st_mtime_ns``) says it still is (no system call); else None, and
+    ``readable_mount`` finds out."""
+    with _lock:
+        known = _mounts.get(device)
+    if isinstance(known, Mount) and _describes(known, device, root_device, root_mtime_ns):
+        return known
+    return None
+
+
 def forget_mounts() -> None:
     """Read every mount's store.json again (a daemon restarted with other settings)."""
     with _lock:
@@ -110,7 +121,12 @@ def _current(mount: Mount | _Refused, device: int) -> bool:
         st = os.stat(mount.root)
     except OSError:
         return False
-    return st.st_dev == device and st.st_mtime_ns == mount.root_mtime_ns
+    return _describes(mount, device, st.st_dev, st.st_mtime_ns)
+
+
+def _describes(mount: Mount | _Refused, device: int, root_device: int, root_mtime_ns: int) -> bool:
+    """Whether a stat of ``mount``'s root says it is still the mount on ``device``."""
+    return root_device == device and root_mtime_ns == mount.root_mtime_ns
 
 
 def _find_mount(device: int) -> Mount | _Refused | None:

@@ -22,7 +22,9 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "rows.h"
 
@@ -234,31 +236,60 @@ done:
 
 PyDoc_STRVAR(read_kept_doc,
 "read_kept(rows, row_bytes, index, verified, generation, fds, maps, seeds, header, expect,\n"
-"          nowait, token, checked, ctimes, status, used)\n\n"
+"          nowait, checked, ctimes, status, used, directory, root, changes, found)\n\n"
 "read_rows for the items whose key has a kept file, without opening any: item i (of\n"
 "len(index), int64) is key index[i], read into row i of rows. verified (uint32), fds,\n"
 "maps, seeds, checked and ctimes are per key (a reader's own arrays, of one length),\n"
 "read as read_rows reads its per-item ones. A key with no kept descriptor (fds -1),\n"
 "or not looked up on this mount (verified[key] != generation), is UNREAD; used[i]\n"
 "(int32) is the descriptor item i read (-1: none), for the caller to let go of one\n"
-"found GONE.");
+"found GONE.\n"
+"First, in the same release of the GIL, it looks at what tells whether these are\n"
+"still the mount's: found (int64, FOUND_SIZE) gets the stat of directory and of root\n"
+"(bytes paths; FOUND_STATED 0 if either failed) and the store's change token read from\n"
+"the descriptor changes (-1: none; the token 0), the token the reads go by; and after\n"
+"them the thread's major page faults during the reads.");
+
+/* What read_kept looks at before its reads: the directory's and the mount root's stat,
+ * and the store's change token (8 bytes, little-endian, at the start of its file). */
+static void look(const char *directory, const char *root, int changes, int64_t *found) {
+    struct stat st, rt;
+    found[FOUND_STATED] = stat(directory, &st) == 0 && stat(root, &rt) == 0;
+    if (found[FOUND_STATED]) {
+        found[FOUND_DEV] = (int64_t)st.st_dev;
+        found[FOUND_INO] = (int64_t)st.st_ino;
+        found[FOUND_ROOT_DEV] = (int64_t)rt.st_dev;
+        found[FOUND_ROOT_MTIME] = (int64_t)rt.st_mtim.tv_sec * 1000000000 + rt.st_mtim.tv_nsec;
+    }
+    unsigned char bytes[8];
+    uint64_t token = 0;
+    if (changes >= 0 && pread(changes, bytes, sizeof bytes, 0) == (ssize_t)sizeof bytes)
+        for (int k = 7; k >= 0; k--)
+            token = token << 8 | bytes[k];
+    found[FOUND_TOKEN] = (int64_t)token;
+}
+
+static long major_faults(void) {
+    struct rusage usage;
+    return getrusage(RUSAGE_THREAD, &usage) == 0 ? usage.ru_majflt : 0;
+}
 
 static PyObject *read_kept(PyObject *self, PyObject *args) {
-    int nowait;
+    int nowait, changes;
     Py_ssize_t row_bytes;
     unsigned long generation;
-    unsigned long long token;
+    const char *directory, *root;
     PyObject *rows_obj, *index_obj, *verified_obj, *fds_obj, *maps_obj, *seeds_obj;
-    PyObject *checked_obj, *ctimes_obj, *status_obj, *used_obj;
+    PyObject *checked_obj, *ctimes_obj, *status_obj, *used_obj, *found_obj;
     Py_buffer header, expect;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OnOOkOOOy*y*iKOOOO", &rows_obj, &row_bytes, &index_obj,
+    if (!PyArg_ParseTuple(args, "OnOOkOOOy*y*iOOOOyyiO", &rows_obj, &row_bytes, &index_obj,
                           &verified_obj, &generation, &fds_obj, &maps_obj, &seeds_obj, &header,
-                          &expect, &nowait, &token, &checked_obj, &ctimes_obj, &status_obj,
-                          &used_obj))
+                          &expect, &nowait, &checked_obj, &ctimes_obj, &status_obj, &used_obj,
+                          &directory, &root, &changes, &found_obj))
         return NULL;
     Py_buffer rows = {0}, index = {0}, verified = {0}, fds = {0}, maps = {0}, seeds = {0};
-    Py_buffer checked = {0}, ctimes = {0}, status = {0}, used = {0};
+    Py_buffer checked = {0}, ctimes = {0}, status = {0}, used = {0}, found = {0};
     PyObject *result = NULL;
     Py_ssize_t n = 0, keys = 0;
     if (!get(index_obj, &index, PyBUF_SIMPLE, -1, "index") ||
@@ -273,7 +304,8 @@ static PyObject *read_kept(PyObject *self, PyObject *args) {
         !get(checked_obj, &checked, PyBUF_WRITABLE, keys * (Py_ssize_t)sizeof(uint64_t), "checked") ||
         !get(ctimes_obj, &ctimes, PyBUF_WRITABLE, keys * (Py_ssize_t)sizeof(int64_t), "ctimes") ||
         !get(status_obj, &status, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "status") ||
-        !get(used_obj, &used, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "used"))
+        !get(used_obj, &used, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "used") ||
+        !get(found_obj, &found, PyBUF_WRITABLE, FOUND_SIZE * (Py_ssize_t)sizeof(int64_t), "found"))
         goto done;
     if (row_bytes <= 0 || header.len > HEADER_MAX || expect.len != EXPECT_SIZE) {
         PyErr_SetString(PyExc_ValueError, "read_kept: a bad row size, header or trailer");
@@ -310,16 +342,26 @@ static PyObject *read_kept(PyObject *self, PyObject *args) {
         .head_len = (size_t)header.len,
         .expect = expect.buf,
         .nowait = nowait,
-        .token = token,
         .checked = checked.buf,
         .ctimes = ctimes.buf,
         .status = status.buf,
     };
-    if (read_released(&b) >= 0)
+    int64_t *found_of = found.buf;
+    ssize_t got;
+    Py_BEGIN_ALLOW_THREADS
+    look(directory, root, changes, found_of);
+    b.token = (uint64_t)found_of[FOUND_TOKEN];
+    long faults = major_faults();
+    got = read_rows_impl(&b);
+    found_of[FOUND_FAULTS] = major_faults() - faults;
+    Py_END_ALLOW_THREADS
+    if (got < 0)
+        PyErr_NoMemory();
+    else
         result = Py_NewRef(Py_None);
 done:
     RELEASE(&rows, &index, &verified, &fds, &maps, &seeds, &checked, &ctimes, &status, &used,
-            &header, &expect);
+            &found, &header, &expect);
     return result;
 }
 
@@ -499,7 +541,8 @@ PyMODINIT_FUNC PyInit__batchread(void) {
         PyModule_AddIntConstant(m, "NOT_CACHED", ROW_NOT_CACHED) ||
         PyModule_AddIntConstant(m, "BAD", ROW_BAD) ||
         PyModule_AddIntConstant(m, "GONE", ROW_GONE) ||
-        PyModule_AddIntConstant(m, "UNREAD", ROW_UNREAD)) {
+        PyModule_AddIntConstant(m, "UNREAD", ROW_UNREAD) ||
+        PyModule_AddIntConstant(m, "FOUND_SIZE", FOUND_SIZE)) {
         Py_DECREF(m);
         return NULL;
     }
