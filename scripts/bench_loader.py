@@ -11,6 +11,10 @@ epochs of every array in batches of --batch:
                   one .npy file, np.memmap'd, each batch's rows gathered into one
                   reused uint8 tensor by torch.index_select with N torch threads
                   (--threads); nothing checked. The bound BatchLoader is held to
+  packed-N-ring   the same copy into one of prefetch + 3 = 5 batch tensors in turn, as a
+                  loader that reads ahead must (the batch in use is not written over):
+                  the one tensor of packed-N stays in the CPU's last-level cache, these
+                  do not
   constant        a DataLoader with --workers workers whose dataset returns one
                   constant array: the ceiling of any dataset in such a DataLoader
   mount-uint8     MountDataset in a DataLoader with --workers persistent workers and
@@ -31,6 +35,10 @@ epochs of every array in batches of --batch:
                   under the bench directory), StreamingDataset(shuffle=True) in a
                   StreamingDataLoader with --workers persistent workers, as its docs
                   show it; litdata-bd0 the same with batch_decode=0 (its fastest here)
+
+With --work US, the training loop holds the GIL for US microseconds of Python after
+each batch (a training step's own Python), as a loop that trains does: a loader
+whose threads need the GIL meanwhile waits for it.
 
 Reported: arrays/s of epochs 2+ (the median over rounds), each as a ratio to the
 packed copy with as many threads (BatchLoader) or to ``mount-uint8``, and the CPU
@@ -57,7 +65,8 @@ drop of the page cache, in --memory-rounds rounds in a fresh order (the packed
 copy, at a few hundred arrays/s, in the first alone).
 
     flock /tmp/decodefs-heavy.lock .venv/bin/python scripts/bench_loader.py \\
-        [--count 2000] [--size 224] [--batch 64] [--workers 2] [--threads 1 2 N] [--memory 0.5]
+        [--count 2000] [--size 224] [--batch 64] [--workers 2] [--threads 1 2 N] [--work US] \\
+        [--memory 0.5]
 """
 
 from __future__ import annotations
@@ -125,7 +134,7 @@ class Packed:
     """FFCV raw's bare mechanism: one mapped file, each batch gathered by index_select."""
 
     def __init__(
-        self, path: Path, keys: Sequence[str], batch: int, threads: int, seed: int
+        self, path: Path, keys: Sequence[str], batch: int, threads: int, seed: int, ring: int = 1
     ) -> None:
         self.array = np.load(path, mmap_mode="r")
         self.tensor = torch.from_numpy(np.lib.format.open_memmap(path, mode="r+"))
@@ -133,7 +142,9 @@ class Packed:
         self.batch = batch
         self.threads = threads
         self.generator = torch.Generator().manual_seed(seed)
-        self.out = torch.empty((batch, *self.tensor.shape[1:]), dtype=torch.uint8)
+        shape = (batch, *self.tensor.shape[1:])
+        self.outs = [torch.ones(shape, dtype=torch.uint8) for _ in range(ring)]  # faulted in
+        self.turn = 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         order = torch.randperm(len(self.keys), generator=self.generator)
@@ -141,7 +152,8 @@ class Packed:
         try:
             for start in range(0, len(order), self.batch):
                 index = order[start : start + self.batch]
-                out = self.out[: len(index)]
+                self.turn += 1
+                out = self.outs[self.turn % len(self.outs)][: len(index)]
                 torch.index_select(self.tensor, 0, index, out=out)
                 yield out, [self.keys[i] for i in index.tolist()]
         finally:
@@ -267,6 +279,9 @@ def main() -> None:
     parser.add_argument("--memory-rounds", type=int, default=3, help="rounds of --memory")
     parser.add_argument("--code", type=Path, help="the cold epochs' daemon from this checkout")
     parser.add_argument("--only", nargs="+", help="run only these contenders")
+    parser.add_argument(
+        "--work", type=int, default=0, help="us of the training loop's own Python per batch"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("batch reads:", EXTENSION or "pure Python", flush=True)
@@ -390,6 +405,7 @@ def loaders(
     made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {}
     for n in args.threads:
         made[f"packed-{n}"] = Packed(packed, keys, args.batch, n, seed=n)
+        made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_RING)
     made["constant"] = workers(Constant(len(keys), args.size), collate_uint8)
     made["mount-uint8"] = workers(dataset, collate_uint8)
     made["mount-default"] = workers(dataset, default_collate)
@@ -417,6 +433,9 @@ def loaders(
     return made
 
 
+_RING: Final = 2 + 3  # BatchLoader's batches of memory at its default prefetch (2)
+
+
 def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespace) -> None:
     dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
     paths = [dataset.path(i) for i in range(len(dataset))]
@@ -428,7 +447,7 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
                 for image, key in zip(images.numpy(), batch_keys, strict=True):
                     assert np.array_equal(image, want[key]), (name, key)
 
-    epochs: dict[str, Epoch] = {name: _epoch_of(loader) for name, loader in made.items()}
+    epochs = {name: _epoch_of(loader, args.work) for name, loader in made.items()}
     if not args.only or "read_array" in args.only:
         epochs["read_array"] = lambda: sum(1 for path in paths if read_array(path) is not None)
     rates: dict[str, list[float]] = {name: [] for name in epochs}
@@ -447,13 +466,16 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
     print("uptime after:", _uptime())
     print(
         f"\n{len(keys)} arrays of {args.size}, batch {args.batch}, {args.workers} workers, "
-        f"{os.cpu_count()} CPUs; epochs 2..{args.epochs}, median of {args.rounds} rounds\n"
+        f"{os.cpu_count()} CPUs; epochs 2..{args.epochs}, median of {args.rounds} rounds; "
+        f"the training loop's own Python per batch: {args.work} us\n"
     )
     print(
-        f"| {'contender':<14} | {'arrays/s':>9} | {'x packed':>8} | {'x mount':>7} "
-        f"| CPU s / 1,000 | rounds (arrays/s) |"
+        f"| {'contender':<14} | {'arrays/s':>9} | {'x packed':>8} | {'x ring':>6} "
+        f"| {'x mount':>7} | CPU s / 1,000 | rounds (arrays/s) |"
     )
-    print(f"| {'-' * 14} | {'-' * 9}: | {'-' * 8}: | {'-' * 7}: | ------------: | --- |")
+    print(
+        f"| {'-' * 14} | {'-' * 9}: | {'-' * 8}: | {'-' * 6}: | {'-' * 7}: | ------------: | --- |"
+    )
     base = statistics.median(rates["mount-uint8"]) if "mount-uint8" in rates else None
     for name in epochs:
         rate = statistics.median(rates[name])
@@ -461,11 +483,13 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
             name.split("-")[1] if name.startswith(("threads-", "packed-", "reader-")) else None
         )
         bound = rates.get(f"packed-{threads}")
+        ring = rates.get(f"packed-{threads}-ring")
         x_packed = f"{rate / statistics.median(bound):.2f}x" if bound else "-"
+        x_ring = f"{rate / statistics.median(ring):.2f}x" if ring else "-"
         x_mount = f"{rate / base:.2f}x" if base else "-"
         each = " ".join(f"{r:,.0f}" for r in rates[name])
         print(
-            f"| {name:<14} | {rate:>9,.0f} | {x_packed:>8} | {x_mount:>7} "
+            f"| {name:<14} | {rate:>9,.0f} | {x_packed:>8} | {x_ring:>6} | {x_mount:>7} "
             f"| {statistics.median(cpu[name]):>13.3f} | {each} |"
         )
 
@@ -570,11 +594,25 @@ def _fraction(value: str) -> float:
     return fraction
 
 
-def _epoch_of(loader: Iterable[tuple[torch.Tensor, Any]]) -> Epoch:
+def _epoch_of(loader: Iterable[tuple[torch.Tensor, Any]], work_us: int = 0) -> Epoch:
+    """An epoch of ``loader``, each batch followed by ``work_us`` of the loop's own Python."""
+
     def epoch() -> int:
-        return sum(len(images) for images, _ in loader)
+        arrays = 0
+        for images, _ in loader:
+            arrays += len(images)
+            if work_us:
+                _hold_the_gil(work_us)
+        return arrays
 
     return epoch
+
+
+def _hold_the_gil(microseconds: int) -> None:
+    """Python that runs ``microseconds`` without a blocking call (a training step's own)."""
+    end = time.perf_counter() + microseconds / 1e6
+    while time.perf_counter() < end:
+        pass
 
 
 def _uptime() -> str:
