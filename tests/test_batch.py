@@ -8,7 +8,7 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ if batch._compiled is not None:
 
 GONE_CHECKS = [batch.gone_py] + ([batch._compiled_gone] if batch._compiled_gone else [])
 # read_kept beside the read_rows that kept (and, compiled, mapped) the files it reads
-KEPT_READERS = {"python": batch.read_kept_py}
+KEPT_READERS: dict[str, Callable[..., tuple[int, ...]]] = {"python": batch.read_kept_py}
 if batch._compiled_kept is not None:
     KEPT_READERS["compiled"] = batch._compiled_kept
 
@@ -208,18 +208,18 @@ def test_kept_files_are_read_by_key_and_the_rest_left_unread(
         rows = np.zeros((len(keys), SIZE, SIZE, 3), np.uint8)
         status = np.full(len(keys), -7, np.int32)
         used = np.full(len(keys), -7, np.int32)
-        found = np.full(batch.FOUND_SIZE, -7, np.int64)
         directory, root = bytes(store.root), bytes(tmp_path)
-        read_kept(
-            rows, ROW, keys, verified, 1, fds, maps, seeds, HEADER, EXPECT, nowait,
-            checked, ctimes, status, used, directory, root, changes_fd, found,
+        looked = batch.Looked(
+            *read_kept(
+                rows, ROW, keys, verified, 1, fds, maps, seeds, HEADER, EXPECT, nowait,
+                checked, ctimes, status, used, directory, root, changes_fd,
+            )
         )  # fmt: skip
         st, root_st = store.root.stat(), tmp_path.stat()
-        assert found[: batch.TOKEN].tolist() == [
-            1, st.st_dev, st.st_ino, root_st.st_dev, root_st.st_mtime_ns
-        ]  # fmt: skip
-        assert int(found[batch.TOKEN]) & (2**64 - 1) == token
-        assert found[batch.FAULTS] == 0  # every page in the page cache
+        assert looked[:5] == (1, st.st_dev, st.st_ino, root_st.st_dev, root_st.st_mtime_ns)
+        assert looked.token == token
+        assert looked.faults == 0  # every page in the page cache
+        assert looked.failed == int(np.count_nonzero(status != batch.OK))
         return rows, status.tolist(), used.tolist()
 
     try:
@@ -265,15 +265,14 @@ def test_read_kept_says_when_it_could_not_look_and_reads_by_token_zero_without_o
     seeds = np.array([k.seed for k in store.keys], np.uint64)
     rows = np.zeros((1, SIZE, SIZE, 3), np.uint8)
     status, used = np.empty(1, np.int32), np.empty(1, np.int32)
-    found = np.full(batch.FOUND_SIZE, -7, np.int64)
     try:
         for directory, root in ((tmp_path / "gone", tmp_path), (store.root, tmp_path / "gone")):
-            read_kept(
+            looked = read_kept(
                 rows, ROW, np.array([0], np.int64), np.ones(6, np.uint32), 1, fds, store.maps,
                 seeds, HEADER, EXPECT, batch.NOWAIT, checked, store.ctimes, status, used,
-                bytes(directory), bytes(root), -1, found,
+                bytes(directory), bytes(root), -1,
             )  # fmt: skip
-            assert found[batch.STATED] == 0 and found[batch.TOKEN] == 0
+            assert tuple(looked) == (0, 0, 0, 0, 0, 0, 0, 0)  # nothing stated, no token
             assert status.tolist() == [batch.OK] and checked[0] == 0  # read by token 0
             assert np.array_equal(rows[0], store.arrays[0])
     finally:

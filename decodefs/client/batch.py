@@ -54,7 +54,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -91,17 +91,6 @@ NOT_CACHED: Final = 2  # not in the page cache; with nowait, its reading ahead s
 BAD: Final = 3  # failed a check, or an error: reader.py finds out why, then the mount
 GONE: Final = 4  # a kept descriptor's file was unlinked: closed, to be opened again
 UNREAD: Final = 5  # read_kept: no kept file (or a key not looked up on this mount): opened
-# read_kept's found, as _batchread.c has it: what the call looked at before its reads (the
-# directory's and the mount root's stat, the store's change token), and the thread's major
-# page faults during them.
-STATED: Final = 0  # 1: both stats were taken; 0: either failed
-DEVICE: Final = 1
-INODE: Final = 2
-ROOT_DEVICE: Final = 3
-ROOT_MTIME: Final = 4  # ns
-TOKEN: Final = 5  # the change token (0: none), as its uint64's bits
-FAULTS: Final = 6
-FOUND_SIZE: Final = 7
 # read_rows' nowait: 0 reads whatever it takes, NOWAIT only what is in the page cache, and
 # TRUSTED copies mapped entries without asking the kernel (mincore) whether they are.
 NOWAIT: Final = 1
@@ -240,6 +229,19 @@ def _read_row_py(
     return OK if hasher.intdigest() == recorded else BAD
 
 
+class Looked(NamedTuple):
+    """What ``read_kept`` looked at before its reads, and how they went."""
+
+    stated: int  # 1: the directory and the mount's root were stated; 0: either failed (all 0)
+    device: int  # the directory's st_dev
+    inode: int  # the directory's st_ino
+    root_device: int
+    root_mtime_ns: int
+    token: int  # the store's change token the reads went by (0: none)
+    faults: int  # this thread's major page faults during the reads
+    failed: int  # items not OK
+
+
 def read_kept_py(
     rows: Any,
     row_bytes: int,
@@ -259,27 +261,18 @@ def read_kept_py(
     directory: bytes,
     root: bytes,
     changes: int,
-    found: npt.NDArray[np.int64],
-) -> None:
-    """``_batchread.read_kept`` in Python (see its docstring): ``found`` filled from the
-    stats of ``directory`` and ``root`` and the change token read from ``changes``, then
-    the keys' kept files read into rows 0, 1, ..., a key without one UNREAD. Maps
-    nothing (``maps`` is taken for the same signature)."""
-    found[:] = 0
+) -> Looked:
+    """``_batchread.read_kept`` in Python (see its docstring): the stats of ``directory``
+    and ``root`` and the change token read from ``changes``, then the keys' kept files
+    read into rows 0, 1, ..., a key without one UNREAD. Maps nothing (``maps`` is taken
+    for the same signature)."""
     try:
         st, root_st = os.stat(directory), os.stat(root)
     except OSError:
-        pass
+        stats = (0, 0, 0, 0, 0)
     else:
-        found[[STATED, DEVICE, INODE, ROOT_DEVICE, ROOT_MTIME]] = (
-            1,
-            st.st_dev,
-            st.st_ino,
-            root_st.st_dev,
-            root_st.st_mtime_ns,
-        )
+        stats = (1, st.st_dev, st.st_ino, root_st.st_dev, root_st.st_mtime_ns)
     token = _token(changes)
-    found[TOKEN] = token - (1 << 64) if token >> 63 else token  # its bits, as an int64
     faults = _major_faults()
     memory = memoryview(rows).cast("B")
     for p, i in enumerate(index.tolist()):
@@ -292,7 +285,8 @@ def read_kept_py(
         if got != GONE:
             checked[i] = token
         status[p] = got
-    found[FAULTS] = _major_faults() - faults
+    failed = int(np.count_nonzero(status != OK))
+    return Looked(*stats, token, _major_faults() - faults, failed)
 
 
 def gone_py(
@@ -337,7 +331,7 @@ try:
     from . import _batchread  # type: ignore[attr-defined]
 
     _compiled: ReadRows | None = _batchread.read_rows
-    _compiled_kept: Callable[..., None] | None = _batchread.read_kept
+    _compiled_kept: Callable[..., tuple[int, ...]] | None = _batchread.read_kept
     _compiled_gone: Callable[..., None] | None = _batchread.gone
     _unmap: Callable[[Any, int], None] | None = _batchread.unmap
     EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
@@ -399,25 +393,12 @@ class _Serving:
 @dataclass
 class _FirstPass:
     """A batch's first pass (read_kept): each item's status and the kept descriptor it
-    read (-1: none), and what the call looked at (``found``: STATED, DEVICE, ...)."""
+    read (-1: none), and what the call looked at."""
 
     status: npt.NDArray[np.int32]
     used: npt.NDArray[np.int32]
-    found: npt.NDArray[np.int64]
     trusted: bool  # mapped entries copied without asking whether they are in the page cache
-
-    @property
-    def token(self) -> int:
-        """The store's change token the reads went by (0: none)."""
-        return int(self.found[TOKEN]) & _UINT64
-
-    @property
-    def faults(self) -> int:
-        """This thread's major page faults during the reads."""
-        return int(self.found[FAULTS])
-
-
-_UINT64: Final = (1 << 64) - 1
+    looked: Looked
 
 
 class BatchReader:
@@ -440,7 +421,7 @@ class BatchReader:
         self.size = size
         self.open_entries = _default_open_entries() if open_entries is None else open_entries
         self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
-        self._read_kept: Callable[..., None] = read_kept_py
+        self._read_kept: Callable[..., tuple[int, ...]] = read_kept_py
         self._gone: Callable[..., None] = gone_py
         if self._read_rows is _compiled and _compiled_gone is not None:
             self._gone = _compiled_gone
@@ -500,7 +481,7 @@ class BatchReader:
         if serving is not None:  # as last found: the first pass says if it still is
             try:
                 first = self._first_pass(serving, index, rows)
-                if self._still_serving(serving, first.found):
+                if self._still_serving(serving, first.looked):
                     return self._read(serving, index, rows, on_miss, first)
             finally:
                 self._end(serving)
@@ -529,13 +510,9 @@ class BatchReader:
         first looks at the directory, the mount's root and the store's change token
         (the GIL is released once for all of it)."""
         count = len(index)
-        first = _FirstPass(
-            np.empty(count, np.int32),
-            np.empty(count, np.int32),
-            np.empty(FOUND_SIZE, np.int64),
-            self._cached and self._map,
-        )
-        self._read_kept(
+        status, used = np.empty(count, np.int32), np.empty(count, np.int32)
+        trusted = self._cached and self._map
+        looked = self._read_kept(
             rows,
             self._row_bytes,
             index,
@@ -546,17 +523,16 @@ class BatchReader:
             self._seeds,
             self._header,
             serving.expect,
-            TRUSTED if first.trusted else NOWAIT,
+            TRUSTED if trusted else NOWAIT,
             self._checked,
             self._ctimes,
-            first.status,
-            first.used,
+            status,
+            used,
             self._directory_path,
             serving.root_path,
             serving.changes,
-            first.found,
         )
-        return first
+        return _FirstPass(status, used, trusted, Looked(*looked))
 
     def _read(
         self,
@@ -567,10 +543,10 @@ class BatchReader:
         first: _FirstPass,
     ) -> list[int]:
         count = len(index)
-        status, token, trusted = first.status, first.token, first.trusted
+        status, token, trusted = first.status, first.looked.token, first.trusted
         nowait = TRUSTED if trusted else NOWAIT
-        if not status.any():  # every array a hit (OK is 0), read and checked (warm epochs)
-            self._cached = first.faults == 0 if trusted else True
+        if not first.looked.failed:  # every array a hit, read and checked (warm epochs)
+            self._cached = first.looked.faults == 0 if trusted else True
             self._sweep(serving, count, token)
             self._report(serving, self._keys[index].tolist())
             return []
@@ -580,7 +556,7 @@ class BatchReader:
         if len(opening):  # the rest: looked up on the mount, if need be, and opened
             status[opening] = self._open(serving, index[opening], opening, rows, nowait, token)
         if trusted:
-            self._cached = first.faults == 0 and _major_faults() == faults
+            self._cached = first.looked.faults == 0 and _major_faults() == faults
         else:
             self._cached = not (status == NOT_CACHED).any()
         keys = index.tolist()
@@ -863,14 +839,13 @@ class BatchReader:
                 serving.users += 1
             return serving
 
-    def _still_serving(self, serving: _Serving, found: npt.NDArray[np.int64]) -> bool:
-        """Whether the stats a first pass took (``found``) say the directory is still
-        ``serving``'s, as ``_begin`` would find it."""
-        if not found[STATED] or serving.retired:
+    def _still_serving(self, serving: _Serving, looked: Looked) -> bool:
+        """Whether the stats a first pass took say the directory is still ``serving``'s,
+        as ``_begin`` would find it."""
+        if not looked.stated or serving.retired:
             return False
-        device, root_device = int(found[DEVICE]), int(found[ROOT_DEVICE])
-        mount = current_mount(device, root_device, int(found[ROOT_MTIME]))
-        return mount is serving.mount and int(found[INODE]) == serving.directory_ino
+        mount = current_mount(looked.device, looked.root_device, looked.root_mtime_ns)
+        return mount is serving.mount and looked.inode == serving.directory_ino
 
     def _begin(self) -> _Serving | None:
         """The store serving the directory now (one stat of it), counted as in use."""

@@ -236,7 +236,7 @@ done:
 
 PyDoc_STRVAR(read_kept_doc,
 "read_kept(rows, row_bytes, index, verified, generation, fds, maps, seeds, header, expect,\n"
-"          nowait, checked, ctimes, status, used, directory, root, changes, found)\n\n"
+"          nowait, checked, ctimes, status, used, directory, root, changes)\n\n"
 "read_rows for the items whose key has a kept file, without opening any: item i (of\n"
 "len(index), int64) is key index[i], read into row i of rows. verified (uint32), fds,\n"
 "maps, seeds, checked and ctimes are per key (a reader's own arrays, of one length),\n"
@@ -245,28 +245,32 @@ PyDoc_STRVAR(read_kept_doc,
 "(int32) is the descriptor item i read (-1: none), for the caller to let go of one\n"
 "found GONE.\n"
 "First, in the same release of the GIL, it looks at what tells whether these are\n"
-"still the mount's: found (int64, FOUND_SIZE) gets the stat of directory and of root\n"
-"(bytes paths; FOUND_STATED 0 if either failed) and the store's change token read from\n"
-"the descriptor changes (-1: none; the token 0), the token the reads go by; and after\n"
-"them the thread's major page faults during the reads.");
+"still the mount's, the stats of directory and root (bytes paths), and reads the\n"
+"store's change token from the descriptor changes (-1: none; the token 0); the reads\n"
+"go by that token. Returns (stated, st_dev, st_ino, the root's st_dev, the root's\n"
+"st_mtime_ns, token, faults, failed): stated 0 (and the stats 0) if either stat\n"
+"failed; faults, this thread's major page faults during the reads; failed, how many\n"
+"items are not OK.");
 
 /* What read_kept looks at before its reads: the directory's and the mount root's stat,
  * and the store's change token (8 bytes, little-endian, at the start of its file). */
-static void look(const char *directory, const char *root, int changes, int64_t *found) {
-    struct stat st, rt;
-    found[FOUND_STATED] = stat(directory, &st) == 0 && stat(root, &rt) == 0;
-    if (found[FOUND_STATED]) {
-        found[FOUND_DEV] = (int64_t)st.st_dev;
-        found[FOUND_INO] = (int64_t)st.st_ino;
-        found[FOUND_ROOT_DEV] = (int64_t)rt.st_dev;
-        found[FOUND_ROOT_MTIME] = (int64_t)rt.st_mtim.tv_sec * 1000000000 + rt.st_mtim.tv_nsec;
+struct looked {
+    int stated;
+    struct stat directory, root;
+    uint64_t token;
+};
+
+static void look(const char *directory, const char *root, int changes, struct looked *seen) {
+    seen->stated = stat(directory, &seen->directory) == 0 && stat(root, &seen->root) == 0;
+    if (!seen->stated) {
+        memset(&seen->directory, 0, sizeof seen->directory);
+        memset(&seen->root, 0, sizeof seen->root);
     }
     unsigned char bytes[8];
-    uint64_t token = 0;
+    seen->token = 0;
     if (changes >= 0 && pread(changes, bytes, sizeof bytes, 0) == (ssize_t)sizeof bytes)
         for (int k = 7; k >= 0; k--)
-            token = token << 8 | bytes[k];
-    found[FOUND_TOKEN] = (int64_t)token;
+            seen->token = seen->token << 8 | bytes[k];
 }
 
 static long major_faults(void) {
@@ -280,16 +284,16 @@ static PyObject *read_kept(PyObject *self, PyObject *args) {
     unsigned long generation;
     const char *directory, *root;
     PyObject *rows_obj, *index_obj, *verified_obj, *fds_obj, *maps_obj, *seeds_obj;
-    PyObject *checked_obj, *ctimes_obj, *status_obj, *used_obj, *found_obj;
+    PyObject *checked_obj, *ctimes_obj, *status_obj, *used_obj;
     Py_buffer header, expect;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OnOOkOOOy*y*iOOOOyyiO", &rows_obj, &row_bytes, &index_obj,
+    if (!PyArg_ParseTuple(args, "OnOOkOOOy*y*iOOOOyyi", &rows_obj, &row_bytes, &index_obj,
                           &verified_obj, &generation, &fds_obj, &maps_obj, &seeds_obj, &header,
                           &expect, &nowait, &checked_obj, &ctimes_obj, &status_obj, &used_obj,
-                          &directory, &root, &changes, &found_obj))
+                          &directory, &root, &changes))
         return NULL;
     Py_buffer rows = {0}, index = {0}, verified = {0}, fds = {0}, maps = {0}, seeds = {0};
-    Py_buffer checked = {0}, ctimes = {0}, status = {0}, used = {0}, found = {0};
+    Py_buffer checked = {0}, ctimes = {0}, status = {0}, used = {0};
     PyObject *result = NULL;
     Py_ssize_t n = 0, keys = 0;
     if (!get(index_obj, &index, PyBUF_SIMPLE, -1, "index") ||
@@ -304,8 +308,7 @@ static PyObject *read_kept(PyObject *self, PyObject *args) {
         !get(checked_obj, &checked, PyBUF_WRITABLE, keys * (Py_ssize_t)sizeof(uint64_t), "checked") ||
         !get(ctimes_obj, &ctimes, PyBUF_WRITABLE, keys * (Py_ssize_t)sizeof(int64_t), "ctimes") ||
         !get(status_obj, &status, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "status") ||
-        !get(used_obj, &used, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "used") ||
-        !get(found_obj, &found, PyBUF_WRITABLE, FOUND_SIZE * (Py_ssize_t)sizeof(int64_t), "found"))
+        !get(used_obj, &used, PyBUF_WRITABLE, n * (Py_ssize_t)sizeof(int32_t), "used"))
         goto done;
     if (row_bytes <= 0 || header.len > HEADER_MAX || expect.len != EXPECT_SIZE) {
         PyErr_SetString(PyExc_ValueError, "read_kept: a bad row size, header or trailer");
@@ -346,22 +349,30 @@ static PyObject *read_kept(PyObject *self, PyObject *args) {
         .ctimes = ctimes.buf,
         .status = status.buf,
     };
-    int64_t *found_of = found.buf;
+    struct looked seen;
     ssize_t got;
+    long faults;
+    Py_ssize_t failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    look(directory, root, changes, found_of);
-    b.token = (uint64_t)found_of[FOUND_TOKEN];
-    long faults = major_faults();
+    look(directory, root, changes, &seen);
+    b.token = seen.token;
+    faults = major_faults();
     got = read_rows_impl(&b);
-    found_of[FOUND_FAULTS] = major_faults() - faults;
+    faults = major_faults() - faults;
+    for (Py_ssize_t i = 0; i < n; i++)
+        failed += b.status[i] != ROW_OK;
     Py_END_ALLOW_THREADS
     if (got < 0)
         PyErr_NoMemory();
     else
-        result = Py_NewRef(Py_None);
+        result = Py_BuildValue(
+            "(iKKKLKln)", seen.stated, (unsigned long long)seen.directory.st_dev,
+            (unsigned long long)seen.directory.st_ino, (unsigned long long)seen.root.st_dev,
+            (long long)seen.root.st_mtim.tv_sec * 1000000000 + seen.root.st_mtim.tv_nsec,
+            (unsigned long long)seen.token, faults, failed);
 done:
     RELEASE(&rows, &index, &verified, &fds, &maps, &seeds, &checked, &ctimes, &status, &used,
-            &found, &header, &expect);
+            &header, &expect);
     return result;
 }
 
@@ -541,8 +552,7 @@ PyMODINIT_FUNC PyInit__batchread(void) {
         PyModule_AddIntConstant(m, "NOT_CACHED", ROW_NOT_CACHED) ||
         PyModule_AddIntConstant(m, "BAD", ROW_BAD) ||
         PyModule_AddIntConstant(m, "GONE", ROW_GONE) ||
-        PyModule_AddIntConstant(m, "UNREAD", ROW_UNREAD) ||
-        PyModule_AddIntConstant(m, "FOUND_SIZE", FOUND_SIZE)) {
+        PyModule_AddIntConstant(m, "UNREAD", ROW_UNREAD)) {
         Py_DECREF(m);
         return NULL;
     }

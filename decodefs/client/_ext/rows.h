@@ -20,19 +20,6 @@
 enum { NOWAIT_TRUSTED = 2 };
 enum { ROW_OK = 0, ROW_MISSING = 1, ROW_NOT_CACHED = 2, ROW_BAD = 3, ROW_GONE = 4, ROW_UNREAD = 5 };
 
-/* read_kept's found: what it looked at before its reads (the directory's and the mount
- * root's stat, the store's change token), and the thread's major faults during them. */
-enum {
-    FOUND_STATED, /* 1: both stats below were taken; 0: either failed */
-    FOUND_DEV,
-    FOUND_INO,
-    FOUND_ROOT_DEV,
-    FOUND_ROOT_MTIME, /* ns */
-    FOUND_TOKEN,      /* the store's change token (0: none), as its uint64's bits */
-    FOUND_FAULTS,
-    FOUND_SIZE
-};
-
 #define TRAILER_SIZE 40 /* protocol.TRAILER ("<4sI16sQQ").size */
 #define EXPECT_SIZE 32  /* the trailer but its checksum: magic, format, fingerprint, length */
 #define HEADER_MAX 4096 /* npy.HEADER_BOUND */
