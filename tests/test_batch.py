@@ -1,4 +1,4 @@
-"""client/batch.py's row readers on real entry files: the compiled one and its pure-Python twin
+"""client/rows.py's row readers on real entry files: the compiled one and its pure-Python twin
 read the same rows and give the same statuses, for good entries and every kind of bad one."""
 
 from __future__ import annotations
@@ -18,7 +18,18 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodefs.client import batch
+from decodefs.client import rows as row_readers
+from decodefs.client.rows import (
+    BAD,
+    GONE,
+    MISSING,
+    NOT_CACHED,
+    NOWAIT,
+    OK,
+    TRUSTED,
+    UNREAD,
+    ReadRows,
+)
 from decodefs.common.entry import EntryKey, encode_trailer
 from decodefs.common.npy import npy_header
 from decodefs.common.protocol import STORE_FORMAT, TRAILER, TRAILER_MAGIC, TRAILER_SIZE
@@ -31,26 +42,28 @@ ROW = SIZE * SIZE * 3
 LENGTH = len(HEADER) + ROW
 EXPECT = TRAILER.pack(TRAILER_MAGIC, STORE_FORMAT, DIGEST, LENGTH, 0)[: TRAILER_SIZE - 8]
 
-IMPLEMENTATIONS = {"python": batch.read_entries_py}
-if batch._compiled is not None:
-    IMPLEMENTATIONS["compiled"] = batch._compiled
+IMPLEMENTATIONS = {"python": row_readers.read_entries_py}
+if row_readers.compiled is not None:
+    IMPLEMENTATIONS["compiled"] = row_readers.compiled
 
 
-GONE_CHECKS = [batch.gone_py] + ([batch._compiled_gone] if batch._compiled_gone else [])
+GONE_CHECKS = [row_readers.gone_py]
+if row_readers.compiled_gone is not None:
+    GONE_CHECKS.append(row_readers.compiled_gone)
 # read_kept beside the read_rows that kept (and, compiled, mapped) the files it reads
-KEPT_READERS: dict[str, Callable[..., tuple[int, ...]]] = {"python": batch.read_kept_py}
-if batch._compiled_kept is not None:
-    KEPT_READERS["compiled"] = batch._compiled_kept
+KEPT_READERS: dict[str, Callable[..., tuple[int, ...]]] = {"python": row_readers.read_kept_py}
+if row_readers.compiled_kept is not None:
+    KEPT_READERS["compiled"] = row_readers.compiled_kept
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
-def read_rows(request: pytest.FixtureRequest) -> batch.ReadRows:
+def read_rows(request: pytest.FixtureRequest) -> ReadRows:
     return IMPLEMENTATIONS[request.param]
 
 
 def test_the_extension_builds_here() -> None:
     # scripts/setup.sh installs a compiler and Python's headers: CI must test the compiled reader.
-    assert batch._compiled is not None, "decodefs/client/_batchread did not build"
+    assert row_readers.compiled is not None, "decodefs/client/_batchread did not build"
 
 
 def write_entry(store: Path, key: EntryKey, array: np.ndarray, digest: bytes = DIGEST) -> Path:
@@ -73,7 +86,7 @@ class Store:
 
     def read(
         self,
-        read_rows: batch.ReadRows,
+        read_rows: ReadRows,
         fds: np.ndarray | None = None,
         keep: int = 0,
         nowait: bool = False,
@@ -87,7 +100,7 @@ class Store:
         rows = np.zeros((count, SIZE, SIZE, 3), np.uint8)
         fds = np.full(count, -1, np.int32) if fds is None else fds
         maps = np.zeros(count, np.uint64) if maps is None else maps
-        mapping = read_rows is not batch.read_entries_py
+        mapping = read_rows is not row_readers.read_entries_py
         if names is None:
             pairs = zip(self.keys, fds.tolist(), strict=True)
             names = [k.relpath.encode() if fd < 0 else None for k, fd in pairs]
@@ -113,9 +126,9 @@ def store(tmp_path: Path) -> Iterator[Store]:
         os.close(made.dirfd)
 
 
-def test_good_entries_are_read_into_their_rows(store: Store, read_rows: batch.ReadRows) -> None:
+def test_good_entries_are_read_into_their_rows(store: Store, read_rows: ReadRows) -> None:
     rows, status, fds, kept = store.read(read_rows)
-    assert status.tolist() == [batch.OK] * 6 and kept == 0 and (fds == -1).all()
+    assert status.tolist() == [OK] * 6 and kept == 0 and (fds == -1).all()
     for row, array in zip(rows, store.arrays, strict=True):
         assert np.array_equal(row, array)
 
@@ -126,7 +139,7 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_every_bad_entry_is_refused_alike(store: Store, read_rows: batch.ReadRows) -> None:
+def test_every_bad_entry_is_refused_alike(store: Store, read_rows: ReadRows) -> None:
     flip(store.paths[0], len(HEADER) + 100)  # a pixel
     flip(store.paths[1], 10)  # the .npy header
     flip(store.paths[2], LENGTH + TRAILER_SIZE - 1)  # the checksum
@@ -134,34 +147,34 @@ def test_every_bad_entry_is_refused_alike(store: Store, read_rows: batch.ReadRow
     store.paths[4].write_bytes(store.paths[4].read_bytes()[:-1])  # truncated
     store.paths[5].unlink()  # missing
     _, status, _, _ = store.read(read_rows)
-    bad, missing = batch.BAD, batch.MISSING
+    bad, missing = BAD, MISSING
     assert status.tolist() == [bad, bad, bad, bad, bad, missing]
     # another key's entry in this key's place fails its checksum (the seed is the key's)
     store.paths[5].write_bytes(store.paths[0].read_bytes())
     assert store.read(read_rows)[1][5] == bad
 
 
-def test_an_entry_others_may_write_is_refused(store: Store, read_rows: batch.ReadRows) -> None:
+def test_an_entry_others_may_write_is_refused(store: Store, read_rows: ReadRows) -> None:
     store.paths[2].chmod(stat.S_IMODE(store.paths[2].stat().st_mode) | 0o020)
     store.paths[3].chmod(0o646)
     _, status, _, _ = store.read(read_rows)
-    assert status.tolist() == [batch.OK, batch.OK, batch.BAD, batch.BAD, batch.OK, batch.OK]
+    assert status.tolist() == [OK, OK, BAD, BAD, OK, OK]
 
 
 def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
-    store: Store, read_rows: batch.ReadRows
+    store: Store, read_rows: ReadRows
 ) -> None:
     _, status, fds, kept = store.read(read_rows, keep=4)
     maps, ctimes = store.maps, store.ctimes.copy()
-    assert kept == 4 and (status == batch.OK).all()
+    assert kept == 4 and (status == OK).all()
     assert (fds[:4] >= 0).all() and (fds[4:] == -1).all()
-    compiled = read_rows is not batch.read_entries_py
+    compiled = read_rows is not row_readers.read_entries_py
     assert (maps[:4] != 0).all() if compiled else not maps.any()  # kept files are mapped
     assert not maps[4:].any()
     rows, status, _, _ = store.read(
         read_rows, fds=fds.copy(), maps=maps.copy(), nowait=True, ctimes=ctimes.copy()
     )
-    assert (status == batch.OK).all()  # read out of the mappings, in the page cache
+    assert (status == OK).all()  # read out of the mappings, in the page cache
     assert all(np.array_equal(r, a) for r, a in zip(rows, store.arrays, strict=True))
     for fd, path in zip(fds[:4], store.paths, strict=False):
         assert os.path.samestat(os.fstat(int(fd)), path.stat())
@@ -173,7 +186,7 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
         rows, status, after, kept = store.read(
             read_rows, fds=again, maps=maps.copy(), keep=0, nowait=True, ctimes=ctimes.copy()
         )
-        assert kept == 0 and status.tolist()[:4] == [batch.GONE, batch.GONE, batch.OK, batch.OK]
+        assert kept == 0 and status.tolist()[:4] == [GONE, GONE, OK, OK]
         assert (after == fds).all()  # a gone file's descriptor is the caller's to close
         for gone in GONE_CHECKS:
             out = np.full(6, 7, np.uint8)
@@ -185,8 +198,8 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
     finally:
         for fd in fds[:4]:
             os.close(int(fd))
-        if batch._unmap is not None:
-            batch._unmap(maps, LENGTH + TRAILER_SIZE)
+        if row_readers.unmap is not None:
+            row_readers.unmap(maps, LENGTH + TRAILER_SIZE)
 
 
 @pytest.mark.parametrize("name", sorted(KEPT_READERS))
@@ -196,20 +209,20 @@ def test_kept_files_are_read_by_key_and_the_rest_left_unread(
     read_kept = KEPT_READERS[name]
     _, status, fds, kept = store.read(IMPLEMENTATIONS[name], keep=5, token=3)
     maps, ctimes, checked = store.maps, store.ctimes.copy(), store.checked.copy()
-    assert kept == 5 and (status == batch.OK).all()
+    assert kept == 5 and (status == OK).all()
     verified = np.array([1, 1, 1, 1, 2, 1], np.uint32)  # key 4: looked up on another mount
     seeds = np.array([k.seed for k in store.keys], np.uint64)
     changes = tmp_path / "changes"  # the store's change token, as store/changes.py writes it
     changes_fd = os.open(changes, os.O_RDWR | os.O_CREAT)
 
-    def read(index: list[int], token: int, nowait: int = batch.NOWAIT) -> tuple[Any, ...]:
+    def read(index: list[int], token: int, nowait: int = NOWAIT) -> tuple[Any, ...]:
         os.pwrite(changes_fd, token.to_bytes(8, "little"), 0)
         keys = np.array(index, np.int64)
         rows = np.zeros((len(keys), SIZE, SIZE, 3), np.uint8)
         status = np.full(len(keys), -7, np.int32)
         used = np.full(len(keys), -7, np.int32)
         directory, root = bytes(store.root), bytes(tmp_path)
-        looked = batch.Looked(
+        looked = row_readers.Looked(
             *read_kept(
                 rows, ROW, keys, verified, 1, fds, maps, seeds, HEADER, EXPECT, nowait,
                 checked, ctimes, status, used, directory, root, changes_fd,
@@ -219,12 +232,12 @@ def test_kept_files_are_read_by_key_and_the_rest_left_unread(
         assert looked[:5] == (1, st.st_dev, st.st_ino, root_st.st_dev, root_st.st_mtime_ns)
         assert looked.token == token
         assert looked.faults == 0  # every page in the page cache
-        assert looked.failed == int(np.count_nonzero(status != batch.OK))
+        assert looked.failed == int(np.count_nonzero(status != OK))
         return rows, status.tolist(), used.tolist()
 
     try:
         rows, status, used = read([3, 0, 5, 4, 3], token=3)  # key 5: no kept file
-        ok, unread = batch.OK, batch.UNREAD
+        ok, unread = OK, UNREAD
         assert status == [ok, ok, unread, unread, ok]
         assert used == [fds[3], fds[0], -1, fds[4], fds[3]]
         for p, key in ((0, 3), (1, 0), (4, 3)):
@@ -232,27 +245,27 @@ def test_kept_files_are_read_by_key_and_the_rest_left_unread(
         assert not rows[2].any() and not rows[3].any()  # left for the caller
         flip(store.paths[1], len(HEADER) + 7)  # a pixel, in place
         store.paths[2].unlink()  # evicted behind the token's back
-        _, status, _ = read([1, 2], token=3, nowait=batch.TRUSTED)
+        _, status, _ = read([1, 2], token=3, nowait=TRUSTED)
         # The token says nothing changed: the compiled reader copies out of the mappings,
         # the changed bytes failing their check, the unlinked file's still the entry it
         # checked; the pure-Python one looks at every file (the flip changed its ctime).
         if name == "compiled":
-            assert status == [batch.BAD, batch.OK]
+            assert status == [BAD, OK]
         else:
-            assert status == [batch.GONE, batch.GONE]
+            assert status == [GONE, GONE]
         _, status, _ = read([2], token=4)  # a new token: every kept file is looked at
-        assert status == [batch.GONE]
+        assert status == [GONE]
         assert checked[2] == 3  # a gone file is not marked looked at
         _, status, _ = read([0], token=2**64 - 2)  # every bit of the token counts
-        assert status == [batch.OK] and checked[0] == 2**64 - 2
+        assert status == [OK] and checked[0] == 2**64 - 2
         with pytest.raises(IndexError):
             read([6], token=4)  # no such key
     finally:
         os.close(changes_fd)
         for fd in fds[:5]:
             os.close(int(fd))
-        if batch._unmap is not None:
-            batch._unmap(maps, LENGTH + TRAILER_SIZE)
+        if row_readers.unmap is not None:
+            row_readers.unmap(maps, LENGTH + TRAILER_SIZE)
 
 
 @pytest.mark.parametrize("name", sorted(KEPT_READERS))
@@ -269,17 +282,17 @@ def test_read_kept_says_when_it_could_not_look_and_reads_by_token_zero_without_o
         for directory, root in ((tmp_path / "gone", tmp_path), (store.root, tmp_path / "gone")):
             looked = read_kept(
                 rows, ROW, np.array([0], np.int64), np.ones(6, np.uint32), 1, fds, store.maps,
-                seeds, HEADER, EXPECT, batch.NOWAIT, checked, store.ctimes, status, used,
+                seeds, HEADER, EXPECT, NOWAIT, checked, store.ctimes, status, used,
                 bytes(directory), bytes(root), -1,
             )  # fmt: skip
             assert tuple(looked) == (0, 0, 0, 0, 0, 0, 0, 0)  # nothing stated, no token
-            assert status.tolist() == [batch.OK] and checked[0] == 0  # read by token 0
+            assert status.tolist() == [OK] and checked[0] == 0  # read by token 0
             assert np.array_equal(rows[0], store.arrays[0])
     finally:
         for fd in fds[:6]:
             os.close(int(fd))
-        if batch._unmap is not None:
-            batch._unmap(store.maps, LENGTH + TRAILER_SIZE)
+        if row_readers.unmap is not None:
+            row_readers.unmap(store.maps, LENGTH + TRAILER_SIZE)
 
 
 def dropped(path: Path, check: bool = True) -> bool:
@@ -302,13 +315,13 @@ def dropped(path: Path, check: bool = True) -> bool:
 
 
 def test_a_kept_file_is_looked_at_again_once_the_store_changed_or_its_inode_did(
-    store: Store, read_rows: batch.ReadRows
+    store: Store, read_rows: ReadRows
 ) -> None:
     _, status, fds, kept = store.read(read_rows, keep=4, token=7)
     maps, ctimes = store.maps, store.ctimes.copy()
-    assert kept == 4 and (status == batch.OK).all()
+    assert kept == 4 and (status == OK).all()
     assert store.checked[:4].tolist() == [7] * 4  # looked at (opened) under token 7
-    compiled = read_rows is not batch.read_entries_py
+    compiled = read_rows is not row_readers.read_entries_py
     try:
         store.paths[0].unlink()  # behind the daemon's back: no new token
         store.paths[1].chmod(0o600)  # other readers: a new ctime
@@ -317,16 +330,16 @@ def test_a_kept_file_is_looked_at_again_once_the_store_changed_or_its_inode_did(
             checked=store.checked.copy(), ctimes=ctimes.copy(),
         )  # fmt: skip
         if compiled:  # the token says nothing changed: the kept files are not looked at
-            assert (status == batch.OK).all()
+            assert (status == OK).all()
             assert np.array_equal(rows[0], store.arrays[0])  # the bytes it held, checked
         else:  # the pure-Python reader looks at every kept file
-            assert status.tolist()[:4] == [batch.GONE, batch.GONE, batch.OK, batch.OK]
+            assert status.tolist()[:4] == [GONE, GONE, OK, OK]
         checked = np.full(6, 7, np.uint64)
         _, status, _, _ = store.read(
             read_rows, fds=fds.copy(), maps=maps.copy(), nowait=True, token=8,
             checked=checked, ctimes=ctimes.copy(),
         )  # fmt: skip
-        assert status.tolist()[:4] == [batch.GONE, batch.GONE, batch.OK, batch.OK]
+        assert status.tolist()[:4] == [GONE, GONE, OK, OK]
         assert checked[2:4].tolist() == [8, 8]  # looked at under the new token
         for gone in GONE_CHECKS:
             out = np.full(4, 9, np.uint8)
@@ -340,13 +353,11 @@ def test_a_kept_file_is_looked_at_again_once_the_store_changed_or_its_inode_did(
     finally:
         for fd in fds[:4]:
             os.close(int(fd))
-        if batch._unmap is not None:
-            batch._unmap(maps, LENGTH + TRAILER_SIZE)
+        if row_readers.unmap is not None:
+            row_readers.unmap(maps, LENGTH + TRAILER_SIZE)
 
 
-def test_a_row_not_in_the_page_cache_is_started_and_said(
-    store: Store, read_rows: batch.ReadRows
-) -> None:
+def test_a_row_not_in_the_page_cache_is_started_and_said(store: Store, read_rows: ReadRows) -> None:
     scratch = store.root / "scratch"
     scratch.write_bytes(bytes(4096))
     if not any(dropped(scratch) for _ in range(5)):  # (a read without waiting starts reading
@@ -355,12 +366,12 @@ def test_a_row_not_in_the_page_cache_is_started_and_said(
         for path in store.paths:
             dropped(path, check=False)
         _, status, _, _ = store.read(read_rows, nowait=True)
-        assert set(status.tolist()) <= {batch.NOT_CACHED, batch.OK}
-        if batch.NOT_CACHED in status:
+        assert set(status.tolist()) <= {NOT_CACHED, OK}
+        if NOT_CACHED in status:
             break
-    assert batch.NOT_CACHED in status
+    assert NOT_CACHED in status
     rows, status, _, _ = store.read(read_rows, nowait=False)
-    assert (status == batch.OK).all()
+    assert (status == OK).all()
     assert all(np.array_equal(r, a) for r, a in zip(rows, store.arrays, strict=True))
 
 
@@ -371,25 +382,23 @@ def test_a_file_system_that_cannot_read_without_waiting_is_read_plainly_alone(
     """A tmpfs answers RWF_NOWAIT with EOPNOTSUPP here: the pure-Python reader reads it
     the plain way from then on, and only it (no other file system of the process)."""
     refused: set[int] = set()
-    monkeypatch.setattr(batch, "_nowait_refused", refused)
+    monkeypatch.setattr(row_readers, "_nowait_refused", refused)
     other = tmpfs("1m") / "f"
     other.write_bytes(b"x" * 4096)
     fd = os.open(other, os.O_RDONLY)
     try:
         dev = os.fstat(fd).st_dev
         buffer = bytearray(8)
-        assert batch._preadv(fd, [buffer], os.RWF_NOWAIT, dev) == 8 and buffer == b"x" * 8
+        assert row_readers._preadv(fd, [buffer], os.RWF_NOWAIT, dev) == 8 and buffer == b"x" * 8
     finally:
         os.close(fd)
     assert refused <= {dev}  # that file system alone (none, should it read without waiting)
 
 
-def test_no_name_is_missing_and_bad_arguments_raise(
-    store: Store, read_rows: batch.ReadRows
-) -> None:
+def test_no_name_is_missing_and_bad_arguments_raise(store: Store, read_rows: ReadRows) -> None:
     _, status, _, _ = store.read(read_rows, names=[None] * 6)
-    assert (status == batch.MISSING).all()
-    if read_rows is batch.read_entries_py:
+    assert (status == MISSING).all()
+    if read_rows is row_readers.read_entries_py:
         return
     rows = np.zeros((1, SIZE, SIZE, 3), np.uint8)
     one = np.zeros(1, np.int32)
@@ -414,7 +423,7 @@ def test_no_name_is_missing_and_bad_arguments_raise(
         )  # fmt: skip
 
 
-@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+@pytest.mark.skipif(row_readers.compiled is None, reason="the extension did not build")
 @given(st.binary(max_size=5000), st.integers(0, 2**64 - 1))
 def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int) -> None:
     from decodefs.client import _batchread  # type: ignore[attr-defined]
@@ -422,7 +431,7 @@ def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int) -> None:
     assert _batchread.checksum(data, seed) == xxhash.xxh3_64_intdigest(data, seed=seed)
 
 
-@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+@pytest.mark.skipif(row_readers.compiled is None, reason="the extension did not build")
 @given(
     st.integers(0, 6000),
     st.integers(0, 8),
@@ -452,7 +461,7 @@ def test_the_copy_that_checks_in_one_pass_is_xxh3_and_a_copy(
     assert not memory[:start].any() and not memory[start + len(into) :].any()
 
 
-@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+@pytest.mark.skipif(row_readers.compiled is None, reason="the extension did not build")
 def test_a_mapped_file_truncated_under_a_copy_fails_it_and_the_process_lives(
     store: Store,
 ) -> None:
@@ -468,7 +477,7 @@ def test_a_mapped_file_truncated_under_a_copy_fails_it_and_the_process_lives(
     os.truncate(store.paths[0], 100)
     _, status, fds, _ = store.read(IMPLEMENTATIONS["compiled"], keep=6)
     try:
-        assert status.tolist() == [batch.BAD] + [batch.OK] * 5
+        assert status.tolist() == [BAD] + [OK] * 5
     finally:
         for fd in fds[fds >= 0]:
             os.close(int(fd))
@@ -487,7 +496,7 @@ print(_batchread.probe(path, 65536))
 """
 
 
-@pytest.mark.skipif(batch._compiled is None, reason="the extension did not build")
+@pytest.mark.skipif(row_readers.compiled is None, reason="the extension did not build")
 def test_the_guard_is_put_back_when_someone_replaced_it(tmp_path: Path) -> None:
     big = tmp_path / "big"
     big.write_bytes(bytes(65536))

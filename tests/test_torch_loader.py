@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from decodefs import class_labels, list_keys, read_array
-from decodefs.client import batch
+from decodefs.client import batch, listing, rows
 from decodefs.client.reader import locate
 from decodefs.common.entry import EntryKey
 from decodefs.common.inodes import Kind, Node
@@ -95,8 +95,8 @@ def reader_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """Batches read by the compiled reader, or by its pure-Python twin (where it did not
     build): datasets made in the test pick the one chosen here."""
     if request.param == "python":
-        monkeypatch.setattr(batch, "_compiled", None)
-    elif batch._compiled is None:
+        monkeypatch.setattr(rows, "compiled", None)
+    elif rows.compiled is None:
         pytest.skip("the compiled reader did not build")
     return str(request.param)
 
@@ -671,13 +671,12 @@ def _counting_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_a_listed_name_is_an_array_only_if_its_inode_number_says_so() -> None:
     entry = Node(Kind.ENTRY, version=1, size=SIZE, number=7).ino
-    assert batch._names_entry(entry, 1, SIZE)
-    assert not batch._names_entry(entry, 2, SIZE)  # another version's
-    assert not batch._names_entry(entry, 1, SIZE + 1)  # another size's
-    assert not batch._names_entry(Node(Kind.FOLDER, 1, SIZE, 7).ino, 1, SIZE)
-    assert not batch._names_entry(Node(Kind.SIZE, 1, SIZE).ino, 1, SIZE)
-    assert not batch._names_entry(None, 1, SIZE)  # not listed
-    assert not batch._names_entry(2**63 - 1, 1, SIZE)  # no kind a node has
+    assert listing.names_entry(entry, 1, SIZE)
+    assert not listing.names_entry(entry, 2, SIZE)  # another version's
+    assert not listing.names_entry(entry, 1, SIZE + 1)  # another size's
+    assert not listing.names_entry(Node(Kind.FOLDER, 1, SIZE, 7).ino, 1, SIZE)
+    assert not listing.names_entry(Node(Kind.SIZE, 1, SIZE).ino, 1, SIZE)
+    assert not listing.names_entry(2**63 - 1, 1, SIZE)  # no kind a node has
 
 
 def test_listed_names_are_found_among_the_keys_by_their_whole_name() -> None:
@@ -686,9 +685,9 @@ def test_listed_names_are_found_among_the_keys_by_their_whole_name() -> None:
     inos = list(range(100, 100 + len(names)))
     # Each hit: its key's place among the sorted keys, and the name's inode number. Not
     # "abcd" (cut to the keys' width it would be "abc"), nor a name with no ".npy".
-    positions, numbers = batch._among(wanted, names, inos)
+    positions, numbers = listing.among(wanted, names, inos)
     assert sorted(zip(positions, numbers, strict=True)) == [(0, 107), (1, 100), (2, 101)]
-    assert batch._among(wanted[:0], names, inos) == ([], [])
+    assert listing.among(wanted[:0], names, inos) == ([], [])
 
 
 def test_a_listing_stops_at_its_budget_and_goes_into_folders(tmp_path: Path) -> None:
@@ -699,24 +698,24 @@ def test_a_listing_stops_at_its_budget_and_goes_into_folders(tmp_path: Path) -> 
     (tmp_path / "link.npy").symlink_to(tmp_path / "0.npy")
     everything = 4 * 5 + 3 + 1  # the files, the folders and the symlink
 
-    def listing(directory: Path, budget: int, ours: bool = True) -> tuple[int, dict[str, int]]:
+    def listed_in(directory: Path, budget: int, ours: bool = True) -> tuple[int, dict[str, int]]:
         files: dict[str, int] = {}
 
         def found(names: list[str], inos: list[int]) -> None:
             files.update(zip(names, inos, strict=True))
 
-        return batch._list_below(str(directory), budget, lambda st: ours, found), files
+        return listing.list_below(str(directory), budget, lambda st: ours, found), files
 
     # The regular files directly in the directory, by their inode numbers.
-    assert listing(tmp_path, 1000) == (
+    assert listed_in(tmp_path, 1000) == (
         everything,
         {f"{i}.npy": (tmp_path / f"{i}.npy").stat().st_ino for i in range(5)},
     )
-    listed, files = listing(tmp_path, 7)
+    listed, files = listed_in(tmp_path, 7)
     assert listed == 7 and len(files) <= 6
-    assert listing(tmp_path / "missing", 1000) == (0, {})
+    assert listed_in(tmp_path / "missing", 1000) == (0, {})
     # Another directory than the one meant: listed (the kernel keeps it), nothing named.
-    assert listing(tmp_path, 1000, ours=False) == (everything, {})
+    assert listed_in(tmp_path, 1000, ours=False) == (everything, {})
 
 
 def test_read_stored_rows_reads_the_hits_and_names_the_misses(

@@ -1,6 +1,6 @@
 """Reading a batch of one mount directory's arrays straight from the store, each checked as it is
-copied (the compiled ``_batchread`` where it built, else ``read_entries_py``); knows the entry
-format and reader.py's checks, not torch, samplers or the daemon.
+copied (by rows.py: the compiled ``_batchread`` where it built, else its Python twin); knows
+mounts, keys and kept entry files, not torch, samplers or the daemon.
 
 A ``BatchReader`` serves one ``<mount>/<version>/<size>/`` directory and a fixed
 array of keys (a dataset's), in one process. Per batch: a ``stat`` of the
@@ -46,7 +46,6 @@ from disk.
 
 from __future__ import annotations
 
-import errno
 import os
 import resource
 import stat
@@ -54,15 +53,14 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from ..common.entry import EntryKey
 from ..common.inodes import Kind, Node
-from ..common.names import ARRAY_SUFFIX, array_name
+from ..common.names import array_name
 from ..common.npy import npy_header
 from ..common.protocol import (
     CHANGES_FILE,
@@ -74,9 +72,29 @@ from ..common.protocol import (
     encode_accesses,
 )
 from ..common.trusted import owned_alone
+from . import rows as row_readers
 from .discovery import Mount, current_mount, readable_mount
 from .hits import report_hits
+from .listing import LISTED_PER_LOOKUP, among, list_below, names_entry
 from .reader import locate, stored_into
+from .rows import (
+    BAD,
+    EXPECT_SIZE,
+    EXTENSION,
+    GONE,
+    MISSING,
+    NOT_CACHED,
+    NOWAIT,
+    OK,
+    TRUSTED,
+    UNREAD,
+    Looked,
+    ReadRows,
+    gone_py,
+    major_faults,
+    read_entries_py,
+    read_kept_py,
+)
 
 __all__ = [
     "EXTENSION",
@@ -84,268 +102,7 @@ __all__ = [
     "read_entries_py",
 ]
 
-# The statuses of an item of read_rows, as _batchread.c has them.
-OK: Final = 0
-MISSING: Final = 1  # no entry file (or none to open): read through the mount
-NOT_CACHED: Final = 2  # not in the page cache; with nowait, its reading ahead started
-BAD: Final = 3  # failed a check, or an error: reader.py finds out why, then the mount
-GONE: Final = 4  # a kept descriptor's file was unlinked: closed, to be opened again
-UNREAD: Final = 5  # read_kept: no kept file (or a key not looked up on this mount): opened
-# read_rows' nowait: 0 reads whatever it takes, NOWAIT only what is in the page cache, and
-# TRUSTED copies mapped entries without asking the kernel (mincore) whether they are.
-NOWAIT: Final = 1
-TRUSTED: Final = 2
-
-_EXPECT_SIZE: Final = TRAILER_SIZE - 8  # the trailer but its checksum
 _OPEN_ENTRIES_MAX: Final = 65_536
-_PIECE: Final = 64 * 1024
-
-
-class ReadRows(Protocol):
-    def __call__(
-        self,
-        dirfd: int,
-        rows: Any,
-        row_bytes: int,
-        positions: npt.NDArray[np.int32],
-        fds: npt.NDArray[np.int32],
-        maps: npt.NDArray[np.uint64],
-        names: Sequence[bytes | None],
-        seeds: npt.NDArray[np.uint64],
-        header: bytes,
-        expect: bytes,
-        owner: int,
-        keep: int,
-        map: bool,
-        nowait: int,
-        token: int,
-        checked: npt.NDArray[np.uint64],
-        ctimes: npt.NDArray[np.int64],
-        status: npt.NDArray[np.int32],
-    ) -> int: ...
-
-
-def read_entries_py(
-    dirfd: int,
-    rows: Any,
-    row_bytes: int,
-    positions: npt.NDArray[np.int32],
-    fds: npt.NDArray[np.int32],
-    maps: npt.NDArray[np.uint64],
-    names: Sequence[bytes | None],
-    seeds: npt.NDArray[np.uint64],
-    header: bytes,
-    expect: bytes,
-    owner: int,
-    keep: int,
-    map: bool,
-    nowait: int,
-    token: int,
-    checked: npt.NDArray[np.uint64],
-    ctimes: npt.NDArray[np.int64],
-    status: npt.NDArray[np.int32],
-) -> int:
-    """``_batchread.read_rows`` in Python: the same rows, statuses and kept descriptors
-    (see its docstring), where the extension did not build. It maps nothing: ``map``
-    and ``maps`` (all 0) are taken for the same signature, TRUSTED is NOWAIT, and every
-    kept descriptor is looked at, whatever ``checked`` says."""
-    memory = memoryview(rows).cast("B")
-    kept = 0
-    for i in range(len(positions)):
-        fd, opened = int(fds[i]), False
-        if fd < 0:
-            name = names[i]
-            if name is None:
-                status[i] = MISSING
-                continue
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dirfd)
-            except (FileNotFoundError, NotADirectoryError):
-                status[i] = MISSING
-                continue
-            except OSError:
-                status[i] = BAD
-                continue
-            opened = True
-        start = int(positions[i]) * row_bytes
-        row = memory[start : start + row_bytes]
-        got = _read_row_py(fd, opened, row, int(seeds[i]), header, expect, owner, nowait, ctimes, i)
-        if got != GONE:
-            checked[i] = token
-        status[i] = got
-        if opened:
-            if got in (OK, NOT_CACHED) and kept < keep:
-                fds[i] = fd
-                kept += 1
-            else:
-                os.close(fd)
-    return kept
-
-
-def _read_row_py(
-    fd: int,
-    opened: bool,
-    row: memoryview,
-    seed: int,
-    header: bytes,
-    expect: bytes,
-    owner: int,
-    nowait: int,
-    ctimes: npt.NDArray[np.int64],
-    i: int,
-) -> int:
-    length = len(header) + len(row) + TRAILER_SIZE
-    try:
-        st = os.fstat(fd)
-        if st.st_nlink == 0:
-            return MISSING if opened else GONE
-        if opened and not (stat.S_ISREG(st.st_mode) and owned_alone(st, owner)):
-            return BAD
-        if opened:
-            ctimes[i] = st.st_ctime_ns
-        elif st.st_ctime_ns != ctimes[i]:
-            return GONE  # other readers since it was opened: opened again, or refused
-        if st.st_size != length:
-            return BAD
-        head, trailer = bytearray(len(header)), bytearray(TRAILER_SIZE)
-        nowait_read = bool(nowait) and st.st_dev not in _nowait_refused
-        got = _preadv(fd, [head, row, trailer], os.RWF_NOWAIT if nowait_read else 0, st.st_dev)
-    except BlockingIOError:
-        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
-        return NOT_CACHED
-    except OSError:
-        return BAD
-    if got != length:
-        if nowait_read:
-            os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
-            return NOT_CACHED
-        return BAD
-    if bytes(head) != header or bytes(trailer[:_EXPECT_SIZE]) != expect:
-        return BAD
-    hasher = xxhash.xxh3_64(seed=seed)
-    hasher.update(head)
-    hasher.update(row)
-    recorded = TRAILER.unpack(bytes(trailer))[4]
-    return OK if hasher.intdigest() == recorded else BAD
-
-
-class Looked(NamedTuple):
-    """What ``read_kept`` looked at before its reads, and how they went."""
-
-    stated: int  # 1: the directory and the mount's root were stated; 0: either failed (all 0)
-    device: int  # the directory's st_dev
-    inode: int  # the directory's st_ino
-    root_device: int
-    root_mtime_ns: int
-    token: int  # the store's change token the reads went by (0: none)
-    faults: int  # this thread's major page faults during the reads
-    failed: int  # items not OK
-
-
-def read_kept_py(
-    rows: Any,
-    row_bytes: int,
-    index: npt.NDArray[np.int64],
-    verified: npt.NDArray[np.uint32],
-    generation: int,
-    fds: npt.NDArray[np.int32],
-    maps: npt.NDArray[np.uint64],
-    seeds: npt.NDArray[np.uint64],
-    header: bytes,
-    expect: bytes,
-    nowait: int,
-    checked: npt.NDArray[np.uint64],
-    ctimes: npt.NDArray[np.int64],
-    status: npt.NDArray[np.int32],
-    used: npt.NDArray[np.int32],
-    directory: bytes,
-    root: bytes,
-    changes: int,
-) -> Looked:
-    """``_batchread.read_kept`` in Python (see its docstring): the stats of ``directory``
-    and ``root`` and the change token read from ``changes``, then the keys' kept files
-    read into rows 0, 1, ..., a key without one UNREAD. Maps nothing (``maps`` is taken
-    for the same signature)."""
-    try:
-        st, root_st = os.stat(directory), os.stat(root)
-    except OSError:
-        stats = (0, 0, 0, 0, 0)
-    else:
-        stats = (1, st.st_dev, st.st_ino, root_st.st_dev, root_st.st_mtime_ns)
-    token = _token(changes)
-    faults = _major_faults()
-    memory = memoryview(rows).cast("B")
-    for p, i in enumerate(index.tolist()):
-        fd = used[p] = int(fds[i])
-        if fd < 0 or verified[i] != generation:
-            status[p] = UNREAD
-            continue
-        row = memory[p * row_bytes : (p + 1) * row_bytes]
-        got = _read_row_py(fd, False, row, int(seeds[i]), header, expect, 0, nowait, ctimes, i)
-        if got != GONE:
-            checked[i] = token
-        status[p] = got
-    failed = int(np.count_nonzero(status != OK))
-    return Looked(*stats, token, _major_faults() - faults, failed)
-
-
-def gone_py(
-    fds: npt.NDArray[np.int32],
-    out: npt.NDArray[np.uint8],
-    checked: npt.NDArray[np.uint64],
-    ctimes: npt.NDArray[np.int64],
-    token: int,
-) -> None:
-    """``_batchread.gone`` in Python: out[i] = 1 where fds[i]'s file is unlinked, changed
-    since ctimes[i] or closed; a file whose checked[i] is token (not 0) is not looked at."""
-    for i, fd in enumerate(fds.tolist()):
-        out[i] = 0
-        if fd < 0 or (token and int(checked[i]) == token):
-            continue
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            out[i] = 1
-            continue
-        out[i] = st.st_nlink == 0 or st.st_ctime_ns != ctimes[i]
-        if not out[i]:
-            checked[i] = token
-
-
-# The file systems (st_dev) that said they cannot read without waiting (RWF_NOWAIT):
-# each is read the plain way from then on, and only it.
-_nowait_refused: set[int] = set()
-
-
-def _preadv(fd: int, buffers: list[Any], flags: int, dev: int) -> int:
-    try:
-        return os.preadv(fd, buffers, 0, flags)
-    except OSError as exc:
-        if flags and exc.errno == errno.EOPNOTSUPP:  # this file system reads no other way
-            _nowait_refused.add(dev)
-            return os.preadv(fd, buffers, 0)
-        raise
-
-
-try:
-    from . import _batchread  # type: ignore[attr-defined]
-
-    _compiled: ReadRows | None = _batchread.read_rows
-    _compiled_kept: Callable[..., tuple[int, ...]] | None = _batchread.read_kept
-    _compiled_gone: Callable[..., None] | None = _batchread.gone
-    _unmap: Callable[[Any, int], None] | None = _batchread.unmap
-    EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
-except ImportError:  # not built here: a compiler or Python's headers were missing
-    _compiled = None
-    _compiled_kept = None
-    _compiled_gone = None
-    _unmap = None
-    EXTENSION = None  # type: ignore[misc]
-
-
-def _major_faults() -> int:
-    """This thread's major page faults so far: reads from disk of pages it touched."""
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
 
 def _default_open_entries() -> int:
@@ -361,12 +118,6 @@ def _max_map_count() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 65_530  # Linux's default
-
-
-# A listing costs the mount about a twentieth of a lookup per entry (~90,000 entries/s
-# against ~5,000 lookups/s of names the kernel forgot, 2 CPUs): up to 16 entries are
-# listed per key still to look up.
-_LISTED_PER_LOOKUP: Final = 16
 
 
 @dataclass
@@ -420,13 +171,14 @@ class BatchReader:
         self._directory_path = os.fsencode(directory)
         self.size = size
         self.open_entries = _default_open_entries() if open_entries is None else open_entries
-        self._read_rows: ReadRows = read_rows or _compiled or read_entries_py
+        self._read_rows: ReadRows = read_rows or row_readers.compiled or read_entries_py
         self._read_kept: Callable[..., tuple[int, ...]] = read_kept_py
         self._gone: Callable[..., None] = gone_py
-        if self._read_rows is _compiled and _compiled_gone is not None:
-            self._gone = _compiled_gone
-        if self._read_rows is _compiled and _compiled_kept is not None:
-            self._read_kept = _compiled_kept
+        compiled = self._read_rows is row_readers.compiled
+        if compiled and row_readers.compiled_gone is not None:
+            self._gone = row_readers.compiled_gone
+        if compiled and row_readers.compiled_kept is not None:
+            self._read_kept = row_readers.compiled_kept
         self._keys = keys
         self._header = npy_header(size)
         self._row_bytes = size * size * 3
@@ -435,7 +187,7 @@ class BatchReader:
         self._maps = np.zeros(count, np.uint64)  # its mapping's address (compiled reads), or 0
         # Each mapping is one of the process's max_map_count (65,530 by default): kept
         # files past half of that are not mapped at all.
-        self._map = self._read_rows is _compiled and self.open_entries <= _max_map_count() // 2
+        self._map = compiled and self.open_entries <= _max_map_count() // 2
         self._length = len(self._header) + self._row_bytes + TRAILER_SIZE
         self._verified = np.zeros(count, np.uint32)  # the generation a key was looked up in
         self._seeds = np.zeros(count, np.uint64)
@@ -551,12 +303,12 @@ class BatchReader:
             self._report(serving, self._keys[index].tolist())
             return []
         self._let_go_of_gone(serving, index, status, first.used)
-        faults = _major_faults() if trusted else 0
+        faults = major_faults() if trusted else 0
         opening = np.flatnonzero((status == UNREAD) | (status == GONE)).astype(np.int32)
         if len(opening):  # the rest: looked up on the mount, if need be, and opened
             status[opening] = self._open(serving, index[opening], opening, rows, nowait, token)
         if trusted:
-            self._cached = first.looked.faults == 0 and _major_faults() == faults
+            self._cached = first.looked.faults == 0 and major_faults() == faults
         else:
             self._cached = not (status == NOT_CACHED).any()
         keys = index.tolist()
@@ -788,12 +540,12 @@ class BatchReader:
         def found(names: list[str], inos: list[int]) -> None:
             if mirror:
                 return  # its keys are looked up
-            positions, numbers = _among(wanted, names, inos)
+            positions, numbers = among(wanted, names, inos)
             for p, ino in zip(positions, numbers, strict=True):
-                if _names_entry(ino, version, self.size):
+                if names_entry(ino, version, self.size):
                     listed[order[p]] = True
 
-        _list_below(self.directory, len(unknown) * _LISTED_PER_LOOKUP, ours, found)
+        list_below(self.directory, len(unknown) * LISTED_PER_LOOKUP, ours, found)
         # Every key at once, while the kernel has the entries: memory pressure (a store
         # bigger than memory) would take them back before later batches looked theirs up.
         for p, i in enumerate(unknown.tolist()):
@@ -886,7 +638,7 @@ class BatchReader:
         except OSError:
             return None
         length = len(self._header) + self._row_bytes
-        expect = TRAILER.pack(TRAILER_MAGIC, STORE_FORMAT, digest, length, 0)[:_EXPECT_SIZE]
+        expect = TRAILER.pack(TRAILER_MAGIC, STORE_FORMAT, digest, length, 0)[:EXPECT_SIZE]
         global _generation
         _generation += 1
         prefix = encode_access(version, self.size, "")[:-1]
@@ -922,92 +674,6 @@ class BatchReader:
             self._serving.users = 0  # the calls of the parent's threads are not here
 
 
-def _list_below(
-    directory: str,
-    budget: int,
-    ours: Callable[[os.stat_result], bool],
-    found: Callable[[list[str], list[int]], None],
-) -> int:
-    """List ``directory`` and the folders below it, up to ``budget`` entries in all; how
-    many were listed. The regular files directly in ``directory`` go to ``found`` by
-    name with their inode numbers, ``_CHUNK`` at a time (none if ``ours`` refuses the
-    stat of the directory listed: not the one meant)."""
-    listed = 0
-    folders = [directory]
-    top = True
-    while folders and listed < budget:
-        folder = folders.pop()
-        names: list[str] = []
-        inos: list[int] = []
-        try:
-            # A folder below is not followed if it became a symlink since it was listed.
-            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if top else os.O_NOFOLLOW)
-            fd = os.open(folder, flags)
-        except OSError:
-            top = False
-            continue  # its keys are looked up one by one, as without a listing
-        try:
-            named = top and ours(os.fstat(fd))
-            top = False
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    listed += 1
-                    if listed >= budget:
-                        break
-                    if entry.is_dir(follow_symlinks=False):
-                        folders.append(os.path.join(folder, entry.name))
-                    elif named and entry.is_file(follow_symlinks=False):
-                        names.append(entry.name)
-                        inos.append(entry.inode())
-                        if len(names) == _CHUNK:
-                            found(names, inos)
-                            names, inos = [], []
-        except OSError:
-            pass  # what it listed stands; its other keys are looked up one by one
-        finally:
-            os.close(fd)
-        if names:
-            found(names, inos)
-    return listed
-
-
-_CHUNK: Final = 4096  # listed names matched at a time
-
-
-def _among(
-    wanted: npt.NDArray[np.bytes_], names: list[str], inos: list[int]
-) -> tuple[list[int], list[int]]:
-    """The listed array names whose key is in ``wanted`` (sorted keys): each one's
-    key's position there, and its inode number."""
-    width = wanted.dtype.itemsize
-    keys: list[bytes] = []
-    numbers: list[int] = []
-    for name, ino in zip(names, inos, strict=True):
-        if name.endswith(ARRAY_SUFFIX):
-            key = os.fsencode(name[: -len(ARRAY_SUFFIX)])
-            if len(key) <= width:  # a longer one is no key (cut short, it could match one)
-                keys.append(key)
-                numbers.append(ino)
-    if not keys or not len(wanted):
-        return [], []
-    listed = np.array(keys, dtype=wanted.dtype)
-    at = np.minimum(np.searchsorted(wanted, listed), len(wanted) - 1)
-    hit = wanted[at] == listed
-    return at[hit].tolist(), np.array(numbers, np.uint64)[hit].tolist()
-
-
-def _names_entry(ino: int | None, version: int, size: int) -> bool:
-    """Whether a listed file's inode number ``ino`` is an array of ``version`` (its id in
-    inode numbers) at ``size``, as reader.locate would find it."""
-    if ino is None:
-        return False
-    try:
-        node = Node.from_ino(ino)
-    except IndexError:
-        return False
-    return node.kind == Kind.ENTRY and node.version == version and node.size == size
-
-
 def _let_go(
     box: list[_Serving | None],
     fds: npt.NDArray[np.int32],
@@ -1030,8 +696,8 @@ def _close_serving(serving: _Serving, length: int) -> None:
     directory and change token: no call of it may be in flight."""
     for fd, address in serving.closing:
         os.close(fd)
-        if address and _unmap is not None:
-            _unmap(np.array([address], np.uint64), length)
+        if address and row_readers.unmap is not None:
+            row_readers.unmap(np.array([address], np.uint64), length)
     serving.closing.clear()
     if serving.retired and serving.dirfd >= 0:
         os.close(serving.dirfd)
@@ -1056,17 +722,6 @@ def _open_token(dirfd: int, owner: int) -> int:
         os.close(fd)
         return -1
     return fd
-
-
-def _token(changes: int) -> int:
-    """The store's change token now, read from its file open at ``changes`` (0: none known)."""
-    if changes < 0:
-        return 0
-    try:
-        data = os.pread(changes, 8, 0)
-    except OSError:
-        return 0
-    return int.from_bytes(data, "little") if len(data) == 8 else 0
 
 
 _generation = 0  # of _Serving: each mount found anew gets the next; 0 is none
