@@ -377,6 +377,31 @@ def test_each_batch_finds_the_mount_by_the_stat_its_reads_take_with_them(
     assert not [link for link in open_files() if link.startswith(str(store_of(first)))]
 
 
+def test_a_first_pass_counts_as_the_mounts_only_if_its_stats_say_so(
+    mounts: MountFactory, photos_dir: Path, photos: dict[str, Path]
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    reader = MountDataset(mount.mountpoint, "v1", SIZE, sorted(photos)).batch_reader()
+    serving = reader._begin()
+    assert serving is not None
+    try:
+        st, root = os.stat(reader.directory), os.stat(mount.mountpoint)
+        looked = rows.Looked(1, st.st_dev, st.st_ino, root.st_dev, root.st_mtime_ns, 0, 0, 0)
+        assert reader._still_serving(serving, looked)
+        for other in (
+            looked._replace(stated=0),  # a stat failed
+            looked._replace(device=st.st_dev + 1),  # no mount known on that device
+            looked._replace(inode=st.st_ino + 1),  # another directory at the path
+            looked._replace(root_device=root.st_dev + 1),  # the root on another mount
+            looked._replace(root_mtime_ns=root.st_mtime_ns + 1),  # a later mount, same device
+        ):
+            assert not reader._still_serving(serving, other), other
+        retired = dataclasses.replace(serving, retired=True)  # another thread let go of it
+        assert not reader._still_serving(retired, looked)
+    finally:
+        reader._end(serving)
+
+
 @pytest.mark.parametrize("how", ["killed", "unmounted"])
 def test_a_mount_that_vanishes_mid_epoch_raises_and_stops_the_threads(
     mounts: MountFactory, photos_dir: Path, photos: dict[str, Path], how: str

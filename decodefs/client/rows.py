@@ -1,6 +1,7 @@
 """A batch's rows read from store entries in Python: the twin of the compiled ``_batchread``
 (the same statuses, the same rows, the same checks), and which of the two this machine has;
-knows the entry format and the trusted-file check, not keys, mounts or batches.
+knows the entry format and the trusted-file check, not keys, mounts or batches (``read_kept``
+stats the paths it is given: what they mean is batch.py's).
 
 ``_batchread`` (``_ext/``, C) builds where a compiler and Python's headers are found
 (``scripts/setup.sh`` installs both); ``compiled`` and its siblings are None where it

@@ -1,6 +1,6 @@
 /* decodefs.client._batchread: a batch of store entries read into the rows of one array,
- * each checked as it is copied; the compiled twin of batch.py's read_entries_py (the
- * same rows, the same statuses), used where it builds.
+ * each checked as it is copied; the compiled twin of rows.py's read_entries_py and
+ * read_kept_py (the same rows, the same statuses), used where it builds.
  *
  * One call reads every item of a batch with the GIL released. An item's entry file is a
  * descriptor the caller keeps open, or a path below the store's directory descriptor,
@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -260,15 +261,30 @@ struct looked {
     uint64_t token;
 };
 
+static int stat_again(const char *path, struct stat *st) {
+    int got;
+    do /* as Python's os.stat: a signal does not fail it */
+        got = stat(path, st);
+    while (got != 0 && errno == EINTR);
+    return got;
+}
+
 static void look(const char *directory, const char *root, int changes, struct looked *seen) {
-    seen->stated = stat(directory, &seen->directory) == 0 && stat(root, &seen->root) == 0;
+    seen->stated = stat_again(directory, &seen->directory) == 0 &&
+                   stat_again(root, &seen->root) == 0;
     if (!seen->stated) {
         memset(&seen->directory, 0, sizeof seen->directory);
         memset(&seen->root, 0, sizeof seen->root);
     }
     unsigned char bytes[8];
+    ssize_t got = -1;
     seen->token = 0;
-    if (changes >= 0 && pread(changes, bytes, sizeof bytes, 0) == (ssize_t)sizeof bytes)
+    if (changes >= 0) {
+        do /* as Python's os.pread */
+            got = pread(changes, bytes, sizeof bytes, 0);
+        while (got < 0 && errno == EINTR);
+    }
+    if (got == (ssize_t)sizeof bytes)
         for (int k = 7; k >= 0; k--)
             seen->token = seen->token << 8 | bytes[k];
 }
@@ -524,7 +540,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_batchread",
-    "A batch of store entries read into rows, each checked as it is copied (client/batch.py).",
+    "A batch of store entries read into rows, each checked as it is copied (client/rows.py).",
     -1,
     methods,
     NULL,
