@@ -10,6 +10,7 @@ import errno
 import gc
 import json
 import logging
+import re
 import shutil
 import threading
 import weakref
@@ -48,7 +49,8 @@ def test_a_vanished_source_logs_one_line_not_one_per_read(
         for uuid in photos:
             assert errno_of(mount.path("v1", "64", f"{uuid}.npy").read_bytes) == errno.ENOENT
     assert mount.stats()["errors"]["ENOENT"] == 3 * len(photos)
-    assert mount.log_text().count("is gone") == 1
+    # The decode pool's line (a holder may log another mount's holder "is gone" too).
+    assert len(re.findall(r"original of v1/64/\S+ is gone", mount.log_text())) == 1
 
 
 def test_an_empty_store_marker_left_by_a_crash_is_written_again(tmp_path: Path) -> None:
