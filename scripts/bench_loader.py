@@ -12,7 +12,8 @@ epochs of every array in batches of --batch:
                   reused uint8 tensor by torch.index_select with N torch threads
                   (--threads); nothing checked. The bound BatchLoader is held to
   packed-N-ring   the same copy into one of prefetch + 3 = 5 batch tensors in turn, as a
-                  loader that reads ahead must (the batch in use is not written over):
+                  loader that reads ahead must (the batch in use is not written over;
+                  FFCV's epoch iterator keeps batches_ahead + 2 = 5 slots too):
                   the one tensor of packed-N stays in the CPU's last-level cache, these
                   do not
   constant        a DataLoader with --workers workers whose dataset returns one
