@@ -117,6 +117,15 @@ class Store:
         return rows, status, fds, kept
 
 
+def let_go(fds: np.ndarray, maps: np.ndarray) -> None:
+    """Close the descriptors ``fds`` a read kept, and unmap ``maps`` (the compiled reader
+    maps what it keeps)."""
+    for fd in fds:
+        os.close(int(fd))
+    if row_readers.unmap is not None:
+        row_readers.unmap(maps, LENGTH + TRAILER_SIZE)
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     made = Store(tmp_path / "store", 6)
@@ -196,10 +205,7 @@ def test_descriptors_are_kept_within_the_bound_and_a_gone_file_is_said(
             assert out.tolist() == [1, 1, 0, 0, 0, 1]  # unlinked, unlinked, ..., none, closed
         assert np.array_equal(rows[3], store.arrays[3]) and np.array_equal(rows[5], store.arrays[5])
     finally:
-        for fd in fds[:4]:
-            os.close(int(fd))
-        if row_readers.unmap is not None:
-            row_readers.unmap(maps, LENGTH + TRAILER_SIZE)
+        let_go(fds[:4], maps)
 
 
 @pytest.mark.parametrize("name", sorted(KEPT_READERS))
@@ -262,10 +268,7 @@ def test_kept_files_are_read_by_key_and_the_rest_left_unread(
             read([6], token=4)  # no such key
     finally:
         os.close(changes_fd)
-        for fd in fds[:5]:
-            os.close(int(fd))
-        if row_readers.unmap is not None:
-            row_readers.unmap(maps, LENGTH + TRAILER_SIZE)
+        let_go(fds[:5], maps)
 
 
 @pytest.mark.parametrize("name", sorted(KEPT_READERS))
@@ -289,10 +292,7 @@ def test_read_kept_says_when_it_could_not_look_and_reads_by_token_zero_without_o
             assert status.tolist() == [OK] and checked[0] == 0  # read by token 0
             assert np.array_equal(rows[0], store.arrays[0])
     finally:
-        for fd in fds[:6]:
-            os.close(int(fd))
-        if row_readers.unmap is not None:
-            row_readers.unmap(store.maps, LENGTH + TRAILER_SIZE)
+        let_go(fds[:6], store.maps)
 
 
 def dropped(path: Path, check: bool = True) -> bool:
@@ -351,10 +351,7 @@ def test_a_kept_file_is_looked_at_again_once_the_store_changed_or_its_inode_did(
             gone(fds[:4].copy(), out, looked, ctimes[:4].copy(), 8)
             assert out.tolist() == [0, 0, 0, 0]  # all looked at under this token: none is
     finally:
-        for fd in fds[:4]:
-            os.close(int(fd))
-        if row_readers.unmap is not None:
-            row_readers.unmap(maps, LENGTH + TRAILER_SIZE)
+        let_go(fds[:4], maps)
 
 
 def test_a_row_not_in_the_page_cache_is_started_and_said(store: Store, read_rows: ReadRows) -> None:
@@ -473,15 +470,12 @@ def test_a_mapped_file_truncated_under_a_copy_fails_it_and_the_process_lives(
     os.truncate(big, 100)  # in place, as no daemon does
     assert not _batchread.probe(str(big), 65536)
     assert not _batchread.probe(str(big), 65536)  # and again: still guarded
-    length = LENGTH + TRAILER_SIZE
     os.truncate(store.paths[0], 100)
     _, status, fds, _ = store.read(IMPLEMENTATIONS["compiled"], keep=6)
     try:
         assert status.tolist() == [BAD] + [OK] * 5
     finally:
-        for fd in fds[fds >= 0]:
-            os.close(int(fd))
-        _batchread.unmap(store.maps, length)
+        let_go(fds[fds >= 0], store.maps)
 
 
 _REPLACED_GUARD = """

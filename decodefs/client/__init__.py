@@ -9,10 +9,11 @@ as it is copied, with its optional compiled twin _batchread), keys (listing a
 version's keys), failed (the originals that failed to decode), warm.
 """
 
-from .batch import EXTENSION, BatchReader
+from .batch import BatchReader
 from .failed import failed_keys, failed_originals
 from .keys import class_labels, list_keys, missing_directory
 from .reader import flush_reports, read_array, read_array_into, read_stored_rows
+from .rows import EXTENSION
 from .warm import iter_key_list, read_key_list, warm
 
 __all__ = [

@@ -80,7 +80,6 @@ from .reader import locate, stored_into
 from .rows import (
     BAD,
     EXPECT_SIZE,
-    EXTENSION,
     GONE,
     MISSING,
     NOT_CACHED,
@@ -96,11 +95,7 @@ from .rows import (
     read_kept_py,
 )
 
-__all__ = [
-    "EXTENSION",
-    "BatchReader",
-    "read_entries_py",
-]
+__all__ = ["BatchReader"]
 
 _OPEN_ENTRIES_MAX: Final = 65_536
 
@@ -148,7 +143,7 @@ class _FirstPass:
 
     status: npt.NDArray[np.int32]
     used: npt.NDArray[np.int32]
-    trusted: bool  # mapped entries copied without asking whether they are in the page cache
+    nowait: int  # NOWAIT, or TRUSTED: mapped entries copied without asking if they are cached
     looked: Looked
 
 
@@ -263,7 +258,7 @@ class BatchReader:
         (the GIL is released once for all of it)."""
         count = len(index)
         status, used = np.empty(count, np.int32), np.empty(count, np.int32)
-        trusted = self._cached and self._map
+        nowait = TRUSTED if self._cached and self._map else NOWAIT
         looked = self._read_kept(
             rows,
             self._row_bytes,
@@ -275,7 +270,7 @@ class BatchReader:
             self._seeds,
             self._header,
             serving.expect,
-            TRUSTED if trusted else NOWAIT,
+            nowait,
             self._checked,
             self._ctimes,
             status,
@@ -284,7 +279,7 @@ class BatchReader:
             serving.root_path,
             serving.changes,
         )
-        return _FirstPass(status, used, trusted, Looked(*looked))
+        return _FirstPass(status, used, nowait, Looked(*looked))
 
     def _read(
         self,
@@ -295,8 +290,8 @@ class BatchReader:
         first: _FirstPass,
     ) -> list[int]:
         count = len(index)
-        status, token, trusted = first.status, first.looked.token, first.trusted
-        nowait = TRUSTED if trusted else NOWAIT
+        status, token, nowait = first.status, first.looked.token, first.nowait
+        trusted = nowait == TRUSTED
         if not first.looked.failed:  # every array a hit, read and checked (warm epochs)
             self._cached = first.looked.faults == 0 if trusted else True
             self._sweep(serving, count, token)
