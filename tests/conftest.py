@@ -225,8 +225,8 @@ def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
     try:
         yield make
     finally:
-        for root in mounted:
-            subprocess.run(["umount", "-l", str(root)], check=False)
+        for root in mounted:  # (one a test unmounted itself is said to be "not mounted")
+            subprocess.run(["umount", "-l", str(root)], check=False, capture_output=True)
 
 
 @pytest.fixture

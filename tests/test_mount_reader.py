@@ -21,7 +21,7 @@ import pytest
 from decodefs import read_array
 from decodefs.client import discovery, hits
 from decodefs.common.protocol import TRAILER_SIZE
-from tests.conftest import MountFactory, needs_root
+from tests.conftest import MountFactory, Tmpfs, needs_root
 from tests.helpers import (
     Mount,
     decodefs,
@@ -357,8 +357,9 @@ def test_the_kernels_answer_decides_the_version_not_the_paths_text(
     assert np.array_equal(read_array(dotdot), np.load(dotdot))
 
 
+@needs_root  # it holds device numbers with tmpfs mounts
 def test_a_new_mount_on_a_reused_device_number_is_noticed(
-    mounts: MountFactory, tmp_path: Path, photos_dir: Path, photos: dict[str, Path]
+    mounts: MountFactory, tmp_path: Path, photos_dir: Path, photos: dict[str, Path], tmpfs: Tmpfs
 ) -> None:
     """Same mount point, another store: direct hits read, and report to, the new one."""
     uuid = next(iter(photos))
@@ -368,14 +369,31 @@ def test_a_new_mount_on_a_reused_device_number_is_noticed(
     read_array(target)  # this process now knows the first mount and its store
     device = os.stat(first.mountpoint).st_dev
     first.stop()
-    second = mounts({"v1": photos_dir}, store=tmp_path / "store-2")
+    for attempt in range(1, 6):  # another process's mount may take the number first
+        leave_the_lowest_free(device, tmpfs)
+        second = mounts({"v1": photos_dir}, store=tmp_path / "store-2")
+        if os.stat(second.mountpoint).st_dev == device or attempt == 5:
+            break
+        second.stop()
     read_array(target)  # a miss in the new store: decoded and stored there
     read_array(target)  # a direct hit in store-2
     hits.flush_reports()
     wait_until(lambda: second.stats()["direct_hits"] >= 1, 10, "the report to the new mount")
     assert second.stats()["direct_hits"] == 1
     if os.stat(second.mountpoint).st_dev != device:
-        pytest.skip("the kernel gave the new mount another device number this time")
+        pytest.skip("another process's mount took the device number between the two mounts")
+
+
+def leave_the_lowest_free(device: int, tmpfs: Tmpfs) -> None:
+    """Make ``device`` (a mount's, now unmounted) the lowest free anonymous device number,
+    the one the kernel gives the next mount: other tests' mounts come and go meanwhile,
+    and any lower number they freed is taken by a tmpfs, held until the test ends."""
+    while True:
+        probe = tmpfs("4k")
+        got = os.stat(probe).st_dev
+        if os.minor(got) >= os.minor(device):  # none lower is free: this one, or it is taken
+            subprocess.run(["umount", str(probe)], check=True)
+            return
 
 
 def test_a_mount_found_by_two_threads_at_once_is_one_object(
