@@ -26,7 +26,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final, TypeAlias
@@ -473,8 +473,9 @@ class BatchLoader:
     through the mount (the daemon decodes it), on one of ``2 * threads``
     threads as soon as the batch's first pass found it. The same bytes as
     ``MountDataset``. ``threads`` (default: the CPUs, at least 2) read batches
-    side by side. The next ``prefetch`` batches are read while the
-    current one is used. A read
+    side by side. The next ``prefetch`` batches (default: 2 per thread, as a
+    ``DataLoader`` with ``prefetch_factor=2`` and as many workers keeps) are
+    read while the current one is used. A read
     that fails (a key the version lacks, a mount that is gone) raises its
     error when its batch is due, and stops the epoch's threads; so does
     leaving the loop (``break``, an exception, KeyboardInterrupt) once the
@@ -497,7 +498,7 @@ class BatchLoader:
         sampler: Sampler[int] | Iterable[int] | None = None,
         drop_last: bool = False,
         threads: int | None = None,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         pin_memory: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
@@ -515,6 +516,7 @@ class BatchLoader:
         threads = _default_threads() if threads is None else threads
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads is a positive integer, not {threads!r}")
+        prefetch = 2 * threads if prefetch is None else prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch is a number of batches (0 or more), not {prefetch!r}")
         if pin_memory and not torch.accelerator.is_available():
@@ -549,7 +551,7 @@ class BatchLoader:
         if set_epoch is not None:
             set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
+    def __iter__(self) -> Generator[tuple[torch.Tensor, Any], None, None]:
         # Threads per epoch: when the epoch ends, or its iterator is closed, no
         # thread of it is left. The sampler is drawn from in this thread only.
         reads = _Reads(self.threads)

@@ -11,9 +11,10 @@ epochs of every array in batches of --batch:
                   one .npy file, np.memmap'd, each batch's rows gathered into one
                   reused uint8 tensor by torch.index_select with N torch threads
                   (--threads); nothing checked. The bound BatchLoader is held to
-  packed-N-ring   the same copy into one of prefetch + 3 = 5 batch tensors in turn, as a
-                  loader that reads ahead must (the batch in use is not written over;
-                  FFCV's epoch iterator keeps batches_ahead + 2 = 5 slots too):
+  packed-N-ring   the same copy into one of prefetch + 3 = 2N + 3 batch tensors in turn
+                  (BatchLoader's batch memory with N threads), as a loader that reads
+                  ahead must (the batch in use is not written over; FFCV's epoch
+                  iterator keeps batches_ahead + 2 = 5 slots):
                   the one tensor of packed-N stays in the CPU's last-level cache, these
                   do not
   constant        a DataLoader with --workers workers whose dataset returns one
@@ -422,7 +423,7 @@ def loaders(
     made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {}
     for n in args.threads:
         made[f"packed-{n}"] = Packed(packed, keys, args.batch, n, seed=n)
-        made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_RING)
+        made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_ring(n))
     made["constant"] = workers(Constant(len(keys), args.size), collate_uint8)
     made["mount-uint8"] = workers(dataset, collate_uint8)
     made["mount-default"] = workers(dataset, default_collate)
@@ -450,7 +451,9 @@ def loaders(
     return made
 
 
-_RING: Final = 2 + 3  # BatchLoader's batches of memory at its default prefetch (2)
+def _ring(threads: int) -> int:
+    """BatchLoader's batches of memory with ``threads`` threads (its default prefetch)."""
+    return 2 * threads + 3
 
 
 def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespace) -> None:
@@ -542,8 +545,8 @@ def small_memory(
         usage = int((group / "memory.usage_in_bytes").read_text())
         # This process's own memory was charged elsewhere (cgroup v1 charges what is
         # allocated after the move): the limit is the page cache's room and the batch
-        # memory BatchLoader keeps (prefetch 2 + 3 batches) or Packed's one batch.
-        batches = (args.batch * args.size * args.size * 3) * 5
+        # memory BatchLoader keeps (prefetch 2 per thread + 3 batches) or Packed's one.
+        batches = (args.batch * args.size * args.size * 3) * _ring(two)
         (group / "memory.limit_in_bytes").write_text(str(usage + room + batches))
         for round_ in range(args.memory_rounds):
             for name in rng.permutation(list(makers)).tolist():

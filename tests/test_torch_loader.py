@@ -787,3 +787,38 @@ def test_the_training_script_trains_from_every_path(
     assert sorted(seen) == [(p, e) for p in ["batch", "live", "mount", "npload"] for e in "12"]
     assert all(0 < busy <= 1 for busy in seen.values()), seen
     assert mount.stats()["decodes"] == len(photos)  # the mount's paths decoded each once
+
+
+class Recorded(list[int]):
+    """A sampler's order that counts how many of its indices were drawn."""
+
+    drawn = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for index in super().__iter__():
+            self.drawn += 1
+            yield index
+
+
+@pytest.mark.parametrize(("threads", "prefetch", "ahead"), [(2, None, 4), (3, None, 6), (2, 1, 1)])
+def test_the_batches_read_ahead_are_two_per_thread_unless_said(
+    mounts: MountFactory,
+    photos_dir: Path,
+    photos: dict[str, Path],
+    threads: int,
+    prefetch: int | None,
+    ahead: int,
+) -> None:
+    mount = mounts({"v1": photos_dir})
+    keys = sorted(photos)
+    assert len(keys) > 1 + ahead
+    order = Recorded(range(len(keys)))
+    dataset = MountDataset(mount.mountpoint, "v1", SIZE, keys)
+    loader = BatchLoader(dataset, batch_size=1, sampler=order, threads=threads, prefetch=prefetch)
+    iterator = iter(loader)
+    try:
+        next(iterator)
+        assert order.drawn == 1 + ahead  # the batch in use, and those read meanwhile
+    finally:
+        iterator.close()
+    assert not loader_threads()
