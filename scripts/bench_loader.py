@@ -420,18 +420,20 @@ def loaders(
             generator=generator,
         )
 
+    batch_loaders = {
+        n: BatchLoader(dataset, batch_size=args.batch, shuffle=True, threads=n, generator=generator)
+        for n in args.threads
+    }
     made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {}
-    for n in args.threads:
+    for n, loader in batch_loaders.items():
         made[f"packed-{n}"] = Packed(packed, keys, args.batch, n, seed=n)
-        made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_ring(n))
+        made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_ring(loader))
     made["constant"] = workers(Constant(len(keys), args.size), collate_uint8)
     made["mount-uint8"] = workers(dataset, collate_uint8)
     made["mount-default"] = workers(dataset, default_collate)
     made["mount-stack"] = workers(dataset, stack_collate)
-    for n in args.threads:
-        made[f"threads-{n}"] = BatchLoader(
-            dataset, batch_size=args.batch, shuffle=True, threads=n, generator=generator
-        )
+    for n, loader in batch_loaders.items():
+        made[f"threads-{n}"] = loader
         made[f"reader-{n}"] = Readers(dataset, args.batch, n, seed=n)
     py = MountDataset(dataset.directory.rsplit("/", 2)[0], VERSION, args.size, keys)
     py._reader = None
@@ -451,9 +453,9 @@ def loaders(
     return made
 
 
-def _ring(threads: int) -> int:
-    """BatchLoader's batches of memory with ``threads`` threads (its default prefetch)."""
-    return 2 * threads + 3
+def _ring(loader: BatchLoader) -> int:
+    """The batches of memory ``loader`` keeps (``prefetch + 3``, docs/pytorch.md)."""
+    return loader.prefetch + 3
 
 
 def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespace) -> None:
@@ -541,12 +543,13 @@ def small_memory(
     }
     rates: dict[str, list[list[float]]] = {name: [] for name in makers}
     rng = np.random.default_rng(2)
+    ring = _ring(batch_loader())  # made here: nothing of it charged to the group
     with cgroup(None) as group:
         usage = int((group / "memory.usage_in_bytes").read_text())
         # This process's own memory was charged elsewhere (cgroup v1 charges what is
         # allocated after the move): the limit is the page cache's room and the batch
         # memory BatchLoader keeps (prefetch 2 per thread + 3 batches) or Packed's one.
-        batches = (args.batch * args.size * args.size * 3) * _ring(two)
+        batches = (args.batch * args.size * args.size * 3) * ring
         (group / "memory.limit_in_bytes").write_text(str(usage + room + batches))
         for round_ in range(args.memory_rounds):
             for name in rng.permutation(list(makers)).tolist():
