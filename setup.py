@@ -11,7 +11,12 @@ setup(
     ext_modules=[
         Extension(
             "decodefs.client._batchread",
-            sources=[f"{EXT}/batchread.c", f"{EXT}/rows_base.c", f"{EXT}/rows_avx2.c"],
+            sources=[
+                f"{EXT}/batchread.c",
+                f"{EXT}/rows_base.c",
+                f"{EXT}/rows_avx2.c",
+                f"{EXT}/rows_avx512.c",
+            ],
             depends=[f"{EXT}/rows.h", f"{EXT}/rows.inc", f"{EXT}/xxhash.h"],
             extra_compile_args=["-O2", "-std=gnu11"],
             optional=True,

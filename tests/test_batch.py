@@ -421,37 +421,68 @@ def test_no_name_is_missing_and_bad_arguments_raise(store: Store, read_rows: Rea
 
 
 @pytest.mark.skipif(row_readers.compiled is None, reason="the extension did not build")
-@given(st.binary(max_size=5000), st.integers(0, 2**64 - 1))
-def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int) -> None:
+def test_the_widest_build_this_cpu_runs_is_the_one_used() -> None:
     from decodefs.client import _batchread  # type: ignore[attr-defined]
 
-    assert _batchread.checksum(data, seed) == xxhash.xxh3_64_intdigest(data, seed=seed)
+    flags: set[str] = set()
+    if os.uname().machine == "x86_64":
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    want = ["base"]
+    if "avx2" in flags:
+        want.append("avx2")
+        if "avx512f" in flags:
+            want.append("avx512")
+    if os.uname().machine == "x86_64":
+        assert list(_batchread.BUILDS) == want
+    assert _batchread.BUILDS[-1] == _batchread.VECTOR
+    with pytest.raises(ValueError, match="no build"):
+        _batchread.checksum(b"data", 1, "no-such-build")
 
 
 @pytest.mark.skipif(row_readers.compiled is None, reason="the extension did not build")
+@given(
+    st.binary(max_size=5000),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from(row_readers.BUILDS or ("base",)),
+)
+def test_the_compiled_checksum_is_xxh3(data: bytes, seed: int, build: str) -> None:
+    """By each build this CPU runs (for any CPU, and each of its vector instructions)."""
+    from decodefs.client import _batchread  # type: ignore[attr-defined]
+
+    want = xxhash.xxh3_64_intdigest(data, seed=seed)
+    assert _batchread.checksum(data, seed, build) == want
+    assert _batchread.checksum(data, seed) == want  # the build the reads use
+
+
+@pytest.mark.skipif(row_readers.compiled is None, reason="the extension did not build")
+@pytest.mark.parametrize("build", row_readers.BUILDS)
+@pytest.mark.parametrize("aligned", [64, 32, 16, 1])
 @given(
     st.integers(0, 6000),
     st.integers(0, 8),
     st.one_of(st.just(0), st.integers(0, 2**64 - 1)),
     st.integers(0, 63),
-    st.booleans(),
     st.randoms(use_true_random=False),
 )
 def test_the_copy_that_checks_in_one_pass_is_xxh3_and_a_copy(
-    length: int, stripes: int, seed: int, shift: int, base: bool, random: Any
+    build: str, aligned: int, length: int, stripes: int, seed: int, shift: int, random: Any
 ) -> None:
     """The pass over a mapped entry: xxh3-64 of it all and a copy of all but its header
     (a whole number of 64-byte stripes; other lengths take the two-pass way), into a
-    row at any alignment (an aligned one takes the stores past the cache), by either
-    build (for any CPU, or for this one's vector instructions)."""
+    row at any alignment (one aligned to 16, 32 or 64 bytes takes the stores past the
+    cache that wide), by each build this CPU runs (for any CPU, and each of its vector
+    instructions)."""
     from decodefs.client import _batchread  # type: ignore[attr-defined]
 
     data = random.randbytes(length)
     skip = min(64 * stripes, length)
     memory = np.zeros(length - skip + 128, np.uint8)
-    start = -memory.ctypes.data % 64 + shift  # 64-aligned, then shifted
+    start = -memory.ctypes.data % 64 + shift // aligned * aligned  # aligned to `aligned`
     into = memory[start : start + length - skip]
-    assert _batchread.copy_checksum(data, skip, seed, into, base) == xxhash.xxh3_64_intdigest(
+    assert _batchread.copy_checksum(data, skip, seed, into, build) == xxhash.xxh3_64_intdigest(
         data, seed=seed
     )
     assert into.tobytes() == data[skip:]

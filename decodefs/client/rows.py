@@ -298,12 +298,14 @@ try:
     compiled_gone: Callable[..., None] | None = _batchread.gone
     unmap: Callable[[Any, int], None] | None = _batchread.unmap
     EXTENSION: Final[str | None] = f"_batchread ({_batchread.VECTOR})"
+    BUILDS: Final[tuple[str, ...]] = _batchread.BUILDS  # the builds this CPU runs, widest last
 except ImportError:  # not built here: a compiler or Python's headers were missing
     compiled = None
     compiled_kept = None
     compiled_gone = None
     unmap = None
     EXTENSION = None  # type: ignore[misc]
+    BUILDS = ()  # type: ignore[misc]
 
 
 def major_faults() -> int:

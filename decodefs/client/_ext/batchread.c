@@ -78,10 +78,34 @@ static int guard_sigbus(void) {
     return 1;
 }
 
-static ssize_t (*read_rows_impl)(struct batch *) = read_rows_base;
-static uint64_t (*checksum_impl)(const void *, size_t, uint64_t) = checksum_base;
-static uint64_t (*copy_checksum_impl)(void *, const void *, size_t, size_t, uint64_t) = copy_checksum_base;
-static const char *vector = "base";
+/* The builds of rows.inc, each for an instruction set; the widest this CPU runs is used. */
+struct build {
+    const char *name;
+    ssize_t (*read_rows)(struct batch *);
+    uint64_t (*checksum)(const void *, size_t, uint64_t);
+    uint64_t (*copy_checksum)(void *, const void *, size_t, size_t, uint64_t);
+};
+static const struct build builds[] = {
+    {"base", read_rows_base, checksum_base, copy_checksum_base},
+#ifdef DECODEFS_AVX2
+    {"avx2", read_rows_avx2, checksum_avx2, copy_checksum_avx2},
+    {"avx512", read_rows_avx512, checksum_avx512, copy_checksum_avx512},
+#endif
+};
+static size_t runnable = 1; /* builds[0, runnable) run on this CPU (found at import) */
+#define CHOSEN (&builds[runnable - 1])
+
+/* The build named `name` (NULL: the one chosen), or NULL with ValueError set if this CPU
+ * does not run it. */
+static const struct build *build_named(const char *name) {
+    if (name == NULL)
+        return CHOSEN;
+    for (size_t k = 0; k < runnable; k++)
+        if (strcmp(builds[k].name, name) == 0)
+            return &builds[k];
+    PyErr_Format(PyExc_ValueError, "no build %s runs on this CPU (see BUILDS)", name);
+    return NULL;
+}
 
 static int get(PyObject *obj, Py_buffer *view, int flags, Py_ssize_t want, const char *what) {
     if (PyObject_GetBuffer(obj, view, flags | PyBUF_C_CONTIGUOUS) != 0)
@@ -106,11 +130,12 @@ static void release(Py_buffer *const *views, size_t count) {
         release(views_, sizeof views_ / sizeof *views_);                                  \
     } while (0)
 
-/* read_rows_impl(b) with the GIL released; -1 with MemoryError set if it had no memory. */
+/* The chosen build's read_rows(b) with the GIL released; -1 with MemoryError set if it had
+ * no memory. */
 static ssize_t read_released(struct batch *b) {
     ssize_t got;
     Py_BEGIN_ALLOW_THREADS
-    got = read_rows_impl(b);
+    got = CHOSEN->read_rows(b);
     Py_END_ALLOW_THREADS
     if (got < 0)
         PyErr_NoMemory();
@@ -373,7 +398,7 @@ static PyObject *read_kept(PyObject *self, PyObject *args) {
     look(directory, root, changes, &seen);
     b.token = seen.token;
     faults = major_faults();
-    got = read_rows_impl(&b);
+    got = CHOSEN->read_rows(&b);
     faults = major_faults() - faults;
     for (Py_ssize_t i = 0; i < n; i++)
         failed += b.status[i] != ROW_OK;
@@ -485,42 +510,49 @@ static PyObject *probe(PyObject *self, PyObject *args) {
     return PyBool_FromLong(through);
 }
 
-PyDoc_STRVAR(checksum_doc, "checksum(data, seed) -> xxh3-64 of data with seed, as read_rows has it");
+PyDoc_STRVAR(checksum_doc, "checksum(data, seed, build=None) -> xxh3-64 of data with seed, as\n"
+"read_rows has it; build: one of BUILDS (None: the one read_rows uses)");
 
 static PyObject *checksum(PyObject *self, PyObject *args) {
     Py_buffer data;
     unsigned long long seed;
+    const char *name = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*K", &data, &seed))
+    if (!PyArg_ParseTuple(args, "y*K|z", &data, &seed, &name))
         return NULL;
-    uint64_t digest = checksum_impl(data.buf, (size_t)data.len, seed);
+    const struct build *build = build_named(name);
+    PyObject *digest = NULL;
+    if (build != NULL)
+        digest = PyLong_FromUnsignedLongLong(build->checksum(data.buf, (size_t)data.len, seed));
     PyBuffer_Release(&data);
-    return PyLong_FromUnsignedLongLong(digest);
+    return digest;
 }
 
 PyDoc_STRVAR(copy_checksum_doc,
-"copy_checksum(data, skip, seed, into, base=False) -> xxh3-64 of data with seed,\n"
+"copy_checksum(data, skip, seed, into, build=None) -> xxh3-64 of data with seed,\n"
 "data[skip:] copied into the writable buffer into (as long), both in the one pass\n"
 "read_rows makes over a mapped entry (skip: its header's length; into: a row, at any\n"
-"alignment); base: by the build for any CPU, not the one chosen for this CPU");
+"alignment); build: one of BUILDS (None: the one read_rows uses)");
 
 static PyObject *copy_checksum(PyObject *self, PyObject *args) {
     Py_buffer data, into;
     Py_ssize_t skip;
     unsigned long long seed;
-    int base = 0;
+    const char *name = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nKw*|p", &data, &skip, &seed, &into, &base))
+    if (!PyArg_ParseTuple(args, "y*nKw*|z", &data, &skip, &seed, &into, &name))
         return NULL;
+    const struct build *build = build_named(name);
     PyObject *digest = NULL;
-    if (skip < 0 || skip > data.len)
+    if (build == NULL) {
+        /* ValueError set */
+    } else if (skip < 0 || skip > data.len)
         PyErr_SetString(PyExc_ValueError, "copy_checksum: skip outside data");
     else if (into.len != data.len - skip)
         PyErr_SetString(PyExc_ValueError, "copy_checksum: into is not data[skip:]'s length");
     else
         digest = PyLong_FromUnsignedLongLong(
-            (base ? copy_checksum_base : copy_checksum_impl)(into.buf, data.buf, (size_t)data.len,
-                                                             (size_t)skip, seed));
+            build->copy_checksum(into.buf, data.buf, (size_t)data.len, (size_t)skip, seed));
     PyBuffer_Release(&data);
     PyBuffer_Release(&into);
     return digest;
@@ -552,17 +584,26 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__batchread(void) {
 #ifdef DECODEFS_AVX2
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) {
-        read_rows_impl = read_rows_avx2;
-        checksum_impl = checksum_avx2;
-        copy_checksum_impl = copy_checksum_avx2;
-        vector = "avx2";
-    }
+    if (__builtin_cpu_supports("avx2")) /* builds[1] */
+        runnable = __builtin_cpu_supports("avx512f") ? 3 : 2;
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddStringConstant(m, "VECTOR", vector) ||
+    PyObject *names = PyTuple_New((Py_ssize_t)runnable);
+    for (size_t k = 0; names != NULL && k < runnable; k++) {
+        PyObject *name = PyUnicode_FromString(builds[k].name);
+        if (name == NULL)
+            Py_CLEAR(names);
+        else
+            PyTuple_SET_ITEM(names, (Py_ssize_t)k, name);
+    }
+    if (names == NULL || PyModule_AddObject(m, "BUILDS", names) != 0) {
+        Py_XDECREF(names);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddStringConstant(m, "VECTOR", CHOSEN->name) ||
         PyModule_AddIntConstant(m, "OK", ROW_OK) ||
         PyModule_AddIntConstant(m, "MISSING", ROW_MISSING) ||
         PyModule_AddIntConstant(m, "NOT_CACHED", ROW_NOT_CACHED) ||

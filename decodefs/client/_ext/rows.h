@@ -14,7 +14,8 @@
 #include <sys/types.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DECODEFS_AVX2 1 /* rows_avx2.c holds a second build of rows.inc, for AVX2 */
+#define DECODEFS_AVX2 1 /* rows_avx2.c and rows_avx512.c hold builds of rows.inc for AVX2 and
+                         * AVX-512F */
 #endif
 
 enum { NOWAIT_TRUSTED = 2 };
@@ -79,6 +80,9 @@ uint64_t copy_checksum_base(void *dst, const void *src, size_t len, size_t skip,
 ssize_t read_rows_avx2(struct batch *b);
 uint64_t checksum_avx2(const void *data, size_t len, uint64_t seed);
 uint64_t copy_checksum_avx2(void *dst, const void *src, size_t len, size_t skip, uint64_t seed);
+ssize_t read_rows_avx512(struct batch *b);
+uint64_t checksum_avx512(const void *data, size_t len, uint64_t seed);
+uint64_t copy_checksum_avx512(void *dst, const void *src, size_t len, size_t skip, uint64_t seed);
 #endif
 
 #endif
