@@ -11,12 +11,18 @@ epochs of every array in batches of --batch:
                   one .npy file, np.memmap'd, each batch's rows gathered into one
                   reused uint8 tensor by torch.index_select with N torch threads
                   (--threads); nothing checked. The bound BatchLoader is held to
+  packed-N-fresh  the same copy as the issue wrote it, torch.index_select(tensor, 0, index):
+                  a new tensor for each batch, let go of at the next (as a loop's batch)
   packed-N-ring   the same copy into one of prefetch + 3 = 2N + 3 batch tensors in turn
                   (BatchLoader's batch memory with N threads), as a loader that reads
                   ahead must (the batch in use is not written over; FFCV's epoch
                   iterator keeps batches_ahead + 2 = 5 slots):
                   the one tensor of packed-N stays in the CPU's last-level cache, these
                   do not
+  ffcv-N          FFCV's raw path itself, where ffcv imports (docs/peers.md installs it):
+                  the same arrays written once by its DatasetWriter (RGBImageField, raw;
+                  kept under the bench directory), its Loader with N threads, shuffled
+                  (OrderOption.RANDOM, os_cache), SimpleRGBImageDecoder and ToTensor
   constant        a DataLoader with --workers workers whose dataset returns one
                   constant array: the ceiling of any dataset in such a DataLoader
   mount-uint8     MountDataset in a DataLoader with --workers persistent workers and
@@ -43,7 +49,8 @@ each batch (a training step's own Python), as a loop that trains does: a loader
 whose threads need the GIL meanwhile waits for it.
 
 Reported: arrays/s of epochs 2+ (the median over rounds), each as a ratio to the
-packed copy with as many threads (BatchLoader) or to ``mount-uint8``, and the CPU
+packed copies with as many threads (into one tensor, fresh ones, the ring; for
+BatchLoader, the batch reader and FFCV) or to ``mount-uint8``, and the CPU
 seconds per 1,000 arrays of the training process and its workers (user + system:
 what the loading leaves of the cores for augmentation). Every contender's batches
 are checked once against read_array's arrays.
@@ -94,12 +101,12 @@ import numpy.typing as npt
 import torch
 from benchlib import (
     CGROUP_ROOT,
-    DECODEFS,
     VERSION,
     WORK,
     BenchMount,
     cgroup,
     drop_caches,
+    loader_corpus,
     page_cache_bytes,
 )
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -107,7 +114,6 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from decodefs import decode_image, list_keys, read_array
 from decodefs.client import EXTENSION
 from decodefs.client.rows import read_entries_py
-from decodefs.sample import make_sample_corpus
 from decodefs.torch import BatchLoader, MountDataset, collate_uint8
 
 Epoch = Callable[[], int]  # reads one epoch, returns the number of arrays
@@ -133,7 +139,8 @@ def stack_collate(batch: Sequence[tuple[Any, Any]]) -> tuple[torch.Tensor, list[
 
 
 class Packed:
-    """FFCV raw's bare mechanism: one mapped file, each batch gathered by index_select."""
+    """FFCV raw's bare mechanism: one mapped file, each batch gathered by index_select
+    into one of ``ring`` tensors in turn, or (``ring=0``) a new one."""
 
     def __init__(
         self, path: Path, keys: Sequence[str], batch: int, threads: int, seed: int, ring: int = 1
@@ -155,11 +162,68 @@ class Packed:
             for start in range(0, len(order), self.batch):
                 index = order[start : start + self.batch]
                 self.turn += 1
-                out = self.outs[self.turn % len(self.outs)][: len(index)]
-                torch.index_select(self.tensor, 0, index, out=out)
+                if self.outs:
+                    out = self.outs[self.turn % len(self.outs)][: len(index)]
+                    torch.index_select(self.tensor, 0, index, out=out)
+                else:
+                    out = torch.index_select(self.tensor, 0, index)
                 yield out, [self.keys[i] for i in index.tolist()]
+                del out  # a new one's memory may be this one's (as a loop lets go of a batch)
         finally:
             torch.set_num_threads(1)
+
+
+class ArraysByIndex:
+    """The packed arrays as the indexed dataset FFCV's DatasetWriter takes: (array, index)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.count = len(np.load(path, mmap_mode="r"))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[npt.NDArray[np.uint8], int]:
+        return np.array(np.load(self.path, mmap_mode="r")[index]), index
+
+
+class FFCVRaw:
+    """FFCV's raw path: its .beton written once from the packed arrays, its Loader."""
+
+    def __init__(
+        self, packed: Path, keys: Sequence[str], args: argparse.Namespace, threads: int
+    ) -> None:
+        fields, decoders, loader, transforms, writer = (
+            importlib.import_module(f"ffcv.{name}")
+            for name in ("fields", "fields.decoders", "loader", "transforms", "writer")
+        )
+        path = WORK / f"loader-ffcv-raw-{len(keys)}-{args.size}.beton"
+        if not path.exists():
+            partial = path.with_suffix(".partial")
+            written = {
+                "image": fields.RGBImageField(write_mode="raw", max_resolution=args.size),
+                "label": fields.IntField(),
+            }
+            write = writer.DatasetWriter(str(partial), written, num_workers=args.workers)
+            write.from_indexed_dataset(ArraysByIndex(packed))
+            partial.rename(path)
+        self.keys = keys
+        self.loader = loader.Loader(
+            str(path),
+            batch_size=args.batch,
+            num_workers=threads,
+            order=loader.OrderOption.RANDOM,
+            drop_last=False,
+            os_cache=True,
+            pipelines={
+                "image": [decoders.SimpleRGBImageDecoder(), transforms.ToTensor()],
+                "label": [decoders.IntDecoder(), transforms.ToTensor()],
+            },
+        )
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        for images, labels in self.loader:
+            yield images, [self.keys[i] for i in labels.reshape(-1).tolist()]
 
 
 class Readers:
@@ -288,42 +352,13 @@ def main() -> None:
     torch.set_num_threads(1)
     print("batch reads:", EXTENSION or "pure Python", flush=True)
 
-    originals = WORK / f"loader-originals-{args.count}"
-    make_sample_corpus(originals, args.count, 640, 480, seed=20)
-    store = WORK / f"loader-store-{args.count}"
-    bench = BenchMount(originals, [args.size], store=store)
-    try:
-        bench.mount()
-        keys = list_keys(bench.mountpoint, VERSION, args.size)
-        assert len(keys) == args.count, f"{len(keys)} keys for {args.count} originals"
-        if bench.stats()["store_entries"] < args.count:
-            print(f"filling {store} with decodefs warm ...", flush=True)
-            subprocess.run(
-                [*DECODEFS, "warm", bench.mountpoint, VERSION, str(args.size)], check=True
-            )
-        packed = pack(bench, keys, args.size)
+    with loader_corpus(args.count, args.size) as (bench, keys, packed):
         if args.rounds:
             run(bench, keys, packed, args)
         if args.memory is not None:
-            small_memory(bench, keys, packed, store, args)
-    finally:
-        bench.remove()  # the store is outside the run directory: kept for the next run
+            small_memory(bench, keys, packed, bench.store, args)
     if args.cold:
-        cold(originals, args)
-
-
-def pack(bench: BenchMount, keys: list[str], size: int) -> Path:
-    """The arrays in one .npy file, in key order (kept beside the store)."""
-    path = WORK / f"loader-packed-{len(keys)}-{size}.npy"
-    if not path.exists():
-        partial = path.with_suffix(".partial")
-        out = np.lib.format.open_memmap(partial, "w+", np.uint8, (len(keys), size, size, 3))
-        for i, key in enumerate(keys):
-            out[i] = read_array(bench.arrays(size) / f"{key}.npy")
-        out.flush()
-        del out
-        partial.rename(path)
-    return path
+        cold(WORK / f"loader-originals-{args.count}", args)
 
 
 def cold(originals: Path, args: argparse.Namespace) -> None:
@@ -427,7 +462,12 @@ def loaders(
     made: dict[str, Iterable[tuple[torch.Tensor, Any]]] = {}
     for n, loader in batch_loaders.items():
         made[f"packed-{n}"] = Packed(packed, keys, args.batch, n, seed=n)
+        made[f"packed-{n}-fresh"] = Packed(packed, keys, args.batch, n, seed=n, ring=0)
         made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_ring(loader))
+    if importlib.util.find_spec("ffcv") is not None:  # installed as docs/peers.md says
+        for n in args.threads:
+            if not args.only or f"ffcv-{n}" in args.only:
+                made[f"ffcv-{n}"] = FFCVRaw(packed, keys, args, n)
     made["constant"] = workers(Constant(len(keys), args.size), collate_uint8)
     made["mount-uint8"] = workers(dataset, collate_uint8)
     made["mount-default"] = workers(dataset, default_collate)
@@ -492,28 +532,34 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
         f"the training loop's own Python per batch: {args.work} us\n"
     )
     print(
-        f"| {'contender':<14} | {'arrays/s':>9} | {'x packed':>8} | {'x ring':>6} "
-        f"| {'x mount':>7} | CPU s / 1,000 | rounds (arrays/s) |"
+        f"| {'contender':<14} | {'arrays/s':>9} | {'x packed':>8} | {'x fresh':>7} "
+        f"| {'x ring':>6} | {'x mount':>7} | CPU s / 1,000 | rounds (arrays/s) |"
     )
     print(
-        f"| {'-' * 14} | {'-' * 9}: | {'-' * 8}: | {'-' * 6}: | {'-' * 7}: | ------------: | --- |"
+        f"| {'-' * 14} | {'-' * 9}: | {'-' * 8}: | {'-' * 7}: | {'-' * 6}: | {'-' * 7}: "
+        "| ------------: | --- |"
     )
     base = statistics.median(rates["mount-uint8"]) if "mount-uint8" in rates else None
     for name in epochs:
         rate = statistics.median(rates[name])
-        threads = (
-            name.split("-")[1] if name.startswith(("threads-", "packed-", "reader-")) else None
+        threads = name.split("-")[1] if name.startswith(_BY_THREADS) else None
+        x_one, x_fresh, x_ring = (
+            _times(rate, rates.get(f"packed-{threads}{copy}")) for copy in ("", "-fresh", "-ring")
         )
-        bound = rates.get(f"packed-{threads}")
-        ring = rates.get(f"packed-{threads}-ring")
-        x_packed = f"{rate / statistics.median(bound):.2f}x" if bound else "-"
-        x_ring = f"{rate / statistics.median(ring):.2f}x" if ring else "-"
         x_mount = f"{rate / base:.2f}x" if base else "-"
         each = " ".join(f"{r:,.0f}" for r in rates[name])
         print(
-            f"| {name:<14} | {rate:>9,.0f} | {x_packed:>8} | {x_ring:>6} | {x_mount:>7} "
-            f"| {statistics.median(cpu[name]):>13.3f} | {each} |"
+            f"| {name:<14} | {rate:>9,.0f} | {x_one:>8} | {x_fresh:>7} | {x_ring:>6} "
+            f"| {x_mount:>7} | {statistics.median(cpu[name]):>13.3f} | {each} |"
         )
+
+
+_BY_THREADS: Final = ("threads-", "packed-", "reader-", "ffcv-")  # named <kind>-<threads>...
+
+
+def _times(rate: float, bound: list[float] | None) -> str:
+    """``rate`` as a ratio to the median of ``bound``'s rounds (none: "-")."""
+    return f"{rate / statistics.median(bound):.2f}x" if bound else "-"
 
 
 def small_memory(

@@ -20,7 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["DECODEFS", "VERSION", "WORK", "BenchMount", "mounted"]
+import numpy as np
+
+from decodefs import list_keys, read_array
+from decodefs.sample import make_sample_corpus
+
+__all__ = ["DECODEFS", "VERSION", "WORK", "BenchMount", "loader_corpus", "mounted"]
 
 WORK: Final = Path(tempfile.gettempdir()) / "decodefs-bench"
 DECODEFS: Final = [sys.executable, "-m", "decodefs"]
@@ -176,3 +181,37 @@ def page_cache_bytes(group: Path) -> int:
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+@contextmanager
+def loader_corpus(count: int, size: int) -> Iterator[tuple[BenchMount, list[str], Path]]:
+    """bench_loader.py's corpus: ``count`` originals mounted, its store holding every array of
+    ``size`` (filled once by decodefs warm) and the arrays packed in one file; the
+    originals, store and packed file are kept under the bench directory for the next run."""
+    originals = WORK / f"loader-originals-{count}"
+    make_sample_corpus(originals, count, 640, 480, seed=20)
+    bench = BenchMount(originals, [size], store=WORK / f"loader-store-{count}")
+    try:
+        bench.mount()
+        keys = list_keys(bench.mountpoint, VERSION, size)
+        assert len(keys) == count, f"{len(keys)} keys for {count} originals"
+        if bench.stats()["store_entries"] < count:
+            print(f"filling {bench.store} with decodefs warm ...", flush=True)
+            subprocess.run([*DECODEFS, "warm", bench.mountpoint, VERSION, str(size)], check=True)
+        yield bench, keys, pack(bench, keys, size)
+    finally:
+        bench.remove()  # the store is outside the run directory: kept
+
+
+def pack(bench: BenchMount, keys: list[str], size: int) -> Path:
+    """The arrays in one .npy file, in key order (kept beside the store)."""
+    path = WORK / f"loader-packed-{len(keys)}-{size}.npy"
+    if not path.exists():
+        partial = path.with_suffix(".partial")
+        out = np.lib.format.open_memmap(partial, "w+", np.uint8, (len(keys), size, size, 3))
+        for i, key in enumerate(keys):
+            out[i] = read_array(bench.arrays(size) / f"{key}.npy")
+        out.flush()
+        del out
+        partial.rename(path)
+    return path
