@@ -26,6 +26,7 @@ from ..common.trusted import owned_alone
 
 __all__ = [
     "BAD",
+    "BUILDS",
     "EXPECT_SIZE",
     "EXTENSION",
     "GONE",

@@ -85,13 +85,14 @@ struct build {
     uint64_t (*checksum)(const void *, size_t, uint64_t);
     uint64_t (*copy_checksum)(void *, const void *, size_t, size_t, uint64_t);
 };
-static const struct build builds[] = {
+static const struct build builds[] = { /* each one's instructions a superset of the last's */
     {"base", read_rows_base, checksum_base, copy_checksum_base},
-#ifdef DECODEFS_AVX2
+#ifdef DECODEFS_X86_BUILDS
     {"avx2", read_rows_avx2, checksum_avx2, copy_checksum_avx2},
     {"avx512", read_rows_avx512, checksum_avx512, copy_checksum_avx512},
 #endif
 };
+#define COMPILED (sizeof builds / sizeof *builds)
 static size_t runnable = 1; /* builds[0, runnable) run on this CPU (found at import) */
 #define CHOSEN (&builds[runnable - 1])
 
@@ -510,8 +511,8 @@ static PyObject *probe(PyObject *self, PyObject *args) {
     return PyBool_FromLong(through);
 }
 
-PyDoc_STRVAR(checksum_doc, "checksum(data, seed, build=None) -> xxh3-64 of data with seed, as\n"
-"read_rows has it; build: one of BUILDS (None: the one read_rows uses)");
+PyDoc_STRVAR(checksum_doc, "checksum(data, seed[, build]) -> xxh3-64 of data with seed, as\n"
+"read_rows has it; build: one of BUILDS (None or left out: the one read_rows uses)");
 
 static PyObject *checksum(PyObject *self, PyObject *args) {
     Py_buffer data;
@@ -529,10 +530,10 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_checksum_doc,
-"copy_checksum(data, skip, seed, into, build=None) -> xxh3-64 of data with seed,\n"
+"copy_checksum(data, skip, seed, into[, build]) -> xxh3-64 of data with seed,\n"
 "data[skip:] copied into the writable buffer into (as long), both in the one pass\n"
 "read_rows makes over a mapped entry (skip: its header's length; into: a row, at any\n"
-"alignment); build: one of BUILDS (None: the one read_rows uses)");
+"alignment); build: one of BUILDS (None or left out: the one read_rows uses)");
 
 static PyObject *copy_checksum(PyObject *self, PyObject *args) {
     Py_buffer data, into;
@@ -581,25 +582,34 @@ static struct PyModuleDef module = {
     NULL,
 };
 
-PyMODINIT_FUNC PyInit__batchread(void) {
-#ifdef DECODEFS_AVX2
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) /* builds[1] */
-        runnable = __builtin_cpu_supports("avx512f") ? 3 : 2;
-#endif
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    PyObject *names = PyTuple_New((Py_ssize_t)runnable);
-    for (size_t k = 0; names != NULL && k < runnable; k++) {
+/* module.attribute = the names of builds[0, count), a tuple; 0 with an exception set */
+static int add_names(PyObject *module, const char *attribute, size_t count) {
+    PyObject *names = PyTuple_New((Py_ssize_t)count);
+    for (size_t k = 0; names != NULL && k < count; k++) {
         PyObject *name = PyUnicode_FromString(builds[k].name);
         if (name == NULL)
             Py_CLEAR(names);
         else
             PyTuple_SET_ITEM(names, (Py_ssize_t)k, name);
     }
-    if (names == NULL || PyModule_AddObject(m, "BUILDS", names) != 0) {
+    if (names == NULL || PyModule_AddObject(module, attribute, names) != 0) {
         Py_XDECREF(names);
+        return 0;
+    }
+    return 1;
+}
+
+PyMODINIT_FUNC PyInit__batchread(void) {
+#ifdef DECODEFS_X86_BUILDS
+    _Static_assert(COMPILED == 3, "base, avx2, avx512: the order the checks below go by");
+    __builtin_cpu_init(); /* AVX-512F only counts on a CPU with AVX2, as every one has it */
+    if (__builtin_cpu_supports("avx2"))
+        runnable = __builtin_cpu_supports("avx512f") ? 3 : 2;
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (!add_names(m, "BUILDS", runnable) || !add_names(m, "COMPILED", COMPILED)) {
         Py_DECREF(m);
         return NULL;
     }

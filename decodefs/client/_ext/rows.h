@@ -14,8 +14,9 @@
 #include <sys/types.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DECODEFS_AVX2 1 /* rows_avx2.c and rows_avx512.c hold builds of rows.inc for AVX2 and
-                         * AVX-512F */
+/* rows_avx2.c and rows_avx512.c hold builds of rows.inc for AVX2 and AVX-512F (GCC's target
+ * pragma and __builtin_cpu_supports pick and compile them) */
+#define DECODEFS_X86_BUILDS 1
 #endif
 
 enum { NOWAIT_TRUSTED = 2 };
@@ -76,7 +77,7 @@ extern __thread sigjmp_buf *decodefs_guard;
 ssize_t read_rows_base(struct batch *b);
 uint64_t checksum_base(const void *data, size_t len, uint64_t seed);
 uint64_t copy_checksum_base(void *dst, const void *src, size_t len, size_t skip, uint64_t seed);
-#ifdef DECODEFS_AVX2
+#ifdef DECODEFS_X86_BUILDS
 ssize_t read_rows_avx2(struct batch *b);
 uint64_t checksum_avx2(const void *data, size_t len, uint64_t seed);
 uint64_t copy_checksum_avx2(void *dst, const void *src, size_t len, size_t skip, uint64_t seed);

@@ -1,6 +1,6 @@
 /* rows.inc again for x86-64 CPUs with AVX2 (xxh3 twice as fast), chosen at run time. */
 #include "rows.h"
-#ifdef DECODEFS_AVX2
+#ifdef DECODEFS_X86_BUILDS
 #pragma GCC target("avx2")
 #define READ_ROWS read_rows_avx2
 #define CHECKSUM checksum_avx2
