@@ -17,8 +17,8 @@ median of --rounds rounds in microseconds per array, of:
 
 each into the same three destinations: one row (stays in the CPU's L2 cache), one
 batch of --batch rows (its last-level cache, where that holds a batch), and
-BatchLoader's batch memory with one thread (prefetch + 3 = 5 batches in turn, which
-that cache does not hold). The checked copies by each build this CPU runs
+BatchLoader's batch memory with one thread (its prefetch + 3 batches in turn, 5 by
+default, which that cache does not hold). The checked copies by each build this CPU runs
 (_batchread.BUILDS: for any CPU, AVX2, AVX-512); the table's ratio is to the packed
 copy into the same memory.
 
@@ -42,6 +42,7 @@ from decodefs.client import rows as row_readers
 from decodefs.common.entry import EntryKey
 from decodefs.common.npy import npy_header
 from decodefs.common.protocol import TRAILER, TRAILER_SIZE
+from decodefs.torch import BatchLoader, MountDataset
 
 Array = npt.NDArray[np.uint8]
 _CACHE_LINE = 64
@@ -59,6 +60,8 @@ def main() -> None:
     from decodefs.client import _batchread  # type: ignore[attr-defined]
 
     with loader_corpus(args.count, args.size) as (bench, keys, packed_path):
+        dataset = MountDataset(bench.mountpoint, VERSION, args.size, keys)
+        ring = BatchLoader(dataset, batch_size=args.batch, threads=1).prefetch + 3  # its memory
         entries = [bench.store / EntryKey(VERSION, args.size, key).relpath for key in keys]
         seeds = [EntryKey(VERSION, args.size, key).seed for key in keys]
         maps = []
@@ -74,10 +77,14 @@ def main() -> None:
     for rows in (packed, *in_entry):  # every byte in the page cache before the first round
         rows.sum()
 
-    shapes = {"one row": (1, 1), "one batch": (args.batch, 1), "5 batches": (args.batch, 5)}
+    shapes = {  # rows a batch, batches in turn
+        "one row": (1, 1),
+        "one batch": (args.batch, 1),
+        f"{ring} batches": (args.batch, ring),
+    }
     memory = {
-        (name, odd): _rows(row_bytes, batch * ring, odd)
-        for name, (batch, ring) in shapes.items()
+        (name, odd): _rows(row_bytes, batch * turns, odd)
+        for name, (batch, turns) in shapes.items()
         for odd in (False, True)
     }
 

@@ -10,9 +10,13 @@ epochs of every array in batches of --batch:
   packed-N        the bare mechanism of FFCV's raw path: the same arrays packed into
                   one .npy file, np.memmap'd, each batch's rows gathered into one
                   reused uint8 tensor by torch.index_select with N torch threads
-                  (--threads); nothing checked. The bound BatchLoader is held to
-  packed-N-fresh  the same copy as the issue wrote it, torch.index_select(tensor, 0, index):
-                  a new tensor for each batch, let go of at the next (as a loop's batch)
+                  (--threads); nothing checked. Its one tensor stays in the CPU's
+                  last-level cache where that holds a batch, and is never written to
+                  memory: no loader that hands out its batches can do that
+  packed-N-fresh  the same copy as issue 29 wrote it, torch.index_select(tensor, 0,
+                  index): a new tensor for each batch, as fast as the allocator makes
+                  it (the faults column: its memory from glibc's heap again, or each
+                  page mapped afresh); the bound BatchLoader is held to, with the ring
   packed-N-ring   the same copy into one of prefetch + 3 = 2N + 3 batch tensors in turn
                   (BatchLoader's batch memory with N threads), as a loader that reads
                   ahead must (the batch in use is not written over; FFCV's epoch
@@ -52,7 +56,9 @@ Reported: arrays/s of epochs 2+ (the median over rounds), each as a ratio to the
 packed copies with as many threads (into one tensor, fresh ones, the ring; for
 BatchLoader, the batch reader and FFCV) or to ``mount-uint8``, and the CPU
 seconds per 1,000 arrays of the training process and its workers (user + system:
-what the loading leaves of the cores for augmentation). Every contender's batches
+what the loading leaves of the cores for augmentation) and this process's page
+faults per array that read nothing from disk (memory mapped afresh, as a new
+batch tensor the allocator maps for each batch). Every contender's batches
 are checked once against read_array's arrays.
 
 Then cold first epochs (--cold originals, a fresh store for each contender, so
@@ -87,6 +93,7 @@ import gc
 import importlib
 import importlib.util
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -107,6 +114,7 @@ from benchlib import (
     cgroup,
     drop_caches,
     loader_corpus,
+    loader_originals,
     page_cache_bytes,
 )
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -168,7 +176,8 @@ class Packed:
                 else:
                     out = torch.index_select(self.tensor, 0, index)
                 yield out, [self.keys[i] for i in index.tolist()]
-                del out  # a new one's memory may be this one's (as a loop lets go of a batch)
+                # As a training loop's: once the next batch is made, the loop holds only it.
+                del out
         finally:
             torch.set_num_threads(1)
 
@@ -358,7 +367,7 @@ def main() -> None:
         if args.memory is not None:
             small_memory(bench, keys, packed, bench.store, args)
     if args.cold:
-        cold(WORK / f"loader-originals-{args.count}", args)
+        cold(loader_originals(args.count), args)
 
 
 def cold(originals: Path, args: argparse.Namespace) -> None:
@@ -464,7 +473,7 @@ def loaders(
         made[f"packed-{n}"] = Packed(packed, keys, args.batch, n, seed=n)
         made[f"packed-{n}-fresh"] = Packed(packed, keys, args.batch, n, seed=n, ring=0)
         made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_ring(loader))
-    if importlib.util.find_spec("ffcv") is not None:  # installed as docs/peers.md says
+    if _imports("ffcv.loader"):  # installed as docs/peers.md says
         for n in args.threads:
             if not args.only or f"ffcv-{n}" in args.only:
                 made[f"ffcv-{n}"] = FFCVRaw(packed, keys, args, n)
@@ -493,9 +502,21 @@ def loaders(
     return made
 
 
+def _imports(module: str) -> bool:
+    """Whether ``module`` imports (an install without its native libraries does not)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def _ring(loader: BatchLoader) -> int:
     """The batches of memory ``loader`` keeps (``prefetch + 3``, docs/pytorch.md)."""
     return loader.prefetch + 3
+
+
+_BY_THREADS: Final = ("threads-", "packed-", "reader-", "ffcv-")  # named <kind>-<threads>...
 
 
 def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespace) -> None:
@@ -514,16 +535,18 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
         epochs["read_array"] = lambda: sum(1 for path in paths if read_array(path) is not None)
     rates: dict[str, list[float]] = {name: [] for name in epochs}
     cpu: dict[str, list[float]] = {name: [] for name in epochs}
+    faults: dict[str, list[float]] = {name: [] for name in epochs}  # this process's, per array
     rng = np.random.default_rng(1)
     print("uptime before:", _uptime(), flush=True)
     for round_ in range(args.rounds):
         for name in rng.permutation(list(epochs)):
             epoch = epochs[str(name)]
             epoch()  # the first: settles the workers' and threads' start
-            started, cpu_started = time.perf_counter(), _cpu_seconds()
+            started, cpu_started, faults_started = time.perf_counter(), _cpu_seconds(), _faults()
             arrays = sum(epoch() for _ in range(args.epochs - 1))
             rates[str(name)].append(arrays / (time.perf_counter() - started))
             cpu[str(name)].append((_cpu_seconds() - cpu_started) / arrays * 1000)
+            faults[str(name)].append((_faults() - faults_started) / arrays)
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     print("uptime after:", _uptime())
     print(
@@ -533,11 +556,11 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
     )
     print(
         f"| {'contender':<14} | {'arrays/s':>9} | {'x packed':>8} | {'x fresh':>7} "
-        f"| {'x ring':>6} | {'x mount':>7} | CPU s / 1,000 | rounds (arrays/s) |"
+        f"| {'x ring':>6} | {'x mount':>7} | CPU s / 1,000 | faults / array | rounds (arrays/s) |"
     )
     print(
         f"| {'-' * 14} | {'-' * 9}: | {'-' * 8}: | {'-' * 7}: | {'-' * 6}: | {'-' * 7}: "
-        "| ------------: | --- |"
+        "| ------------: | -------------: | --- |"
     )
     base = statistics.median(rates["mount-uint8"]) if "mount-uint8" in rates else None
     for name in epochs:
@@ -550,11 +573,9 @@ def run(bench: BenchMount, keys: list[str], packed: Path, args: argparse.Namespa
         each = " ".join(f"{r:,.0f}" for r in rates[name])
         print(
             f"| {name:<14} | {rate:>9,.0f} | {x_one:>8} | {x_fresh:>7} | {x_ring:>6} "
-            f"| {x_mount:>7} | {statistics.median(cpu[name]):>13.3f} | {each} |"
+            f"| {x_mount:>7} | {statistics.median(cpu[name]):>13.3f} "
+            f"| {statistics.median(faults[name]):>14.1f} | {each} |"
         )
-
-
-_BY_THREADS: Final = ("threads-", "packed-", "reader-", "ffcv-")  # named <kind>-<threads>...
 
 
 def _times(rate: float, bound: list[float] | None) -> str:
@@ -639,6 +660,11 @@ def _process_cpu_seconds(pid: int) -> float:
     """Another process's user + system seconds (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _faults() -> int:
+    """This process's page faults so far that read nothing from disk (memory mapped afresh)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _cpu_seconds() -> float:

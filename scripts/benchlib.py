@@ -4,6 +4,8 @@ A ``BenchMount`` is a fresh run directory under WORK holding a config for one
 version named ``bench``, its mount point and (unless given) its store. It is
 mounted and unmounted with ``decodefs mount`` / ``decodefs umount``, as a user
 would, as often as a benchmark needs; ``mounted`` does it once and cleans up.
+``loader_corpus`` is the corpus bench_loader.py and bench_copy.py share: originals,
+a filled store and the same arrays packed in one file, all kept between runs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ import numpy as np
 from decodefs import list_keys, read_array
 from decodefs.sample import make_sample_corpus
 
-__all__ = ["DECODEFS", "VERSION", "WORK", "BenchMount", "loader_corpus", "mounted"]
+__all__ = [
+    "DECODEFS",
+    "VERSION",
+    "WORK",
+    "BenchMount",
+    "loader_corpus",
+    "loader_originals",
+    "mounted",
+]
 
 WORK: Final = Path(tempfile.gettempdir()) / "decodefs-bench"
 DECODEFS: Final = [sys.executable, "-m", "decodefs"]
@@ -183,12 +193,17 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
+def loader_originals(count: int) -> Path:
+    """Where bench_loader.py's ``count`` originals are made and kept."""
+    return WORK / f"loader-originals-{count}"
+
+
 @contextmanager
 def loader_corpus(count: int, size: int) -> Iterator[tuple[BenchMount, list[str], Path]]:
     """bench_loader.py's corpus: ``count`` originals mounted, its store holding every array of
     ``size`` (filled once by decodefs warm) and the arrays packed in one file; the
     originals, store and packed file are kept under the bench directory for the next run."""
-    originals = WORK / f"loader-originals-{count}"
+    originals = loader_originals(count)
     make_sample_corpus(originals, count, 640, 480, seed=20)
     bench = BenchMount(originals, [size], store=WORK / f"loader-store-{count}")
     try:
