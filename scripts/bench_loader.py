@@ -113,8 +113,11 @@ from benchlib import (
     BenchMount,
     cgroup,
     drop_caches,
+    ffcv_loader,
+    ffcv_write,
     loader_corpus,
     loader_originals,
+    optional,
     page_cache_bytes,
 )
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -202,33 +205,13 @@ class FFCVRaw:
     def __init__(
         self, packed: Path, keys: Sequence[str], args: argparse.Namespace, threads: int
     ) -> None:
-        fields, decoders, loader, transforms, writer = (
-            importlib.import_module(f"ffcv.{name}")
-            for name in ("fields", "fields.decoders", "loader", "transforms", "writer")
-        )
         path = WORK / f"loader-ffcv-raw-{len(keys)}-{args.size}.beton"
         if not path.exists():
             partial = path.with_suffix(".partial")
-            written = {
-                "image": fields.RGBImageField(write_mode="raw", max_resolution=args.size),
-                "label": fields.IntField(),
-            }
-            write = writer.DatasetWriter(str(partial), written, num_workers=args.workers)
-            write.from_indexed_dataset(ArraysByIndex(packed))
+            ffcv_write(partial, ArraysByIndex(packed), "raw", args.size, args.workers)
             partial.rename(path)
         self.keys = keys
-        self.loader = loader.Loader(
-            str(path),
-            batch_size=args.batch,
-            num_workers=threads,
-            order=loader.OrderOption.RANDOM,
-            drop_last=False,
-            os_cache=True,
-            pipelines={
-                "image": [decoders.SimpleRGBImageDecoder(), transforms.ToTensor()],
-                "label": [decoders.IntDecoder(), transforms.ToTensor()],
-            },
-        )
+        self.loader = ffcv_loader(path, args.batch, threads)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         for images, labels in self.loader:
@@ -473,7 +456,7 @@ def loaders(
         made[f"packed-{n}"] = Packed(packed, keys, args.batch, n, seed=n)
         made[f"packed-{n}-fresh"] = Packed(packed, keys, args.batch, n, seed=n, ring=0)
         made[f"packed-{n}-ring"] = Packed(packed, keys, args.batch, n, seed=n, ring=_ring(loader))
-    if _imports("ffcv.loader"):  # installed as docs/peers.md says
+    if optional("ffcv.loader") is not None:  # installed as docs/peers.md says
         for n in args.threads:
             if not args.only or f"ffcv-{n}" in args.only:
                 made[f"ffcv-{n}"] = FFCVRaw(packed, keys, args, n)
@@ -500,15 +483,6 @@ def loaders(
     if args.only:
         made = {name: loader for name, loader in made.items() if name in args.only}
     return made
-
-
-def _imports(module: str) -> bool:
-    """Whether ``module`` imports (an install without its native libraries does not)."""
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
 
 
 def _ring(loader: BatchLoader) -> int:

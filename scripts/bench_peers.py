@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from benchlib import DECODEFS, VERSION, WORK, BenchMount
+from benchlib import DECODEFS, VERSION, WORK, BenchMount, ffcv_loader, ffcv_write, optional
 from torch.utils.data import DataLoader, Dataset
 
 from decodefs import read_array
@@ -400,8 +400,7 @@ class WebDataset(Contender):
 
 
 class FFCV(Contender):
-    def __init__(self, modules: dict[str, ModuleType], config: Path, uuids: Sequence[str],
-                 mode: str, work: Path) -> None:  # fmt: skip
+    def __init__(self, config: Path, uuids: Sequence[str], mode: str, work: Path) -> None:
         jpeg = mode == "jpg"
         super().__init__(
             f"FFCV ({'JPEG' if jpeg else 'raw'}, Loader)",
@@ -411,37 +410,15 @@ class FFCV(Contender):
             group=f"ffcv {mode}",
             threads=True,
         )
-        self.ffcv = modules
         self.dataset = LiveDataset(config, VERSION, SIZE, uuids, targets=range(len(uuids)))
         self.mode = mode
         self.path = work / f"ffcv-{mode}.beton"
 
     def prepare(self) -> None:
-        fields = self.ffcv["fields"]
-        writer = self.ffcv["writer"].DatasetWriter(
-            str(self.path),
-            {
-                "image": fields.RGBImageField(write_mode=self.mode, max_resolution=SIZE),
-                "label": fields.IntField(),
-            },
-            num_workers=WORKERS,
-        )
-        writer.from_indexed_dataset(self.dataset)
+        ffcv_write(self.path, self.dataset, self.mode, SIZE, WORKERS)
 
     def loader(self) -> Iterable[Any]:
-        loader, decoders, transforms = (self.ffcv[k] for k in ("loader", "decoders", "transforms"))
-        result: Iterable[Any] = loader.Loader(
-            str(self.path),
-            batch_size=BATCH,
-            num_workers=WORKERS,
-            order=loader.OrderOption.RANDOM,
-            drop_last=False,
-            os_cache=True,
-            pipelines={
-                "image": [decoders.SimpleRGBImageDecoder(), transforms.ToTensor()],
-                "label": [decoders.IntDecoder(), transforms.ToTensor()],
-            },
-        )
+        result: Iterable[Any] = ffcv_loader(self.path, BATCH, WORKERS)
         return result
 
     def files(self) -> list[Path]:
@@ -481,30 +458,11 @@ def make_contenders(bench: BenchMount, paths: Sequence[Path], work: Path) -> lis
         contenders.append(LitData(litdata, paths, work, batch_decode=0))
     if webdataset:
         contenders.append(WebDataset(webdataset, paths, work))
-    ffcv = {
-        key: optional(f"ffcv.{name}")
-        for key, name in [
-            ("writer", "writer"),
-            ("fields", "fields"),
-            ("loader", "loader"),
-            ("decoders", "fields.decoders"),
-            ("transforms", "transforms"),
-        ]
-    }
-    modules = {key: module for key, module in ffcv.items() if module is not None}
-    if len(modules) == len(ffcv):
+    ffcv = ("writer", "fields", "loader", "fields.decoders", "transforms")
+    if all([optional(f"ffcv.{name}") for name in ffcv]):  # each one missing says so
         for mode in ("raw", "jpg"):
-            contenders.append(FFCV(modules, bench.config, uuids, mode, work))
+            contenders.append(FFCV(bench.config, uuids, mode, work))
     return contenders
-
-
-def optional(name: str) -> ModuleType | None:
-    """A peer's module if it imports here; else None, and the reason is printed."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        print(f"{name}: not installed here, left out ({exc})", flush=True)
-        return None
 
 
 def peer_versions() -> dict[str, str]:

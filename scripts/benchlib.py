@@ -10,6 +10,7 @@ a filled store and the same arrays packed in one file, all kept between runs.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Final
 
 import numpy as np
@@ -32,9 +34,12 @@ __all__ = [
     "VERSION",
     "WORK",
     "BenchMount",
+    "ffcv_loader",
+    "ffcv_write",
     "loader_corpus",
     "loader_originals",
     "mounted",
+    "optional",
 ]
 
 WORK: Final = Path(tempfile.gettempdir()) / "decodefs-bench"
@@ -230,3 +235,44 @@ def pack(bench: BenchMount, keys: list[str], size: int) -> Path:
         del out
         partial.rename(path)
     return path
+
+
+def ffcv_write(path: Path, dataset: Any, mode: str, size: int, workers: int) -> None:
+    """A .beton at ``path`` of ``dataset``'s (array, int) items, written by FFCV's
+    DatasetWriter: an "image" RGBImageField in ``mode`` ("raw" or "jpg") and a "label"."""
+    fields, writer = (importlib.import_module(f"ffcv.{name}") for name in ("fields", "writer"))
+    written = {
+        "image": fields.RGBImageField(write_mode=mode, max_resolution=size),
+        "label": fields.IntField(),
+    }
+    writer.DatasetWriter(str(path), written, num_workers=workers).from_indexed_dataset(dataset)
+
+
+def ffcv_loader(path: Path, batch: int, workers: int) -> Any:
+    """FFCV's Loader over ``ffcv_write``'s .beton, shuffled, as its docs show it: batches of
+    (uint8 images [N, H, W, 3], labels [N, 1]), read by ``workers`` threads."""
+    loader, decoders, transforms = (
+        importlib.import_module(f"ffcv.{name}")
+        for name in ("loader", "fields.decoders", "transforms")
+    )
+    return loader.Loader(
+        str(path),
+        batch_size=batch,
+        num_workers=workers,
+        order=loader.OrderOption.RANDOM,
+        drop_last=False,
+        os_cache=True,
+        pipelines={
+            "image": [decoders.SimpleRGBImageDecoder(), transforms.ToTensor()],
+            "label": [decoders.IntDecoder(), transforms.ToTensor()],
+        },
+    )
+
+
+def optional(name: str) -> ModuleType | None:
+    """A peer's module if it imports here; else None, and the reason is printed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        print(f"{name}: not installed here, left out ({exc})", flush=True)
+        return None
