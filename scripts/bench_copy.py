@@ -115,11 +115,12 @@ def main() -> None:
     for copy in contenders.values():  # every check passes once before the rounds
         copy(list(range(len(keys))))
     us: dict[tuple[str, str], list[float]] = {c: [] for c in contenders}
+    names = list(contenders)
     rng = np.random.default_rng(0)
     for _ in range(args.rounds):
         order = rng.permutation(len(keys)).tolist()
-        for k in rng.permutation(len(contenders)).tolist():
-            contender = list(contenders)[k]
+        for k in rng.permutation(len(names)).tolist():
+            contender = names[k]
             started = time.perf_counter()
             contenders[contender](order)
             us[contender].append((time.perf_counter() - started) / len(order) * 1e6)
